@@ -1,0 +1,51 @@
+"""The `lazarus` command: a thin dispatcher to each subcommand's module.
+
+Subcommands are imported lazily so that `lazarus status` does not pay for `import torch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from lazarus.errors import UserError
+
+# name -> (module, function, one-line help). Each function takes argv (list[str]) and returns
+# an exit code.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("lazarus.trainer.launch", "main", "train locally on this machine (like torchrun --standalone)"),
+    "worker": ("lazarus.trainer.worker", "main", "one trainer rank (launched by the agent)"),
+    "corpus": ("lazarus.trainer.data", "main", "build a token corpus from local text"),
+    "export": ("lazarus.trainer.export", "main", "export a checkpoint's weights as safetensors"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: lazarus COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "`lazarus COMMAND --help` describes each command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"lazarus: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except UserError as e:
+        print(f"lazarus {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

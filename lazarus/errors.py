@@ -1,0 +1,10 @@
+"""Typed errors. A UserError is a mistake in what a person gave us (flags, job file, checkpoint
+path): the CLI prints its message as one line and exits non-zero, never a traceback."""
+
+
+class UserError(ValueError):
+    """Bad input from a user: the message names the problem and how to fix it."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or corrupt."""
