@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "worker": ("lazarus.trainer.worker", "main", "one trainer rank (launched by the agent)"),
     "corpus": ("lazarus.trainer.data", "main", "build a token corpus from local text"),
     "export": ("lazarus.trainer.export", "main", "export a checkpoint's weights as safetensors"),
+    "up": ("lazarus.up", "main", "run a whole local cluster (etcd, daemon, agents) with faults"),
+    "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
+    "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
+    "submit": ("lazarus.submit", "main", "submit a job file to the daemon"),
 }
 
 

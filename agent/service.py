@@ -1,0 +1,310 @@
+"""`lazarus agent`: one per node. Registers the node under a lease, hosts the rendezvous store,
+keeps warm parked workers, runs the workers of the round it is assigned, and reports.
+
+The agent is level-triggered like the daemon: each pass reads run/status and the current
+round record and converges its workers on them (start the round's workers, or kill workers of
+a round that is over). It never decides membership; it obeys the round record.
+
+While etcd is unreachable the workers keep training: nothing here kills a worker because etcd
+is away. Checkpoint commits need etcd (they are fenced on the round), so none commit then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+from lazarus import etcd as E
+from lazarus import logs
+from lazarus.errors import UserError
+from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
+                             W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, Keys,
+                             NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
+from lazarus.agent.channel import Channel
+from lazarus.agent.workers import Workers
+
+log = logging.getLogger("lazarus.agent")
+
+# Node status carries the latest step; writing it more often than this would make every
+# node an etcd writer per step, which the design forbids at scale.
+STATUS_PERIOD_S = 1.0
+
+
+class Agent:
+    """`lease_ttl_s`: how long after this agent dies the daemon declares the node lost. Must be
+    longer than a stall of this process (GC, swap), or a live node gets evicted."""
+
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
+                 workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = 5,
+                 park: bool = True):
+        if role not in (ROLE_ACTIVE, ROLE_SPARE):
+            raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
+        if not node or "/" in node:
+            raise UserError(f"--node {node!r}: a node id is a non-empty name without '/'")
+        self.etcd, self.keys = etcd, keys
+        self.node, self.nproc, self.role, self.host = node, nproc, role, host
+        self.lease_ttl_s = lease_ttl_s
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        import torch.distributed as dist  # the agent hosts a round's store when it is first
+
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
+        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node}
+        self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
+        self.session: E.Session | None = None
+        self.wake = threading.Event()
+        self._lock = threading.Lock()       # guards the step fields the channel updates
+        self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+        self._current_round = 0             # round the daemon says is current (for fencing)
+        self._published_state: tuple | None = None
+        self._published_step = -1
+        self._published_at = 0.0
+        self._watch: E.Watch | None = None
+        self._etcd_down_since: float | None = None
+
+    # -- registration ------------------------------------------------------------------------
+    def register(self) -> None:
+        if self.session is not None and not self.session.lost.is_set():
+            return
+        self.session = E.Session(self.etcd, ttl_s=self.lease_ttl_s,
+                                 on_lost=self.wake.set)
+        rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
+                         store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
+                         gpu_backend="none")
+        self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
+        self._published_state = None  # the new lease has no status key yet
+        log.info("registered %s (%s, %d ranks, store port %d)", self.node, self.role,
+                 self.nproc, self.store.port)
+
+    # -- the worker channel ------------------------------------------------------------------
+    def _on_message(self, msg: dict) -> dict | None:
+        kind = msg.get("type")
+        if kind == "step":
+            with self._lock:
+                if msg.get("round") == self._group_round():
+                    st = self._step
+                    st["step"] = max(st["step"], int(msg.get("step", 0)))
+                    if msg.get("rank") == min(self._local_ranks(), default=0):
+                        st["loss"] = float(msg.get("loss", 0.0))
+                        dt = float(msg.get("step_time_s", 0.0))
+                        st["step_time_s"] = dt
+                        st["tokens_per_s"] = float(msg.get("tokens", 0)) / dt if dt > 0 else 0.0
+            return None
+        if kind == "may_commit":
+            return {"type": "may_commit", "ok": self._round_is_current(msg.get("round"))}
+        if kind == "committed":
+            self._register_checkpoint(msg)
+            return None
+        return None
+
+    def _group_round(self) -> int | None:
+        g = self.workers.group
+        return g.round if g is not None else None
+
+    def _local_ranks(self) -> list[int]:
+        g = self.workers.group
+        return list(g.ranks.values()) if g is not None else []
+
+    def _round_is_current(self, round_: object) -> bool:
+        """Fencing: a linearizable compare in etcd, not our possibly stale view."""
+        if not isinstance(round_, int):
+            return False
+        try:
+            return self.etcd.txn([E.value_is(self.keys.round, str(round_).encode())])
+        except E.EtcdUnavailable:
+            return False
+
+    def _register_checkpoint(self, msg: dict) -> None:
+        try:
+            rec = CheckpointRecord(step=int(msg["step"]), path=str(msg["path"]),
+                                   round=int(msg["round"]), committed_at=time.time())
+        except (KeyError, TypeError, ValueError):
+            log.warning("dropping malformed checkpoint report %r", msg)
+            return
+        try:
+            ok = self.etcd.txn([E.value_is(self.keys.round, str(rec.round).encode())],
+                               [E.put_op(self.keys.checkpoint_key(rec.step), rec.to_json())])
+        except E.EtcdUnavailable:
+            ok = False
+        if ok:
+            log.info("checkpoint step %d committed (round %d)", rec.step, rec.round)
+        else:
+            log.warning("checkpoint step %d of round %d not registered: round is stale or "
+                        "etcd is away", rec.step, rec.round)
+
+    # -- reconcile ---------------------------------------------------------------------------
+    def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
+        snap = self.etcd.snapshot([self.keys.status, self.keys.round])
+        status = rec = None
+        kv = snap.kvs.get(self.keys.status)
+        if kv is not None:
+            try:
+                status = RunStatus.from_json(kv.value, self.keys.status)
+            except RecordError as e:
+                log.warning("ignoring unreadable run status: %s", e)
+                return None, None
+        if status is not None and status.round:
+            kv = self.etcd.get(self.keys.round_key(status.round))
+            if kv is not None:
+                try:
+                    rec = RoundRecord.from_json(kv.value, kv.key)
+                except RecordError as e:
+                    log.warning("ignoring unreadable round record: %s", e)
+        return status, rec
+
+    def reconcile(self) -> None:
+        self.register()
+        status, rec = self._read_assignment()
+        mine = (status is not None and rec is not None and status.state in (RENDEZVOUS, RUNNING)
+                and rec.round == status.round and self.node in rec.members)
+        g = self.workers.group
+        if g is not None:
+            newer = status is not None and status.round != g.round
+            over = status is None or status.state not in (RENDEZVOUS, RUNNING)
+            if newer or (over and g.alive):
+                log.info("stopping round %d workers (%s)", g.round,
+                         f"round {status.round} is current" if newer else
+                         f"run is {status.state if status else 'gone'}")
+                self.workers.stop()
+        if mine and (self.workers.group is None or self.workers.group.round != rec.round):
+            self._launch(rec)
+        if self.workers.group is None or self._has_stepped():
+            # Refilling while a round starts would steal the CPU its workers need.
+            self.workers.refill()
+
+    def _has_stepped(self) -> bool:
+        with self._lock:
+            return self._step["step"] > 0
+
+    def _launch(self, rec: RoundRecord) -> None:
+        ranks = rec.ranks_of(self.node)
+        assignments = {
+            local: {"rank": rank, "world_size": rec.world_size, "local_rank": local,
+                    "round": rec.round, "store_host": rec.store_host,
+                    "store_port": rec.store_port, "train": rec.train, "restore": rec.restore,
+                    "report_socket": self.channel.path}
+            for local, rank in enumerate(ranks)}
+        with self._lock:
+            self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+        self.workers.launch(rec.round, assignments)
+        log.info("round %d: started ranks %s%s", rec.round, ranks,
+                 f", restoring step {rec.restore_step}" if rec.restore else "")
+
+    # -- status ------------------------------------------------------------------------------
+    def node_status(self) -> NodeStatus:
+        g = self.workers.group
+        with self._lock:
+            st = dict(self._step)
+        if g is None:
+            state = W_IDLE
+        elif g.failed:
+            state = W_FAILED
+        elif g.succeeded:
+            state = W_SUCCEEDED
+        else:
+            # "running" once a step was reported: a round is joined when training really goes.
+            state = W_RUNNING if st["step"] > 0 else W_STARTING
+        return NodeStatus(
+            node=self.node, round=g.round if g else 0, workers=state,
+            exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
+            failed_rank=g.failed_rank() if g else None, step=st["step"], loss=st["loss"],
+            step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
+            pids=g.pids() if g else [], parked=len(self.workers.parked),
+            updated_at=time.time(), fault_at=g.fault_at if g else 0.0)
+
+    def publish(self, *, force: bool = False) -> None:
+        """Write node status on a change of worker state at once, else at most once a period."""
+        status = self.node_status()
+        state = (status.workers, status.round, status.failed_rank)
+        now = time.time()
+        if not force and state == self._published_state and (
+                status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
+            return
+        assert self.session is not None
+        self.etcd.put(self.keys.nodestatus_key(self.node), status.to_json(),
+                      lease=self.session.lease)
+        self._published_state, self._published_step, self._published_at = state, status.step, now
+
+    # -- main loop ---------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        self.workers.refill()
+        rev = 0
+        while not stop.is_set() and not rev:
+            try:
+                self.register()
+                rev = self.etcd.snapshot([self.keys.root + "run/"]).revision
+            except E.EtcdUnavailable as e:
+                log.warning("waiting for etcd: %s", e)
+                stop.wait(1.0)
+        self._watch = self.etcd.watch_prefix(self.keys.root + "run/", start_revision=rev + 1,
+                                             on_events=lambda _e: self.wake.set(),
+                                             on_resync=lambda: self.etcd.snapshot(
+                                                 [self.keys.root]).revision + 1)
+        next_reconcile = 0.0
+        while not stop.is_set():
+            woke = self.wake.wait(0.1)
+            self.wake.clear()
+            exited = self.workers.poll()
+            now = time.monotonic()
+            try:
+                if woke or exited or now >= next_reconcile:
+                    self.reconcile()
+                    next_reconcile = now + 0.5
+                self.publish(force=exited)
+                if self._etcd_down_since is not None:
+                    log.info("etcd is back after %.1f s", time.time() - self._etcd_down_since)
+                    self._etcd_down_since = None
+            except E.EtcdUnavailable as e:
+                if self._etcd_down_since is None:
+                    self._etcd_down_since = time.time()
+                    log.warning("etcd unreachable (%s); workers keep training", e)
+                stop.wait(0.5)
+        self._watch.cancel()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+        self.channel.close()
+        if self.session is not None:
+            self.session.close()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lazarus agent", description=__doc__.splitlines()[0])
+    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"),
+                   help="etcd endpoint HOST:PORT (default %(default)s)")
+    p.add_argument("--root", default="/lazarus/v1/", help="key prefix in etcd")
+    p.add_argument("--node", default=socket.gethostname(), help="node id (default: hostname)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (worker processes) on this node")
+    p.add_argument("--role", default=ROLE_ACTIVE, help="active or spare")
+    p.add_argument("--host", default="127.0.0.1", help="address peers reach this node at")
+    p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
+                   help="sockets and worker logs")
+    p.add_argument("--lease-ttl", type=int, default=5, help="node lease TTL in seconds")
+    p.add_argument("--no-park", action="store_true", help="do not keep warm parked workers")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logs.setup(args.log_level, f"agent[{args.node}]")
+    if args.nproc < 1:
+        raise UserError("--nproc must be at least 1")
+    if args.lease_ttl < 2:
+        raise UserError("--lease-ttl must be at least 2 seconds")
+    etcd = E.Etcd(args.etcd)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent = Agent(etcd, Keys(args.root), node=args.node, nproc=args.nproc, role=args.role,
+                  workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
+                  park=not args.no_park)
+    try:
+        agent.run(stop)
+    finally:
+        etcd.close()
+    return 0

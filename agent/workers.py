@@ -1,0 +1,145 @@
+"""The agent's worker processes: a pool of parked warm workers, and the group of one round.
+
+A parked worker has already paid for process start and `import torch` + the trainer (1.5-4 s
+here, FACTS.md); it waits on stdin for one assignment line. Promotion (a spare joining, or
+a restart after a crash) hands assignments to parked workers, so a recovery costs a process
+group init and a checkpoint load, not a cold start. The pool refills right after.
+
+Every worker gets PR_SET_PDEATHSIG: when the agent dies (a node lost), its workers die too,
+as they would with the host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lazarus.embedded_etcd import die_with_parent
+
+log = logging.getLogger(__name__)
+
+PARK_CMD = [sys.executable, "-m", "lazarus.trainer.worker", "--park"]
+
+
+@dataclass(slots=True)
+class Group:
+    """The workers of one round on this node."""
+    round: int
+    procs: dict[int, subprocess.Popen]          # local rank -> process
+    ranks: dict[int, int]                       # local rank -> global rank
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    fault_at: float = 0.0
+    first_failure: int | None = None            # local rank that failed first: the culprit
+
+    @property
+    def alive(self) -> bool:
+        return len(self.exit_codes) < len(self.procs)
+
+    @property
+    def failed(self) -> bool:
+        return any(code != 0 for code in self.exit_codes.values())
+
+    @property
+    def succeeded(self) -> bool:
+        return not self.alive and not self.failed
+
+    def failed_rank(self) -> int | None:
+        return None if self.first_failure is None else self.ranks[self.first_failure]
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+
+class Workers:
+    """`nproc` is the number of ranks this node runs; `park` keeps that many warm workers."""
+
+    def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, park: bool = True):
+        self.nproc = nproc
+        self.env = env
+        self.log_dir = log_dir
+        self.park = park
+        self.parked: list[subprocess.Popen] = []
+        self.group: Group | None = None
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self) -> subprocess.Popen:
+        out = open(self.log_dir / f"worker-{time.time_ns()}.log", "ab")
+        try:
+            return subprocess.Popen(PARK_CMD, stdin=subprocess.PIPE, stdout=out,
+                                    stderr=subprocess.STDOUT, env=self.env,
+                                    preexec_fn=die_with_parent, start_new_session=False)
+        finally:
+            out.close()
+
+    def refill(self) -> None:
+        """Top the parked pool up to nproc (cheap: the imports happen in the children)."""
+        self.parked = [p for p in self.parked if p.poll() is None]
+        while self.park and len(self.parked) < self.nproc:
+            self.parked.append(self._spawn())
+
+    def launch(self, round_: int, assignments: dict[int, dict]) -> Group:
+        """Start the round's workers: `assignments` maps local rank -> WorkerAssignment dict."""
+        assert self.group is None or not self.group.alive, "stop the old round first"
+        procs, ranks = {}, {}
+        self.parked = [p for p in self.parked if p.poll() is None]
+        for local_rank, assignment in sorted(assignments.items()):
+            proc = self.parked.pop(0) if self.parked else self._spawn()
+            line = (json.dumps(assignment) + "\n").encode()
+            try:
+                proc.stdin.write(line)
+                proc.stdin.close()
+            except OSError:
+                # A parked worker that died while waiting: use a fresh one.
+                proc = self._spawn()
+                proc.stdin.write(line)
+                proc.stdin.close()
+            procs[local_rank] = proc
+            ranks[local_rank] = assignment["rank"]
+        self.group = Group(round=round_, procs=procs, ranks=ranks)
+        return self.group
+
+    def poll(self) -> bool:
+        """Collect exits of the current group; True when something changed."""
+        g = self.group
+        if g is None:
+            return False
+        changed = False
+        for local_rank, proc in g.procs.items():
+            if local_rank not in g.exit_codes and (code := proc.poll()) is not None:
+                g.exit_codes[local_rank] = code
+                changed = True
+                if code != 0 and g.first_failure is None:
+                    g.fault_at = time.time()
+                    g.first_failure = local_rank
+                    log.warning("round %d rank %d (pid %d) exited with %d", g.round,
+                                g.ranks[local_rank], proc.pid, code)
+        return changed
+
+    def stop(self) -> None:
+        """Kill the current group at once: its round is over and its state is in checkpoints."""
+        g = self.group
+        if g is None:
+            return
+        for proc in g.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in g.procs.values():
+            proc.wait()
+        self.group = None
+
+    def shutdown(self) -> None:
+        self.stop()
+        for proc in self.parked:
+            proc.kill()
+        for proc in self.parked:
+            proc.wait()
+        self.parked = []

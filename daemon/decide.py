@@ -1,0 +1,249 @@
+"""The controller's policy: `decide(now, view) -> Decision(actions, reason)`. Pure.
+
+Level-triggered: every call looks at the whole state and returns what would converge it, so
+acting twice on the same view is harmless (the executor's compare on run/status makes the
+second attempt a no-op) and a sequence of changes the loop never saw does not matter.
+The clock is an argument; nothing here reads etcd, the clock or the environment.
+
+Failure classes handled here (DESIGN.md's table):
+  worker crash    -> same members, new round, restore the last committed checkpoint
+  node lost       -> evict, promote a spare (else shrink to >= min_nodes), new round
+  rendezvous stuck-> members that did not join are treated as lost
+  node back/idle  -> joins at the next checkpoint committed in the current round (grow)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from lazarus.jobspec import JobSpec
+from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, ROLE_ACTIVE, RUNNING,
+                             SUCCEEDED, TERMINAL, W_FAILED, W_RUNNING, W_SUCCEEDED,
+                             CheckpointRecord, RoundRecord, RunStatus)
+from lazarus.daemon.view import ClusterView
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptJob:
+    job: JobSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SetStatus:
+    status: RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class StartRound:
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    kind: str
+    message: str
+    fields: dict = field(default_factory=dict)
+
+
+Action = AcceptJob | SetStatus | StartRound | Emit
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    actions: list
+    reason: str
+
+
+def decide(now: float, view: ClusterView) -> Decision:
+    st = view.status
+    sub = view.submitted
+    if sub is not None and (st is None or sub.id != st.job_id):
+        if st is not None and st.state not in TERMINAL:
+            return Decision([], f"job {sub.id} waits: run {st.job_id} is {st.state}")
+        status = RunStatus(job_id=sub.id, state=PENDING, since=now,
+                           reason=f"job {sub.name!r} ({sub.id}) accepted")
+        return Decision([AcceptJob(sub), SetStatus(status),
+                         Emit("job_accepted", status.reason, {"job": sub.name, "id": sub.id})],
+                        status.reason)
+    if st is None:
+        return Decision([], "no job submitted (lazarus submit JOB.toml)")
+    if st.state in TERMINAL:
+        return Decision([], f"run {st.state}: {st.reason}")
+    job = view.job
+    if job is None or job.id != st.job_id:
+        return Decision([], f"accepted job record of run {st.job_id} is missing or unreadable")
+    return _HANDLERS[st.state](now, view, job, st)
+
+
+# -- membership -------------------------------------------------------------------------------
+def _usable(view: ClusterView, job: JobSpec) -> list[str]:
+    """Nodes that may take work: registered, not cordoned, with enough ranks; actives first."""
+    ok = [n for n, rec in view.nodes.items()
+          if n not in view.cordoned and rec.nproc >= job.nproc_per_node]
+    return sorted(ok, key=lambda n: (view.nodes[n].role != ROLE_ACTIVE, n))
+
+
+def _choose(view: ClusterView, job: JobSpec, keep: list[str]) -> list[str]:
+    members = [n for n in keep if n in view.nodes and n not in view.cordoned][: job.nodes]
+    for n in _usable(view, job):
+        if len(members) >= job.nodes:
+            break
+        if n not in members:
+            members.append(n)
+    return members
+
+
+def _lost(view: ClusterView, st: RunStatus) -> list[str]:
+    return [n for n in st.members if n not in view.nodes]
+
+
+def _failed(view: ClusterView, st: RunStatus) -> list[str]:
+    return [n for n in st.members if (s := view.node_status.get(n)) is not None
+            and s.round == st.round and s.workers == W_FAILED]
+
+
+def _restore(view: ClusterView) -> CheckpointRecord | None:
+    good = [c for c in view.checkpoints if c.good]
+    return good[-1] if good else None
+
+
+# -- transitions ------------------------------------------------------------------------------
+def _start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
+                 members: list[str], reason: str, *, restarts: int) -> Decision:
+    n = max(st.round, view.last_round) + 1
+    first = view.nodes[members[0]]
+    ckpt = _restore(view)
+    train = job.train_config_for(len(members))
+    record = RoundRecord(
+        round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
+        world_size=job.world_size(len(members)), dp=train["dp"], tp=job.tp,
+        store_host=first.host, store_port=first.store_port,
+        restore=ckpt.path if ckpt else None, restore_step=ckpt.step if ckpt else 0,
+        train=train)
+    status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
+                                 reason=reason, restarts=restarts, restore=record.restore,
+                                 restore_step=record.restore_step)
+    msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size} "
+           f"(dp {record.dp} x tp {record.tp}), "
+           + (f"restoring step {ckpt.step}" if ckpt else "from scratch") + f" -- {reason}")
+    return Decision([StartRound(record), SetStatus(status),
+                     Emit("round_started", msg, {"members": members, "restore_step":
+                                                 record.restore_step})], msg)
+
+
+def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], reason: str,
+                   fault_at: float) -> Decision:
+    incident = {"kind": kind, "culprit": ",".join(culprits), "fault_at": fault_at,
+                "detected_at": now, "round": st.round}
+    status = dataclasses.replace(st, state=RECOVERING, since=now, reason=reason,
+                                 incident=incident)
+    return Decision([SetStatus(status), Emit("fault_detected", reason, incident)], reason)
+
+
+def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
+    lost = _lost(view, st)
+    if lost:
+        return _to_recovering(now, st, "node_lost", lost,
+                              f"node(s) {', '.join(lost)} lost (agent lease expired)", now)
+    failed = _failed(view, st)
+    if failed:
+        details = []
+        fault_at = now
+        for n in failed:
+            s = view.node_status[n]
+            fault_at = min(fault_at, s.fault_at or now)
+            details.append(f"{n} rank {s.failed_rank} exit {s.exit_codes}")
+        return _to_recovering(now, st, "worker_crash", failed,
+                              f"worker crash on {'; '.join(details)}", fault_at)
+    return None
+
+
+def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
+    members = _choose(view, job, [])
+    waited = now - st.since
+    if len(members) >= job.nodes or (len(members) >= job.min_nodes
+                                     and waited >= job.rendezvous_timeout_s):
+        return _start_round(now, view, job, st, members, "first round", restarts=st.restarts)
+    return Decision([], f"waiting for nodes: {len(members)} of {job.nodes} "
+                        f"(min {job.min_nodes}) after {waited:.0f} s")
+
+
+def _rendezvous(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
+    fault = _check_faults(now, view, st)
+    if fault is not None:
+        return fault
+    missing = [n for n in st.members if (s := view.node_status.get(n)) is None
+               or s.round != st.round or s.workers not in (W_RUNNING, W_SUCCEEDED)]
+    if not missing:
+        status = dataclasses.replace(st, state=RUNNING, since=now,
+                                     reason=f"round {st.round}: all {len(st.members)} node(s) "
+                                            "running")
+        return Decision([SetStatus(status), Emit("running", status.reason)], status.reason)
+    if now - st.since > job.rendezvous_timeout_s:
+        return _to_recovering(now, st, "rendezvous_timeout", missing,
+                              f"round {st.round}: {', '.join(missing)} did not start within "
+                              f"{job.rendezvous_timeout_s:.0f} s", now)
+    return Decision([], f"round {st.round}: waiting for {', '.join(missing)} to start")
+
+
+def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
+    fault = _check_faults(now, view, st)
+    if fault is not None:
+        return fault
+    statuses = [view.node_status.get(n) for n in st.members]
+    if all(s is not None and s.round == st.round and s.workers == W_SUCCEEDED
+           for s in statuses):
+        status = dataclasses.replace(st, state=SUCCEEDED, since=now, incident=None,
+                                     reason=f"all ranks finished in round {st.round}")
+        return Decision([SetStatus(status), Emit("succeeded", status.reason)], status.reason)
+    if st.incident is not None:
+        progressed = [s for s in statuses if s is not None and s.round == st.round
+                      and s.step > st.restore_step]
+        if progressed:
+            inc = st.incident
+            step = max(s.step for s in progressed)
+            fields = {**inc, "recovered_at": now, "first_step": step,
+                      "recovered_after_s": round(now - inc["fault_at"], 3),
+                      "detected_after_s": round(inc["detected_at"] - inc["fault_at"], 3)}
+            msg = (f"recovered from {inc['kind']} ({inc['culprit']}): step {step} done "
+                   f"{fields['recovered_after_s']:.1f} s after the fault")
+            status = dataclasses.replace(st, incident=None, reason=msg)
+            return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+    if len(st.members) < job.nodes:
+        spare = [n for n in _usable(view, job) if n not in st.members]
+        ckpt = _restore(view)
+        if spare and ckpt is not None and ckpt.round == st.round and ckpt.step > st.restore_step:
+            members = _choose(view, job, st.members)
+            return _start_round(now, view, job, st, members,
+                                f"grow to {len(members)} node(s) at checkpoint step "
+                                f"{ckpt.step} ({', '.join(m for m in members if m not in st.members)} "
+                                "joins)", restarts=st.restarts)
+    return Decision([], f"round {st.round} running on {len(st.members)} node(s)")
+
+
+def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
+    if st.restarts >= job.max_restarts:
+        status = dataclasses.replace(st, state=FAILED, since=now,
+                                     reason=f"gave up after {st.restarts} restarts "
+                                            f"(max_restarts); last fault: {st.reason}")
+        return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
+    members = _choose(view, job, st.members)
+    if len(members) >= job.min_nodes:
+        kept = [n for n in members if n in st.members]
+        added = [n for n in members if n not in st.members]
+        why = f"recovery {st.restarts + 1}: keep {', '.join(kept) or 'none'}" + (
+            f", promote {', '.join(added)}" if added else "") + (
+            f", shrink to {len(members)} of {job.nodes}" if len(members) < job.nodes else "")
+        return _start_round(now, view, job, st, members, why, restarts=st.restarts + 1)
+    waited = now - st.since
+    if waited > job.rendezvous_timeout_s:
+        status = dataclasses.replace(st, state=FAILED, since=now,
+                                     reason=f"only {len(members)} usable node(s), need "
+                                            f"{job.min_nodes}, after {waited:.0f} s")
+        return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
+    return Decision([], f"recovering: {len(members)} usable node(s), need {job.min_nodes}")
+
+
+_HANDLERS = {PENDING: _pending, RENDEZVOUS: _rendezvous, RUNNING: _running,
+             RECOVERING: _recovering}

@@ -1,0 +1,45 @@
+"""Carries out a Decision as ONE etcd transaction, fenced twice:
+
+- on the leader's epoch (create_revision of the leader key): a deposed leader writes nothing;
+- on run/status's mod revision as read in the snapshot: a decision taken on a stale view
+  (or the same decision applied twice) fails instead of acting again.
+"""
+
+from __future__ import annotations
+
+from lazarus import etcd as E
+from lazarus.records import EventRecord, Keys
+from lazarus.daemon.decide import AcceptJob, Decision, Emit, SetStatus, StartRound
+from lazarus.daemon.leader import Leadership
+from lazarus.daemon.view import ClusterView
+
+
+def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
+               writer: str) -> list:
+    ops = []
+    status = view.status
+    for i, action in enumerate(decision.actions):
+        if isinstance(action, AcceptJob):
+            ops.append(E.put_op(keys.accepted_job, action.job.to_json()))
+        elif isinstance(action, SetStatus):
+            status = action.status
+            ops.append(E.put_op(keys.status, status.to_json()))
+        elif isinstance(action, StartRound):
+            ops.append(E.put_op(keys.round_key(action.record.round), action.record.to_json()))
+            ops.append(E.put_op(keys.round, str(action.record.round).encode()))
+        elif isinstance(action, Emit):
+            ev = EventRecord(time=now, kind=action.kind, message=action.message,
+                             round=status.round if status else 0,
+                             state=status.state if status else "", fields=action.fields)
+            ops.append(E.put_op(keys.event_key(f"{writer}-{i}"), ev.to_json()))
+        else:
+            raise AssertionError(f"unknown action {action!r}")
+    return ops
+
+
+def apply(etcd: E.Etcd, keys: Keys, leadership: Leadership, decision: Decision,
+          view: ClusterView, *, now: float, writer: str) -> bool:
+    """True when the transaction committed."""
+    ops = operations(keys, decision, view, now=now, writer=writer)
+    compare = [leadership.fence(), E.mod_revision_is(keys.status, view.status_mod_revision)]
+    return etcd.txn(compare, ops)

@@ -1,0 +1,147 @@
+"""`lazarus daemon`: the reconcile loop around decide(), plus leader election.
+
+    observe (one snapshot at revision R) -> decide(now, view) -> apply (one fenced txn)
+
+A watch on our key root only wakes the loop; a periodic tick covers timeouts. The daemon holds
+no state that is not in etcd, so a standby that wins the election simply carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from lazarus import etcd as E
+from lazarus import logs
+from lazarus.records import Keys, writer_id
+from lazarus.daemon import executor
+from lazarus.daemon.decide import decide
+from lazarus.daemon.leader import Leadership
+from lazarus.daemon.view import parse
+
+log = logging.getLogger("lazarus.daemon")
+
+
+class Daemon:
+    """`tick_s` bounds how late a timeout is noticed; `lease_ttl_s` is how long a dead leader
+    blocks its standbys (the failover time)."""
+
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = 5, tick_s: float = 0.5):
+        self.etcd = etcd
+        self.keys = keys
+        self.tick_s = tick_s
+        self.writer = writer_id()
+        self.leadership = Leadership(etcd, keys, ttl_s=lease_ttl_s, identity={
+            "id": self.writer, "pid": os.getpid(), "host": socket.gethostname()})
+        self.wake = threading.Event()
+        self._last_reason = ""
+        self._ignored_logged: set[str] = set()
+        self._etcd_down_since: float | None = None
+        self._watch: E.Watch | None = None
+
+    def _prefixes(self) -> list[str]:
+        k = self.keys
+        # Everything the policy reads; events are write-only for the controller.
+        return [k.job, k.root + "run/", k.rounds, k.nodes, k.nodestatus, k.checkpoints, k.cordon]
+
+    def _start_watch(self) -> None:
+        def resync() -> int:
+            self.wake.set()
+            return E.retry(lambda: self.etcd.snapshot([self.keys.root]),
+                           deadline_s=3600).revision + 1
+
+        rev = E.retry(lambda: self.etcd.snapshot([self.keys.leader]), deadline_s=3600).revision
+        self._watch = self.etcd.watch_prefix(self.keys.root, start_revision=rev + 1,
+                                             on_events=lambda _evs: self.wake.set(),
+                                             on_resync=resync)
+
+    def step(self) -> None:
+        """One pass of the loop (also what tests call)."""
+        if not self.leadership.is_leader:
+            if not self.leadership.campaign():
+                return
+            self._last_reason = ""
+        view = parse(self.etcd.snapshot(self._prefixes()), self.keys)
+        for key, why in view.ignored.items():
+            if key not in self._ignored_logged:
+                self._ignored_logged.add(key)
+                log.warning("ignoring unreadable record %s: %s", key, why)
+        now = time.time()
+        decision = decide(now, view)
+        if decision.reason != self._last_reason:
+            log.info("%s", decision.reason)
+            self._last_reason = decision.reason
+        if not decision.actions:
+            return
+        if executor.apply(self.etcd, self.keys, self.leadership, decision, view, now=now,
+                          writer=self.writer):
+            self.wake.set()  # our own write changed the state: look again at once
+        elif self.leadership.check():
+            self.wake.set()  # the view was stale; a fresh one will tell
+
+    def run(self, stop: threading.Event) -> None:
+        self._start_watch()
+        backoff = E.Backoff(initial_s=0.1, max_s=2.0)
+        while not stop.is_set():
+            self.wake.wait(self.tick_s)
+            self.wake.clear()
+            try:
+                self.step()
+                if self._etcd_down_since is not None:
+                    log.info("etcd is back after %.1f s", time.time() - self._etcd_down_since)
+                    self._etcd_down_since = None
+                backoff.reset()
+            except E.EtcdUnavailable as e:
+                if self._etcd_down_since is None:
+                    self._etcd_down_since = time.time()
+                    log.warning("etcd unreachable (%s); the run goes on, retrying", e)
+                stop.wait(backoff.next())
+        if self._watch is not None:
+            self._watch.cancel()
+        self.leadership.resign()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lazarus daemon", description=__doc__.splitlines()[0])
+    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"),
+                   help="etcd endpoint HOST:PORT, or 'embedded' to start one (default %(default)s)")
+    p.add_argument("--root", default="/lazarus/v1/", help="key prefix in etcd")
+    p.add_argument("--job", help="submit this job file (TOML) at start")
+    p.add_argument("--lease-ttl", type=int, default=5, help="leader lease TTL in seconds")
+    p.add_argument("--data-dir", help="embedded etcd data directory")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logs.setup(args.log_level, "daemon")
+    from lazarus import jobspec
+    from lazarus.errors import UserError
+    if args.lease_ttl < 2:
+        raise UserError("--lease-ttl must be at least 2 seconds")
+    job = jobspec.load(args.job) if args.job else None
+    keys = Keys(args.root)
+
+    embedded = None
+    endpoint = args.etcd
+    if endpoint == "embedded":
+        from lazarus.embedded_etcd import EmbeddedEtcd
+        embedded = EmbeddedEtcd(args.data_dir).start()
+        endpoint = embedded.endpoint
+        log.info("embedded etcd at %s", endpoint)
+    etcd = E.Etcd(endpoint)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if job is not None:
+            E.retry(lambda: etcd.put(keys.job, job.to_json()), deadline_s=30)
+            log.info("submitted job %s (%s)", job.name, job.id)
+        Daemon(etcd, keys, lease_ttl_s=args.lease_ttl).run(stop)
+    finally:
+        etcd.close()
+        if embedded is not None:
+            embedded.cleanup()
+    return 0

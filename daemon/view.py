@@ -1,0 +1,70 @@
+"""What the controller sees: one consistent etcd snapshot, parsed into records.
+
+Parsing never fails as a whole: a record that is garbage is left out and named in `ignored`,
+so one bad key (typed by hand, written by another version) cannot stop the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lazarus import jobspec
+from lazarus.errors import UserError
+from lazarus.etcd import Snapshot
+from lazarus.records import (CheckpointRecord, Keys, NodeRecord, NodeStatus, RecordError,
+                             RoundRecord, RunStatus)
+
+
+@dataclass(slots=True)
+class ClusterView:
+    revision: int = 0
+    submitted: jobspec.JobSpec | None = None  # what `lazarus submit` wrote last
+    job: jobspec.JobSpec | None = None        # the job the run accepted (run/job)
+    status: RunStatus | None = None
+    status_mod_revision: int = 0
+    round: RoundRecord | None = None        # the record of status.round
+    last_round: int = 0                     # highest round number ever written
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    node_status: dict[str, NodeStatus] = field(default_factory=dict)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
+    cordoned: set[str] = field(default_factory=set)
+    ignored: dict[str, str] = field(default_factory=dict)  # key -> why it was ignored
+
+    def latest_checkpoint(self) -> CheckpointRecord | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def parse(snap: Snapshot, keys: Keys) -> ClusterView:
+    view = ClusterView(revision=snap.revision)
+    rounds: dict[int, RoundRecord] = {}
+    for key, kv in snap.kvs.items():
+        try:
+            if key == keys.job:
+                view.submitted = jobspec.JobSpec.from_json(kv.value)
+            elif key == keys.accepted_job:
+                view.job = jobspec.JobSpec.from_json(kv.value)
+            elif key == keys.status:
+                view.status = RunStatus.from_json(kv.value, key)
+                view.status_mod_revision = kv.mod_revision
+            elif key.startswith(keys.rounds):
+                rec = RoundRecord.from_json(kv.value, key)
+                rounds[rec.round] = rec
+            elif key.startswith(keys.nodes):
+                rec = NodeRecord.from_json(kv.value, key)
+                if rec.node != key[len(keys.nodes):]:
+                    raise RecordError(f"{key}: names node {rec.node!r}")
+                view.nodes[rec.node] = rec
+            elif key.startswith(keys.nodestatus):
+                rec = NodeStatus.from_json(kv.value, key)
+                view.node_status[rec.node] = rec
+            elif key.startswith(keys.checkpoints):
+                view.checkpoints.append(CheckpointRecord.from_json(kv.value, key))
+            elif key.startswith(keys.cordon):
+                view.cordoned.add(key[len(keys.cordon):])
+        except (RecordError, UserError, TypeError, KeyError) as e:
+            view.ignored[key] = str(e)
+    view.checkpoints.sort(key=lambda c: c.step)
+    view.last_round = max(rounds, default=0)
+    if view.status is not None:
+        view.round = rounds.get(view.status.round)
+    return view

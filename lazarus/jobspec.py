@@ -1,0 +1,138 @@
+"""A job: what to train ([train], the trainer's own config) and on how many nodes ([job]).
+
+    [job]
+    name = "demo"
+    nodes = 2              # active nodes wanted
+    min_nodes = 1          # below this the run waits for nodes (and fails after the timeout)
+    nproc_per_node = 2     # ranks per node; tp must divide it (TP stays inside a node)
+    max_restarts = 20      # recoveries before the run is declared FAILED
+    rendezvous_timeout_s = 60
+
+    [train]                # lazarus.trainer.config.TrainConfig; dp is derived from the nodes
+    model = "tiny"
+    tp = 1
+    steps = 100
+    ...
+
+The global batch is fixed by [train]; the data-parallel degree follows the number of live
+nodes, so every node count the run may shrink to must divide it (checked here, up front).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lazarus.errors import UserError
+
+_JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
+             "rendezvous_timeout_s", "id"}
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    name: str = "job"
+    nodes: int = 1
+    min_nodes: int = 1
+    nproc_per_node: int = 1
+    max_restarts: int = 20
+    rendezvous_timeout_s: float = 60.0
+    train: dict = field(default_factory=dict)
+    id: str = ""
+
+    def world_size(self, n_nodes: int) -> int:
+        return n_nodes * self.nproc_per_node
+
+    @property
+    def tp(self) -> int:
+        return int(self.train.get("tp", 1))
+
+    def train_config_for(self, n_nodes: int) -> dict:
+        """The [train] table with dp set for a round of `n_nodes` nodes."""
+        return {**self.train, "dp": self.world_size(n_nodes) // self.tp}
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "JobSpec":
+        return from_dict(json.loads(raw), source="etcd job record")
+
+
+def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{source}: [job] {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def from_dict(doc: dict, *, source: str) -> JobSpec:
+    if not isinstance(doc, dict):
+        raise UserError(f"{source}: expected a table with [job] and [train]")
+    unknown_tables = set(doc) - {"job", "train", "id", "name", "nodes", "min_nodes",
+                                 "nproc_per_node", "max_restarts", "rendezvous_timeout_s"}
+    if unknown_tables:
+        raise UserError(f"{source}: unknown table(s) {sorted(unknown_tables)}; "
+                        "a job file has [job] and [train]")
+    # to_json writes a flat record (asdict); a TOML file nests [job].
+    job = doc.get("job", {k: v for k, v in doc.items() if k in _JOB_KEYS})
+    train = doc.get("train", {})
+    if not isinstance(job, dict) or not isinstance(train, dict):
+        raise UserError(f"{source}: [job] and [train] must be tables")
+    unknown = set(job) - _JOB_KEYS
+    if unknown:
+        raise UserError(f"{source}: unknown key(s) in [job]: {sorted(unknown)}")
+    name = job.get("name", "job")
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{source}: [job] name must be a non-empty string")
+    nodes = _int(job, "nodes", 1, minimum=1, source=source)
+    min_nodes = _int(job, "min_nodes", nodes, minimum=1, source=source)
+    if min_nodes > nodes:
+        raise UserError(f"{source}: [job] min_nodes ({min_nodes}) is more than nodes ({nodes})")
+    timeout = job.get("rendezvous_timeout_s", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise UserError(f"{source}: [job] rendezvous_timeout_s must be a positive number")
+    spec = JobSpec(
+        name=name, nodes=nodes, min_nodes=min_nodes,
+        nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source),
+        max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
+        rendezvous_timeout_s=float(timeout), train=dict(train),
+        id=str(job.get("id") or uuid.uuid4().hex[:12]))
+    validate_sizes(spec, source=source)
+    return spec
+
+
+def validate_sizes(spec: JobSpec, *, source: str) -> None:
+    """Every node count from min_nodes to nodes must give a valid trainer config."""
+    from lazarus.trainer.config import TrainConfig  # light: no torch import
+
+    if "dp" in spec.train:
+        raise UserError(f"{source}: [train] dp is derived from the node count; remove it")
+    tp = spec.tp
+    if isinstance(tp, bool) or not isinstance(spec.train.get("tp", 1), int) or tp < 1:
+        raise UserError(f"{source}: [train] tp must be a positive integer")
+    if spec.nproc_per_node % tp:
+        raise UserError(f"{source}: tp={tp} must divide nproc_per_node={spec.nproc_per_node} "
+                        "(tensor parallelism stays inside a node)")
+    for n in range(spec.min_nodes, spec.nodes + 1):
+        try:
+            TrainConfig.from_dict(spec.train_config_for(n))
+        except UserError as e:
+            raise UserError(f"{source}: with {n} node(s) (dp={spec.world_size(n) // tp}): {e}")
+
+
+def load(path: str | Path) -> JobSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"job file {str(p)!r} does not exist")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"job file {str(p)!r} is not valid TOML: {e}")
+    except UnicodeDecodeError:
+        raise UserError(f"job file {str(p)!r} is not UTF-8 text")
+    return from_dict(doc, source=f"job file {str(p)!r}")

@@ -1,0 +1,186 @@
+"""A whole Lazarus cluster on this machine: embedded etcd, daemons, agents as simulated nodes.
+
+Every part is a real process talking over real sockets; each node is an agent process with its
+own ranks (gloo on CPU). Used by `lazarus up` and by the end-to-end tests, which stop parts by
+pid to inject faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lazarus import etcd as E
+from lazarus.embedded_etcd import EmbeddedEtcd, die_with_parent
+from lazarus.jobspec import JobSpec
+from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
+                             RunStatus)
+
+
+@dataclass(slots=True)
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass(slots=True)
+class ClusterState:
+    status: RunStatus | None = None
+    leader_pid: int | None = None
+    node_status: dict[str, NodeStatus] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+
+
+class LocalCluster:
+    """`lease_ttl_s` applies to agents and daemons: it is the node-loss detection time and the
+    leader failover time of this cluster."""
+
+    def __init__(self, workdir: Path, *, lease_ttl_s: int = 3, log_level: str = "INFO"):
+        self.workdir = workdir
+        self.lease_ttl_s = lease_ttl_s
+        self.log_level = log_level
+        self.keys = Keys()
+        self.etcd_server: EmbeddedEtcd | None = None
+        self.etcd: E.Etcd | None = None
+        self.daemons: list[Proc] = []
+        self.agents: dict[str, Proc] = {}
+        self._events_seen: set[str] = set()
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def endpoint(self) -> str:
+        assert self.etcd_server is not None
+        return self.etcd_server.endpoint
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log = self.workdir / f"{name}.log"
+        out = open(log, "ab")
+        try:
+            popen = subprocess.Popen([sys.executable, "-m", "lazarus.cli", *args],
+                                     stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        finally:
+            out.close()
+        return Proc(name=name, popen=popen, log=log)
+
+    def start_etcd(self) -> None:
+        self.etcd_server = EmbeddedEtcd(self.workdir / "etcd").start()
+        self.etcd = E.Etcd(self.endpoint)
+
+    def start_daemon(self) -> Proc:
+        proc = self._spawn(f"daemon-{len(self.daemons)}",
+                           ["daemon", "--etcd", self.endpoint, "--lease-ttl",
+                            str(self.lease_ttl_s), "--log-level", self.log_level])
+        self.daemons.append(proc)
+        return proc
+
+    def start_agent(self, node: str, *, nproc: int, role: str) -> Proc:
+        proc = self._spawn(f"agent-{node}",
+                           ["agent", "--etcd", self.endpoint, "--node", node, "--nproc",
+                            str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
+                            "--lease-ttl", str(self.lease_ttl_s), "--log-level",
+                            self.log_level])
+        self.agents[node] = proc
+        return proc
+
+    def submit(self, job: JobSpec) -> None:
+        assert self.etcd is not None
+        E.retry(lambda: self.etcd.put(self.keys.job, job.to_json()), deadline_s=30)
+
+    # -- observing -----------------------------------------------------------------------------
+    def state(self) -> ClusterState:
+        assert self.etcd is not None
+        snap = self.etcd.snapshot([self.keys.status, self.keys.leader, self.keys.nodes,
+                                   self.keys.nodestatus, self.keys.checkpoints])
+        st = ClusterState()
+        for key, kv in snap.kvs.items():
+            try:
+                if key == self.keys.status:
+                    st.status = RunStatus.from_json(kv.value)
+                elif key == self.keys.leader:
+                    st.leader_pid = json.loads(kv.value).get("pid")
+                elif key.startswith(self.keys.nodestatus):
+                    ns = NodeStatus.from_json(kv.value)
+                    st.node_status[ns.node] = ns
+                elif key.startswith(self.keys.nodes):
+                    st.nodes.append(key[len(self.keys.nodes):])
+                elif key.startswith(self.keys.checkpoints):
+                    st.checkpoints.append(CheckpointRecord.from_json(kv.value))
+            except (RecordError, ValueError, AttributeError):
+                continue
+        return st
+
+    def new_events(self) -> list[EventRecord]:
+        """Events not returned before, oldest first."""
+        assert self.etcd is not None
+        out = []
+        for key, kv in sorted(self.etcd.get_prefix(self.keys.events).kvs.items()):
+            if key in self._events_seen:
+                continue
+            self._events_seen.add(key)
+            try:
+                out.append(EventRecord.from_json(kv.value))
+            except RecordError:
+                continue
+        return out
+
+    # -- faults --------------------------------------------------------------------------------
+    def kill_worker(self, node: str) -> str:
+        st = self.state().node_status.get(node)
+        if st is None or not st.pids:
+            raise RuntimeError(f"node {node} runs no workers")
+        pid = st.pids[-1]
+        os.kill(pid, signal.SIGKILL)
+        return f"{node} pid {pid}"
+
+    def kill_node(self, node: str) -> str:
+        proc = self.agents[node]
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait()
+        return node
+
+    def kill_daemon(self) -> str:
+        pid = self.state().leader_pid
+        for proc in self.daemons:
+            if proc.popen.pid == pid and proc.alive:
+                proc.popen.send_signal(signal.SIGKILL)
+                proc.popen.wait()
+                return f"daemon pid {pid}"
+        raise RuntimeError("no live leading daemon found")
+
+    def stop(self) -> None:
+        procs = [*self.agents.values(), *self.daemons]
+        for proc in procs:
+            if proc.alive:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        if self.etcd is not None:
+            self.etcd.close()
+            self.etcd = None
+        if self.etcd_server is not None:
+            self.etcd_server.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,30 @@
+"""`lazarus submit JOB.toml`: validate a job file and hand it to the daemon through etcd."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from lazarus import etcd as E
+from lazarus import jobspec
+from lazarus.records import Keys
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lazarus submit", description=__doc__)
+    p.add_argument("job", help="job file (TOML with [job] and [train])")
+    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
+    p.add_argument("--root", default="/lazarus/v1/")
+    args = p.parse_args(argv)
+    spec = jobspec.load(args.job)  # every check before anything is written
+    etcd = E.Etcd(args.etcd)
+    try:
+        etcd.put(Keys(args.root).job, spec.to_json())
+    except E.EtcdUnavailable as e:
+        print(f"lazarus submit: error: {e}")
+        return 1
+    finally:
+        etcd.close()
+    print(f"submitted job {spec.name!r} ({spec.id}): {spec.nodes} node(s) x "
+          f"{spec.nproc_per_node} rank(s), min {spec.min_nodes}")
+    return 0

@@ -1,0 +1,262 @@
+"""`lazarus up`: a whole local cluster -- embedded etcd, a leader daemon and a standby, N agents
+as simulated nodes plus K warm spares -- runs a tiny job, injects faults on a schedule, shows
+progress and recoveries live, and ends with a summary (printed, and as JSON with --summary).
+
+With no options it is the demo: 2 nodes + 1 spare, a worker crash and a node loss, both
+recovered from the last checkpoint with no human in the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from lazarus import chaos, jobspec
+from lazarus.errors import UserError
+from lazarus.localcluster import LocalCluster
+from lazarus.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
+
+DEMO_CHAOS = "kill-worker@12,kill-node@30"
+
+
+class MetricsTail:
+    """Follows the rank-0 metrics file; remembers when each step line was first seen."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self.latest: dict | None = None
+        self.seen: list[tuple[float, dict]] = []  # (arrival wall time, record)
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if not complete:
+            return []
+        self._offset += len(complete) + 1
+        now = time.time()
+        out = []
+        for line in complete.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            out.append(rec)
+            self.seen.append((now, rec))
+            self.latest = rec
+        return out
+
+    def first_step_after(self, t: float) -> tuple[float, dict] | None:
+        return next(((at, rec) for at, rec in self.seen if at > t), None)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lazarus up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=2, help="active nodes (default %(default)s)")
+    p.add_argument("--min-nodes", type=int, default=None,
+                   help="smallest node count the run may shrink to (default: nodes - 1, >= 1)")
+    p.add_argument("--spares", type=int, default=1, help="warm spare nodes (default %(default)s)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides nproc)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree; must equal nodes x nproc / tp (derived if omitted)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--chaos", default=None,
+                   help=f"fault schedule, e.g. {DEMO_CHAOS!r}; 'none' for no faults "
+                        f"(default: the demo's {DEMO_CHAOS!r})")
+    p.add_argument("--metrics", type=Path, help="per-step JSON lines (rank 0)")
+    p.add_argument("--summary", type=Path, help="write the summary JSON here")
+    p.add_argument("--workdir", type=Path, help="logs, checkpoints, etcd data (default: a temp dir)")
+    p.add_argument("--lease-ttl", type=int, default=3, help="agent and daemon lease TTL, s")
+    p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
+    p.add_argument("--quiet", action="store_true", help="only events and the summary")
+    return p.parse_args(argv)
+
+
+def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobSpec:
+    for name in ("nodes", "nproc_per_node", "tp", "steps", "global_batch", "seq_len"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.spares < 0:
+        raise UserError("--spares must not be negative")
+    if args.lease_ttl < 2:
+        raise UserError("--lease-ttl must be at least 2 seconds")
+    world = args.nodes * args.nproc_per_node
+    if args.dp is not None and args.dp * args.tp != world:
+        raise UserError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but "
+                        f"{args.nodes} node(s) x {args.nproc_per_node} = {world} ranks")
+    min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
+    doc = {"job": {"name": "lazarus-up", "nodes": args.nodes, "min_nodes": min_nodes,
+                   "nproc_per_node": args.nproc_per_node, "rendezvous_timeout_s": 120},
+           "train": {"model": args.model, "tp": args.tp, "steps": args.steps,
+                     "global_batch": args.global_batch, "seq_len": args.seq_len,
+                     "ckpt_dir": str(workdir / "checkpoints"), "ckpt_every": args.ckpt_every,
+                     "metrics": str(metrics), "warmup_steps": min(10, args.steps)}}
+    return jobspec.from_dict(doc, source="lazarus up")
+
+
+def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
+    st = cluster.state()
+    members = st.status.members if st.status else []
+    if fault.kind == "kill-daemon":
+        return None
+    node = fault.target or (members[-1] if members else None)
+    if node is None or node not in cluster.agents:
+        raise UserError(f"--chaos {fault.kind}@{fault.step}: no node {node!r} to hit")
+    return node
+
+
+def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
+    node = _target(cluster, fault)
+    fault.fired_at, fault.fired_step = time.time(), step
+    if fault.kind == "kill-worker":
+        fault.hit = cluster.kill_worker(node)
+    elif fault.kind == "kill-node":
+        fault.hit = cluster.kill_node(node)
+    else:
+        fault.hit = cluster.kill_daemon()
+        cluster.start_daemon()  # a new standby, so the next leader death is covered too
+
+
+def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
+                leader_changes: list[tuple[float, int]]) -> list[dict]:
+    out = []
+    for f in faults:
+        if f.fired_at is None:
+            continue
+        rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
+               "detected_after_s": None, "recovered_after_s": None, "culprit": None}
+        if f.kind == "kill-daemon":
+            new = next((t for t, _pid in leader_changes if t > f.fired_at), None)
+            if new is not None:
+                rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
+                rec["culprit"] = f.hit
+        else:
+            det = next((e for e in events if e.kind == "fault_detected"
+                        and e.time >= f.fired_at - 0.5), None)
+            if det is not None:
+                rec["detected_after_s"] = round(max(0.0, det.time - f.fired_at), 3)
+                rec["culprit"] = det.fields.get("culprit")
+                rec["detected_as"] = det.fields.get("kind")
+                restart = next((e for e in events if e.kind == "round_started"
+                                and e.time >= det.time), None)
+                nxt = tail.first_step_after(restart.time) if restart is not None else None
+                if nxt is not None:
+                    rec["recovered_after_s"] = round(nxt[0] - f.fired_at, 3)
+                    rec["resumed_at_step"] = nxt[1].get("step")
+        out.append(rec)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    schedule = chaos.parse_schedule(DEMO_CHAOS if args.chaos is None else
+                                    ("" if args.chaos == "none" else args.chaos))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lazarus-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = (args.metrics or workdir / "metrics.jsonl").resolve()
+    if metrics.exists():
+        metrics.unlink()  # this run's story only
+    job = _job(args, workdir, metrics)
+    say = print
+    say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
+        f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
+    if schedule:
+        say("chaos: " + ", ".join(f"{f.kind}@{f.step}" + (f":{f.target}" if f.target else "")
+                                  for f in schedule))
+    from lazarus.trainer.data import ensure_corpus
+    ensure_corpus()  # build once here, not in every rank of the first round
+
+    tail = MetricsTail(metrics)
+    events: list = []
+    leader_changes: list[tuple[float, int]] = []
+    started = time.time()
+    with LocalCluster(workdir, lease_ttl_s=args.lease_ttl) as cluster:
+        cluster.start_etcd()
+        cluster.start_daemon()
+        cluster.start_daemon()
+        for i in range(args.nodes + args.spares):
+            cluster.start_agent(f"n{i}", nproc=args.nproc_per_node,
+                                role=ROLE_ACTIVE if i < args.nodes else ROLE_SPARE)
+        cluster.submit(job)
+        pending = list(schedule)
+        last_print = 0.0
+        leader = None
+        state = None
+        while time.time() - started < args.timeout:
+            time.sleep(0.05)
+            tail.poll()
+            st = cluster.state()
+            if st.leader_pid and st.leader_pid != leader:
+                if leader is not None:
+                    leader_changes.append((time.time(), st.leader_pid))
+                    say(f"  ! leader is now daemon pid {st.leader_pid}")
+                leader = st.leader_pid
+            for ev in cluster.new_events():
+                events.append(ev)
+                say(f"  [{ev.kind}] {ev.message}")
+            step = tail.latest["step"] if tail.latest else 0
+            state = st.status.state if st.status else "PENDING"
+            if (pending and step >= pending[0].step and state == "RUNNING"
+                    and (st.status.incident is None)):
+                fault = pending.pop(0)
+                _inject(cluster, fault, step)
+                say(f"  >> injected {fault.kind} at step {step}: {fault.hit}")
+            if not args.quiet and time.time() - last_print >= 1.0 and tail.latest:
+                last_print = time.time()
+                m = tail.latest
+                say(f"step {m['step']:>5}/{args.steps}  loss {m['loss']:.4f}  "
+                    f"{m.get('tokens', 0) / max(m.get('step_time_s', 1e-9), 1e-9):>8.0f} tok/s  "
+                    f"| {state} round {st.status.round if st.status else 0} "
+                    f"members {','.join(st.status.members) if st.status else '-'}")
+            if st.status is not None and st.status.state in TERMINAL:
+                break
+        else:
+            state = "TIMEOUT"
+        for ev in cluster.new_events():
+            events.append(ev)
+            say(f"  [{ev.kind}] {ev.message}")
+        tail.poll()
+    steps = max((rec["step"] for _, rec in tail.seen), default=0)
+    summary = {
+        "final_state": state,
+        "steps_completed": steps,
+        "wall_time_s": round(time.time() - started, 2),
+        "faults": [f.as_dict() for f in schedule],
+        "recoveries": _recoveries(schedule, events, tail, leader_changes),
+        "final_loss": tail.latest["loss"] if tail.latest else None,
+        "workdir": str(workdir),
+        "metrics": str(metrics),
+    }
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
+          f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
+    if summary["recoveries"]:
+        print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  culprit")
+        for r in summary["recoveries"]:
+            det = "-" if r["detected_after_s"] is None else f"{r['detected_after_s']:.2f} s"
+            rec = "-" if r["recovered_after_s"] is None else f"{r['recovered_after_s']:.2f} s"
+            print(f"{r['kind']:<12} {r['fault_step'] or '-':>7} {str(r['target']):<16} "
+                  f"{det:>9} {rec:>10}  {r['culprit'] or '-'}")
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    summary = run(args)
+    print_summary(summary)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["final_state"] == "SUCCEEDED" else 1
