@@ -1,0 +1,233 @@
+"""Table-driven tests of the controller policy: preload a view, call decide(), assert actions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazarus import jobspec
+from lazarus.daemon.decide import AcceptJob, Emit, SetStatus, StartRound, decide
+from lazarus.daemon.view import ClusterView
+from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
+                             CheckpointRecord, NodeRecord, NodeStatus, RoundRecord, RunStatus)
+
+NOW = 1000.0
+
+
+def job(**kw) -> jobspec.JobSpec:
+    j = {"name": "t", "nodes": 2, "min_nodes": 1, "nproc_per_node": 2, "id": "J",
+         "rendezvous_timeout_s": 30, "max_restarts": 3, **kw}
+    return jobspec.from_dict({"job": j, "train": {"model": "tiny", "global_batch": 8,
+                                                  "steps": 10}}, source="test")
+
+
+def node(name, role="active", nproc=2):
+    return NodeRecord(node=name, host="127.0.0.1", nproc=nproc, role=role, store_port=1000)
+
+
+def view(*, status=None, nodes=("a", "b"), spares=(), node_status=(), ckpts=(), cordoned=(),
+         j=None, submitted=None) -> ClusterView:
+    j = j or job()
+    v = ClusterView(revision=10, submitted=submitted or j, job=j, status=status,
+                    status_mod_revision=5 if status else 0)
+    v.nodes = {n: node(n) for n in nodes} | {n: node(n, "spare") for n in spares}
+    v.node_status = {s.node: s for s in node_status}
+    v.checkpoints = sorted(ckpts, key=lambda c: c.step)
+    v.cordoned = set(cordoned)
+    v.last_round = status.round if status else 0
+    return v
+
+
+def status(state, *, round=1, members=("a", "b"), since=NOW - 1, **kw) -> RunStatus:
+    return RunStatus(job_id="J", state=state, round=round, members=list(members), since=since,
+                     **kw)
+
+
+def ns(name, workers, *, round=1, step=0, **kw) -> NodeStatus:
+    return NodeStatus(node=name, round=round, workers=workers, step=step, **kw)
+
+
+def kinds(actions):
+    return [type(a).__name__ + (f":{a.kind}" if isinstance(a, Emit) else "") for a in actions]
+
+
+def only(actions, cls):
+    found = [a for a in actions if isinstance(a, cls)]
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def test_new_job_is_accepted_into_pending():
+    d = decide(NOW, view(status=None))
+    assert kinds(d.actions) == ["AcceptJob", "SetStatus", "Emit:job_accepted"]
+    assert only(d.actions, SetStatus).status.state == PENDING
+    assert only(d.actions, AcceptJob).job.id == "J"
+
+
+def test_second_job_waits_while_a_run_is_active():
+    other = dataclasses.replace(job(), id="K")
+    d = decide(NOW, view(status=status(RUNNING), submitted=other))
+    assert d.actions == [] and "waits" in d.reason
+
+
+def test_new_job_replaces_a_finished_run():
+    other = dataclasses.replace(job(), id="K")
+    d = decide(NOW, view(status=status(SUCCEEDED), submitted=other))
+    assert only(d.actions, AcceptJob).job.id == "K"
+
+
+@pytest.mark.parametrize("nodes, spares, waited, expect_members", [
+    (("a", "b"), (), 1, ["a", "b"]),          # enough nodes: start at once
+    (("a",), (), 1, None),                    # too few, timeout not reached: wait
+    (("a",), (), 31, ["a"]),                  # too few but >= min after the timeout: start
+    (("a",), ("s",), 1, ["a", "s"]),          # a spare fills in for a missing active
+    (("b", "a", "c"), (), 1, ["a", "b"]),     # more than needed: sorted, the rest stay idle
+])
+def test_pending_starts_the_first_round(nodes, spares, waited, expect_members):
+    st = RunStatus(job_id="J", state=PENDING, since=NOW - waited)
+    d = decide(NOW, view(status=st, nodes=nodes, spares=spares))
+    if expect_members is None:
+        assert d.actions == [] and "waiting for nodes" in d.reason
+        return
+    rec = only(d.actions, StartRound).record
+    assert rec.members == expect_members and rec.round == 1
+    assert rec.world_size == 2 * len(expect_members) and rec.dp == rec.world_size
+    assert rec.restore is None
+    assert only(d.actions, SetStatus).status.state == RENDEZVOUS
+
+
+def test_rendezvous_becomes_running_when_every_member_steps():
+    v = view(status=status(RENDEZVOUS), node_status=[ns("a", "running", step=1),
+                                                      ns("b", "starting")])
+    assert decide(NOW, v).actions == []
+    v.node_status["b"] = ns("b", "running", step=1)
+    d = decide(NOW, v)
+    assert only(d.actions, SetStatus).status.state == RUNNING
+
+
+def test_status_of_an_older_round_does_not_count():
+    v = view(status=status(RENDEZVOUS, round=2), node_status=[ns("a", "running", round=1, step=9),
+                                                               ns("b", "running", round=2, step=3)])
+    assert decide(NOW, v).actions == []
+
+
+def test_worker_crash_keeps_the_members_and_restores_the_last_checkpoint():
+    ck = [CheckpointRecord(step=5, path="/c/5", round=1), CheckpointRecord(step=10, path="/c/10",
+                                                                           round=1)]
+    v = view(status=status(RUNNING), ckpts=ck,
+             node_status=[ns("a", "running", step=12),
+                          ns("b", "failed", failed_rank=3, exit_codes={"1": -9}, fault_at=NOW - 0.2)])
+    d = decide(NOW, v)
+    st = only(d.actions, SetStatus).status
+    assert st.state == RECOVERING and st.incident["kind"] == "worker_crash"
+    assert st.incident["culprit"] == "b" and st.incident["fault_at"] == NOW - 0.2
+    # next pass: same members, new round, restore step 10
+    v2 = view(status=st, ckpts=ck, node_status=v.node_status.values())
+    d2 = decide(NOW + 0.1, v2)
+    rec = only(d2.actions, StartRound).record
+    assert rec.members == ["a", "b"] and rec.round == 2
+    assert (rec.restore, rec.restore_step) == ("/c/10", 10)
+    assert only(d2.actions, SetStatus).status.restarts == 1
+
+
+def test_lost_node_is_replaced_by_a_spare():
+    st = status(RUNNING)
+    v = view(status=st, nodes=("a",), spares=("s",))
+    d = decide(NOW, v)
+    st2 = only(d.actions, SetStatus).status
+    assert st2.state == RECOVERING and st2.incident["kind"] == "node_lost"
+    assert st2.incident["culprit"] == "b"
+    rec = only(decide(NOW, view(status=st2, nodes=("a",), spares=("s",))).actions,
+               StartRound).record
+    assert rec.members == ["a", "s"]
+
+
+def test_no_spare_shrinks_to_min_nodes_with_the_same_global_batch():
+    st = dataclasses.replace(status(RUNNING), state=RECOVERING)
+    rec = only(decide(NOW, view(status=st, nodes=("a",))).actions, StartRound).record
+    assert rec.members == ["a"] and rec.dp == 2 and rec.train["global_batch"] == 8
+
+
+def test_below_min_nodes_waits_then_fails():
+    j = job(min_nodes=2)
+    st = dataclasses.replace(status(RUNNING), state=RECOVERING, since=NOW - 5)
+    d = decide(NOW, view(status=st, nodes=("a",), j=j))
+    assert d.actions == [] and "need 2" in d.reason
+    st = dataclasses.replace(st, since=NOW - 31)
+    d = decide(NOW, view(status=st, nodes=("a",), j=j))
+    assert only(d.actions, SetStatus).status.state == FAILED
+
+
+def test_max_restarts_fails_the_run():
+    st = dataclasses.replace(status(RECOVERING), restarts=3)
+    assert only(decide(NOW, view(status=st)).actions, SetStatus).status.state == FAILED
+
+
+def test_cordoned_node_is_not_chosen():
+    st = RunStatus(job_id="J", state=PENDING, since=NOW)
+    rec = only(decide(NOW, view(status=st, nodes=("a", "b", "c"), cordoned=("a",))).actions,
+               StartRound).record
+    assert rec.members == ["b", "c"]
+
+
+def test_node_with_too_few_ranks_is_not_chosen():
+    st = RunStatus(job_id="J", state=PENDING, since=NOW)
+    v = view(status=st, nodes=("a", "b", "c"))
+    v.nodes["a"] = node("a", nproc=1)
+    assert only(decide(NOW, v).actions, StartRound).record.members == ["b", "c"]
+
+
+def test_recovered_event_after_the_first_new_step():
+    inc = {"kind": "worker_crash", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
+           "round": 1}
+    st = status(RUNNING, round=2, incident=inc, restore_step=10)
+    v = view(status=st, node_status=[ns("a", "running", round=2, step=10),
+                                     ns("b", "running", round=2, step=10)])
+    assert decide(NOW, v).actions == []
+    v.node_status["a"] = ns("a", "running", round=2, step=11)
+    d = decide(NOW, v)
+    ev = only(d.actions, Emit)
+    assert ev.kind == "recovered" and ev.fields["recovered_after_s"] == 3.0
+    assert only(d.actions, SetStatus).status.incident is None
+
+
+def test_all_members_succeeded_ends_the_run():
+    v = view(status=status(RUNNING), node_status=[ns("a", "succeeded", step=10),
+                                                  ns("b", "succeeded", step=10)])
+    assert only(decide(NOW, v).actions, SetStatus).status.state == SUCCEEDED
+
+
+def test_returning_node_joins_at_the_next_checkpoint_of_the_round():
+    st = status(RUNNING, round=3, members=("a",), restore_step=10)
+    base = dict(status=st, nodes=("a", "b"),
+                node_status=[ns("a", "running", round=3, step=14)])
+    assert decide(NOW, view(**base, ckpts=[CheckpointRecord(step=10, path="/c/10", round=2)])
+                  ).actions == []
+    d = decide(NOW, view(**base, ckpts=[CheckpointRecord(step=15, path="/c/15", round=3)]))
+    rec = only(d.actions, StartRound).record
+    assert rec.members == ["a", "b"] and rec.restore_step == 15 and rec.round == 4
+
+
+def test_rendezvous_timeout_treats_missing_members_as_faulty():
+    st = status(RENDEZVOUS, since=NOW - 31)
+    v = view(status=st, node_status=[ns("a", "running", step=1)])
+    d = decide(NOW, v)
+    st2 = only(d.actions, SetStatus).status
+    assert st2.state == RECOVERING and st2.incident["culprit"] == "b"
+
+
+def test_deciding_twice_on_the_same_view_gives_the_same_actions():
+    v = view(status=status(RUNNING), nodes=("a",), spares=("s",))
+    assert decide(NOW, v) == decide(NOW, v)
+
+
+def test_terminal_run_does_nothing():
+    assert decide(NOW, view(status=status(FAILED))).actions == []
+
+
+def test_missing_accepted_job_does_not_crash():
+    v = view(status=status(RUNNING))
+    v.job = None
+    d = decide(NOW, v)
+    assert d.actions == [] and "missing or unreadable" in d.reason
