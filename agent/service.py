@@ -62,7 +62,7 @@ class Agent:
         self.wake = threading.Event()
         self._lock = threading.Lock()       # guards the step fields the channel updates
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
-        self._current_round = 0             # round the daemon says is current (for fencing)
+        self._job_id = ""                   # job of the round our workers run
         self._published_state: tuple | None = None
         self._published_step = -1
         self._published_at = 0.0
@@ -124,7 +124,8 @@ class Agent:
     def _register_checkpoint(self, msg: dict) -> None:
         try:
             rec = CheckpointRecord(step=int(msg["step"]), path=str(msg["path"]),
-                                   round=int(msg["round"]), committed_at=time.time())
+                                   round=int(msg["round"]), job_id=self._job_id,
+                                   committed_at=time.time())
         except (KeyError, TypeError, ValueError):
             log.warning("dropping malformed checkpoint report %r", msg)
             return
@@ -193,6 +194,7 @@ class Agent:
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+        self._job_id = rec.job_id
         self.workers.launch(rec.round, assignments)
         log.info("round %d: started ranks %s%s", rec.round, ranks,
                  f", restoring step {rec.restore_step}" if rec.restore else "")

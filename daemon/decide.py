@@ -58,6 +58,8 @@ class Decision:
 def decide(now: float, view: ClusterView) -> Decision:
     st = view.status
     sub = view.submitted
+    if st is None and view.status_garbled:
+        return _repair_status(now, view)
     if sub is not None and (st is None or sub.id != st.job_id):
         if st is not None and st.state not in TERMINAL:
             return Decision([], f"job {sub.id} waits: run {st.job_id} is {st.state}")
@@ -103,9 +105,24 @@ def _failed(view: ClusterView, st: RunStatus) -> list[str]:
             and s.round == st.round and s.workers == W_FAILED]
 
 
-def _restore(view: ClusterView) -> CheckpointRecord | None:
-    good = [c for c in view.checkpoints if c.good]
+def _restore(view: ClusterView, job_id: str) -> CheckpointRecord | None:
+    good = [c for c in view.checkpoints if c.good and c.job_id == job_id]
     return good[-1] if good else None
+
+
+def _repair_status(now: float, view: ClusterView) -> Decision:
+    """run/status is unreadable (hand-edited, corrupted). The run is not lost: the round
+    records say which job ran on which nodes, so rebuild the status and recover from there."""
+    rec = view.latest_round
+    if rec is None or view.job is None or view.job.id != rec.job_id:
+        return Decision([], "run/status is unreadable and no round record tells which run it "
+                            "was; fix or delete the key")
+    reason = f"run/status was unreadable; rebuilt from round {rec.round}, recovering"
+    status = RunStatus(job_id=rec.job_id, state=RECOVERING, round=rec.round,
+                       members=list(rec.members), since=now, reason=reason,
+                       incident={"kind": "status_repaired", "culprit": "run/status",
+                                 "fault_at": now, "detected_at": now, "round": rec.round})
+    return Decision([SetStatus(status), Emit("status_repaired", reason)], reason)
 
 
 # -- transitions ------------------------------------------------------------------------------
@@ -113,7 +130,7 @@ def _start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                  members: list[str], reason: str, *, restarts: int) -> Decision:
     n = max(st.round, view.last_round) + 1
     first = view.nodes[members[0]]
-    ckpt = _restore(view)
+    ckpt = _restore(view, job.id)
     train = job.train_config_for(len(members))
     record = RoundRecord(
         round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
@@ -212,7 +229,7 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     if len(st.members) < job.nodes:
         spare = [n for n in _usable(view, job) if n not in st.members]
-        ckpt = _restore(view)
+        ckpt = _restore(view, job.id)
         if spare and ckpt is not None and ckpt.round == st.round and ckpt.step > st.restore_step:
             members = _choose(view, job, st.members)
             return _start_round(now, view, job, st, members,

@@ -22,6 +22,8 @@ class ClusterView:
     job: jobspec.JobSpec | None = None        # the job the run accepted (run/job)
     status: RunStatus | None = None
     status_mod_revision: int = 0
+    status_garbled: bool = False            # run/status exists but cannot be read
+    latest_round: RoundRecord | None = None  # the highest-numbered round record
     round: RoundRecord | None = None        # the record of status.round
     last_round: int = 0                     # highest round number ever written
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
@@ -44,8 +46,10 @@ def parse(snap: Snapshot, keys: Keys) -> ClusterView:
             elif key == keys.accepted_job:
                 view.job = jobspec.JobSpec.from_json(kv.value)
             elif key == keys.status:
-                view.status = RunStatus.from_json(kv.value, key)
                 view.status_mod_revision = kv.mod_revision
+                view.status_garbled = True
+                view.status = RunStatus.from_json(kv.value, key)
+                view.status_garbled = False
             elif key.startswith(keys.rounds):
                 rec = RoundRecord.from_json(kv.value, key)
                 rounds[rec.round] = rec
@@ -65,6 +69,7 @@ def parse(snap: Snapshot, keys: Keys) -> ClusterView:
             view.ignored[key] = str(e)
     view.checkpoints.sort(key=lambda c: c.step)
     view.last_round = max(rounds, default=0)
+    view.latest_round = rounds.get(view.last_round)
     if view.status is not None:
         view.round = rounds.get(view.status.round)
     return view

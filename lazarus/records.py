@@ -220,6 +220,7 @@ class CheckpointRecord(_Record):
     step: int
     path: str
     round: int
+    job_id: str = ""
     committed_at: float = 0.0
     good: bool = True
 

@@ -113,8 +113,9 @@ def test_status_of_an_older_round_does_not_count():
 
 
 def test_worker_crash_keeps_the_members_and_restores_the_last_checkpoint():
-    ck = [CheckpointRecord(step=5, path="/c/5", round=1), CheckpointRecord(step=10, path="/c/10",
-                                                                           round=1)]
+    ck = [CheckpointRecord(step=5, path="/c/5", round=1, job_id="J"),
+          CheckpointRecord(step=10, path="/c/10", round=1, job_id="J"),
+          CheckpointRecord(step=20, path="/other/20", round=1, job_id="OTHER")]
     v = view(status=status(RUNNING), ckpts=ck,
              node_status=[ns("a", "running", step=12),
                           ns("b", "failed", failed_rank=3, exit_codes={"1": -9}, fault_at=NOW - 0.2)])
@@ -202,9 +203,9 @@ def test_returning_node_joins_at_the_next_checkpoint_of_the_round():
     st = status(RUNNING, round=3, members=("a",), restore_step=10)
     base = dict(status=st, nodes=("a", "b"),
                 node_status=[ns("a", "running", round=3, step=14)])
-    assert decide(NOW, view(**base, ckpts=[CheckpointRecord(step=10, path="/c/10", round=2)])
+    assert decide(NOW, view(**base, ckpts=[CheckpointRecord(step=10, path="/c/10", round=2, job_id="J")])
                   ).actions == []
-    d = decide(NOW, view(**base, ckpts=[CheckpointRecord(step=15, path="/c/15", round=3)]))
+    d = decide(NOW, view(**base, ckpts=[CheckpointRecord(step=15, path="/c/15", round=3, job_id="J")]))
     rec = only(d.actions, StartRound).record
     assert rec.members == ["a", "b"] and rec.restore_step == 15 and rec.round == 4
 
@@ -231,3 +232,23 @@ def test_missing_accepted_job_does_not_crash():
     v.job = None
     d = decide(NOW, v)
     assert d.actions == [] and "missing or unreadable" in d.reason
+
+
+def test_unreadable_status_is_rebuilt_from_the_round_records():
+    v = view(status=None)
+    v.status_garbled = True
+    v.latest_round = RoundRecord(round=4, job_id="J", members=["a", "b"], nproc_per_node=2,
+                                 world_size=4, dp=4, tp=1, store_host="h", store_port=1)
+    v.last_round = 4
+    d = decide(NOW, v)
+    st = only(d.actions, SetStatus).status
+    assert (st.state, st.round, st.members) == (RECOVERING, 4, ["a", "b"])
+    rec = only(decide(NOW, view(status=st)).actions, StartRound).record
+    assert rec.round == 5
+
+
+def test_unreadable_status_without_rounds_waits_for_a_person():
+    v = view(status=None)
+    v.status_garbled = True
+    d = decide(NOW, v)
+    assert d.actions == [] and "unreadable" in d.reason
