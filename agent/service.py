@@ -77,7 +77,7 @@ class Agent:
                                  on_lost=self.wake.set)
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
-                         gpu_backend="none")
+                         gpu_backend="none", lease_ttl_s=self.lease_ttl_s)
         self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
         self._published_state = None  # the new lease has no status key yet
         log.info("registered %s (%s, %d ranks, store port %d)", self.node, self.role,

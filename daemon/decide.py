@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from lazarus import exitcodes
 from lazarus.jobspec import JobSpec
 from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, ROLE_ACTIVE, RUNNING,
                              SUCCEEDED, TERMINAL, W_FAILED, W_RUNNING, W_SUCCEEDED,
@@ -105,6 +106,18 @@ def _failed(view: ClusterView, st: RunStatus) -> list[str]:
             and s.round == st.round and s.workers == W_FAILED]
 
 
+def _primary(view: ClusterView, node: str) -> bool:
+    """A node whose workers failed on their own, not only because a peer went away."""
+    return any(code != exitcodes.PEER_LOST for code in view.node_status[node].exit_codes.values())
+
+
+def _peer_grace_s(view: ClusterView, st: RunStatus) -> float:
+    """How long a peer-lost failure waits for its root cause to show: a dead node needs its
+    lease TTL to be noticed, a crashed rank's agent reports within a second."""
+    ttls = [view.nodes[n].lease_ttl_s for n in st.members if n in view.nodes]
+    return max(ttls, default=5) + 1.0
+
+
 def _restore(view: ClusterView, job_id: str) -> CheckpointRecord | None:
     good = [c for c in view.checkpoints if c.good and c.job_id == job_id]
     return good[-1] if good else None
@@ -164,16 +177,23 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         return _to_recovering(now, st, "node_lost", lost,
                               f"node(s) {', '.join(lost)} lost (agent lease expired)", now)
     failed = _failed(view, st)
-    if failed:
-        details = []
-        fault_at = now
-        for n in failed:
-            s = view.node_status[n]
-            fault_at = min(fault_at, s.fault_at or now)
-            details.append(f"{n} rank {s.failed_rank} exit {s.exit_codes}")
-        return _to_recovering(now, st, "worker_crash", failed,
-                              f"worker crash on {'; '.join(details)}", fault_at)
-    return None
+    if not failed:
+        return None
+    fault_at = min(view.node_status[n].fault_at or now for n in failed)
+    culprits = [n for n in failed if _primary(view, n)]
+    if not culprits:
+        # Only ranks that lost a peer so far: give the root cause time to show (a crash
+        # report from another node, or a lease running out) so the culprit gets named.
+        if now - fault_at < _peer_grace_s(view, st):
+            return Decision([], f"rank(s) on {', '.join(failed)} lost a peer; waiting for the "
+                                "root cause")
+        return _to_recovering(now, st, "peer_lost", failed,
+                              f"ranks on {', '.join(failed)} lost a peer and no root cause "
+                              "showed up", fault_at)
+    details = [f"{n} rank {view.node_status[n].failed_rank} exit "
+               f"{view.node_status[n].exit_codes}" for n in culprits]
+    return _to_recovering(now, st, "worker_crash", culprits,
+                          f"worker crash on {'; '.join(details)}", fault_at)
 
 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:

@@ -186,6 +186,7 @@ class NodeRecord(_Record):
     pid: int = 0
     started_at: float = 0.0
     gpu_backend: str = "none"
+    lease_ttl_s: int = 5        # how long this node's death takes to show as a lost lease
 
     def __post_init__(self):
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):

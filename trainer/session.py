@@ -44,6 +44,7 @@ class Session:
         self.rank = rank
         self.round = round
         self._lock = threading.Lock()
+        self._request_lock = threading.Lock()  # one request in flight: replies come in order
         self._checkpoint_requested = threading.Event()
         self._replies: queue.Queue[dict] = queue.Queue()
         self._sock: socket.socket | None = None
@@ -89,8 +90,9 @@ class Session:
 
     def _request(self, msg: dict) -> dict:
         assert self._sock is not None
-        self._send(msg)
-        reply = self._replies.get(timeout=_REPLY_TIMEOUT_S)
+        with self._request_lock:
+            self._send(msg)
+            reply = self._replies.get(timeout=_REPLY_TIMEOUT_S)
         if reply.get("type") == "closed":
             raise ConnectionError("agent closed the session")
         return reply

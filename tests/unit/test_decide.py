@@ -252,3 +252,29 @@ def test_unreadable_status_without_rounds_waits_for_a_person():
     v.status_garbled = True
     d = decide(NOW, v)
     assert d.actions == [] and "unreadable" in d.reason
+
+
+def test_peer_lost_waits_for_the_root_cause_then_names_the_lost_node():
+    # n1's host died: n0's rank failed in a collective (peer lost) before n1's lease expired
+    fault = ns("a", "failed", exit_codes={"0": 75}, failed_rank=0, fault_at=NOW - 1)
+    v = view(status=status(RUNNING), node_status=[fault])
+    d = decide(NOW, v)
+    assert d.actions == [] and "waiting for the root cause" in d.reason
+    v.nodes.pop("b")  # lease expired
+    st = only(decide(NOW, v).actions, SetStatus).status
+    assert st.incident["kind"] == "node_lost" and st.incident["culprit"] == "b"
+
+
+def test_peer_lost_with_a_crashed_rank_names_the_crashed_one():
+    v = view(status=status(RUNNING), node_status=[
+        ns("a", "failed", exit_codes={"0": 75}, failed_rank=0, fault_at=NOW - 0.5),
+        ns("b", "failed", exit_codes={"0": -9}, failed_rank=1, fault_at=NOW - 0.6)])
+    st = only(decide(NOW, v).actions, SetStatus).status
+    assert st.incident["kind"] == "worker_crash" and st.incident["culprit"] == "b"
+
+
+def test_peer_lost_with_no_root_cause_recovers_after_the_grace():
+    v = view(status=status(RUNNING), node_status=[
+        ns("a", "failed", exit_codes={"0": 75}, failed_rank=0, fault_at=NOW - 7)])
+    st = only(decide(NOW, v).actions, SetStatus).status
+    assert st.incident["kind"] == "peer_lost"

@@ -1,0 +1,29 @@
+"""Exit codes a worker uses to tell the agent why it stopped, beyond "it failed".
+
+When one rank dies, its peers fail too, inside a collective ("connection reset by peer").
+Those are not the culprit: a worker that failed because a peer went away exits with PEER_LOST,
+and the daemon waits briefly for the root cause (another rank's crash, a node's lease) before
+it names a culprit.
+"""
+
+from __future__ import annotations
+
+PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
+INJECTED_FAULT = 43     # test fault injection (LAZARUS_FAIL_AT)
+
+# Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.
+_PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken pipe",
+               "connection refused", "socket timeout", "nccl communicator was aborted",
+               "gloo", "nccl error", "timed out", "connectfullmesh")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when `exc` says a peer (or the round's store) went away, not that this rank broke."""
+    try:
+        import torch.distributed as dist
+        if isinstance(exc, dist.DistError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)

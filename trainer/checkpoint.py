@@ -1,0 +1,489 @@
+"""Sharded, asynchronous, verifiable checkpoints through torch.distributed.checkpoint (DCP).
+
+On disk, one directory per checkpoint::
+
+    ROOT/step-00001200/
+      __0_0.distcp ...        DCP shards of model + optimizer (each rank writes its own)
+      .metadata               DCP's index of those shards
+      rng-00000.json ...      each rank's RNG state (torch CPU, and CUDA where present)
+      manifest.json           written LAST, by rank 0: the commit marker
+
+A checkpoint is *committed* when its manifest exists. The manifest lists every file with its
+size and sha256, the step, the caller's `extra` (data position, schedule, ...), the world size
+and the device mesh. Rank 0 writes it (temporary file, fsync, rename, fsync of the directory)
+only after every rank's files are on disk and only if `commit_gate(step)` still says yes, so a
+crash, a full disk or a fenced-off (stale) round leaves a directory that is never listed or
+loaded. Because the layout is DCP's, a checkpoint taken at one (dp, tp) mesh loads into another.
+
+Nothing read from disk is unpickled without restriction: DCP's `.metadata` is a pickle, so it
+is read with an unpickler that only builds DCP's own metadata classes (plus torch.Size,
+dtypes and pathlib paths); tensors and the optimizer's small non-tensor values are read with
+torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSystemWriter,
+                                                     _StorageInfo)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from lazarus.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_DIR_RE = re.compile(r"step-(\d+)")
+
+# A single-process save or load (no process group) is intended here, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized, assuming the intent is to")
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng-{rank:05d}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small file helpers
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    """Write via a temporary name + fsync + rename, so `path` is absent or complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _file_entry(directory: Path, name: str) -> dict:
+    path = directory / name
+    return {"name": name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+
+
+def _rng_state() -> dict:
+    state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        cuda = torch.cuda.get_rng_state().numpy().tobytes()
+        state["torch_cuda"] = base64.b64encode(cuda).decode()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    def tensor(b64: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch_cpu"]))
+    if torch.cuda.is_available() and "torch_cuda" in state:
+        torch.cuda.set_rng_state(tensor(state["torch_cuda"]))
+
+
+def reseed_value(step: int, rank: int) -> int:
+    """The seed each rank takes when a checkpoint is loaded into a different world size.
+
+    RNG streams cannot be split or merged across ranks, so a resized run reseeds instead:
+    deterministically from (step, rank), so the same resize of the same checkpoint gives the
+    same run twice.
+    """
+    digest = hashlib.sha256(f"lazarus-rng:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading DCP's files without unrestricted unpickling
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
+                 "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): Path,
+    ("pathlib", "Path"): Path,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES:
+            return _METADATA_CLASSES[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"{module}.{name} is not allowed in DCP metadata: refusing to "
+                              f"unpickle it")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner, but non-tensor values (optimizer hyper-parameters) are read with
+    weights_only=True: plain numbers, strings, tuples, never arbitrary objects."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
+    """DCP's index of a checkpoint directory (restricted unpickling)."""
+    return _SafeReader(path).read_metadata()
+
+
+def load_tensors(path: Path, state_dict: dict, *, no_dist: bool = False) -> None:
+    """dcp.load into `state_dict` (in place) through the restricted reader and planner;
+    a checkpoint that does not fit the state (another model) is a CheckpointError."""
+    try:
+        dcp.load(state_dict, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+                 no_dist=no_dist)
+    except CheckpointException as e:
+        rank, (first, _) = next(iter(e.failures.items()))
+        raise CheckpointError(f"cannot load checkpoint {path} (rank {rank}): "
+                              f"{str(first).splitlines()[0] if str(first) else first!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and verifying
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint directory `path`; CheckpointError if it has none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save never "
+                              f"committed)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        assert manifest["format_version"] == FORMAT_VERSION
+        int(manifest["step"]), int(manifest["commit_seq"]), list(manifest["files"])
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{mpath} is malformed ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def committed_checkpoints(root: Path) -> list[tuple[Path, dict]]:
+    """Committed checkpoints under `root`, oldest commit first, with their manifests.
+
+    Ordered by commit, not by step: after a rollback the newest commit is the run's present,
+    even if an abandoned timeline left checkpoints with higher step numbers.
+    """
+    root = Path(root)
+    found = []
+    if root.is_dir():
+        for d in root.iterdir():
+            if not _DIR_RE.fullmatch(d.name) or not (d / MANIFEST).is_file():
+                continue
+            try:
+                found.append((d, read_manifest(d)))
+            except CheckpointError as e:
+                log.warning("ignoring checkpoint: %s", e)
+    return sorted(found, key=lambda pm: pm[1]["commit_seq"])
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The most recently committed checkpoint under `root` (never an incomplete one)."""
+    committed = committed_checkpoints(root)
+    return committed[-1][0] if committed else None
+
+
+def _verify_files(path: Path, manifest: dict, rank: int, world: int) -> str | None:
+    """Check this rank's share of the listed files; the problem found, or None."""
+    for entry in manifest["files"][rank::world]:
+        f = path / entry["name"]
+        if not f.is_file():
+            return f"checkpoint {path} is corrupt: {entry['name']} is missing"
+        if f.stat().st_size != entry["bytes"]:
+            return (f"checkpoint {path} is corrupt: {entry['name']} has {f.stat().st_size} "
+                    f"bytes, the manifest says {entry['bytes']}")
+        if _sha256(f) != entry["sha256"]:
+            return f"checkpoint {path} is corrupt: {entry['name']} fails its sha256 checksum"
+    return None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Manifest and every file's checksum, in this process; returns the manifest."""
+    manifest = read_manifest(path)
+    if problem := _verify_files(Path(path), manifest, 0, 1):
+        raise CheckpointError(problem)
+    return manifest
+
+
+def _verify_collectively(path: Path) -> dict:
+    """verify_checkpoint with the hashing split across ranks; every rank raises the same
+    error, so none is left waiting in a collective the others abandoned."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest, problem = None, None
+    try:
+        manifest = read_manifest(path)
+        problem = _verify_files(Path(path), manifest, rank, world)
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    if first := next((p for p in problems if p), None):
+        raise CheckpointError(first)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _mesh_of(model: torch.nn.Module) -> dict | None:
+    meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+    if not meshes:
+        return None
+    mesh = max(meshes, key=lambda m: m.ndim)
+    return {"dims": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)}
+
+
+class Checkpointer:
+    """Saves checkpoints under `root`, asynchronously, at most one in flight.
+
+    Construct it on every rank at the same point (it creates its own gloo process group,
+    a collective call, unless `process_group` is given; that group must span all ranks).
+    Background saves talk over this separate group so they never interleave with the training
+    collectives. `keep_last` committed checkpoints are kept; older ones, and incomplete
+    directories left by crashed saves, are deleted when a newer one commits.
+    """
+
+    def __init__(self, root: Path, *, keep_last: int, process_group=None):
+        assert keep_last >= 1
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed and process_group is None:
+            process_group = dist.new_group(backend="gloo")
+        self._pg = process_group
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._world = dist.get_world_size() if self._distributed else 1
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazarus-ckpt")
+        self._inflight: Future | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint directory {self.root}: "
+                                  f"{e.strerror or e}") from None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict, *, async_save: bool = True,
+             commit_gate: Callable[[int], bool] | None = None,
+             on_commit: Callable[[int, Path], None] | None = None) -> None:
+        """Checkpoint model + optimizer + `extra` + RNG at `step` (collective: every rank).
+
+        Waits for the previous save first. With `async_save` it returns once the state is
+        copied off the live tensors; the write, checksums and commit happen in the background
+        (`wait()` to finish). On rank 0, just before committing, `commit_gate(step)` is asked
+        (from the background thread) whether this process may still commit; `on_commit(step,
+        path)` is then called there, on rank 0 only, once the manifest is durable.
+        """
+        self.wait()
+        extra_json = json.dumps(extra)  # fail now, in the caller, if it is not JSON-able
+        directory = checkpoint_dir(self.root, step)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self._rank == 0 and (directory / MANIFEST).exists():
+            # Saving a step again (after a rollback): uncommit before any shard is rewritten.
+            (directory / MANIFEST).unlink()
+            _fsync_dir(directory)
+        rng = _rng_state()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        writer = FileSystemWriter(directory)
+        if async_save:
+            written = dcp.async_save(state, storage_writer=writer, process_group=self._pg,
+                                     no_dist=not self._distributed)
+        else:
+            written = Future()
+            written.set_result(dcp.save(state, storage_writer=writer, process_group=self._pg,
+                                        no_dist=not self._distributed))
+        commit = {"step": step, "extra": json.loads(extra_json), "world_size": self._world,
+                  "mesh": _mesh_of(model)}
+        self._inflight = self._executor.submit(self._finish, directory, written, rng, commit,
+                                               commit_gate, on_commit)
+        if not async_save:
+            self.wait()
+
+    def _finish(self, directory: Path, written: Future, rng: dict, commit: dict,
+                commit_gate: Callable[[int], bool] | None,
+                on_commit: Callable[[int, Path], None] | None) -> Path | None:
+        metadata = written.result()  # DCP has fsynced every shard and, on rank 0, .metadata
+        shards = {s.relative_path for s in metadata.storage_data.values()}
+        problem, entries = None, []
+        try:
+            _write_durable(directory / _rng_file(self._rank), json.dumps(rng).encode())
+            # DCP names each rank's shard files __{rank}_*: every rank hashes its own.
+            mine = sorted(n for n in shards if n.startswith(f"__{self._rank}_"))
+            mine.append(_rng_file(self._rank))
+            if self._rank == 0:
+                mine.append(".metadata")
+            entries = [_file_entry(directory, n) for n in mine]
+        except OSError as e:
+            problem = f"rank {self._rank}: {e}"
+        gathered = [None] * self._world if self._rank == 0 else None
+        if self._distributed:
+            dist.gather_object((problem, entries), gathered, dst=0, group=self._pg)
+        else:
+            gathered = [(problem, entries)]
+        outcome: list = [(None, None)]
+        failure = None
+        if self._rank == 0:
+            try:
+                committed = self._commit(directory, gathered, shards, commit, commit_gate,
+                                         on_commit)
+                outcome = [(str(committed) if committed else None, None)]
+            except Exception as e:  # the other ranks must hear of it, not wait forever
+                failure = e
+                outcome = [(None, str(e))]
+        if self._distributed:
+            # Also keeps every rank from starting the next save before rank 0 has cleaned up.
+            dist.broadcast_object_list(outcome, src=0, group=self._pg)
+        committed, error = outcome[0]
+        if failure is not None:
+            raise failure
+        if error:
+            raise CheckpointError(error)
+        return Path(committed) if committed else None
+
+    def _commit(self, directory: Path, gathered: list, shards: set[str], commit: dict,
+                commit_gate: Callable[[int], bool] | None,
+                on_commit: Callable[[int, Path], None] | None) -> Path | None:
+        problems = [p for p, _ in gathered if p]
+        if problems:
+            raise CheckpointError(f"checkpoint {directory} not committed: {'; '.join(problems)}")
+        files = sorted((e for _, es in gathered for e in es), key=lambda e: e["name"])
+        assert {e["name"] for e in files} >= shards, "a shard file was not hashed by any rank"
+        step = commit["step"]
+        if commit_gate is not None and not commit_gate(step):
+            log.warning("checkpoint %s written but not committed: the commit gate refused",
+                        directory)
+            return None
+        previous = committed_checkpoints(self.root)
+        manifest = {"format_version": FORMAT_VERSION,
+                    "commit_seq": previous[-1][1]["commit_seq"] + 1 if previous else 1,
+                    **commit, "files": files}
+        _write_durable(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        self._clean_up(directory, {e["name"] for e in files})
+        if on_commit is not None:
+            on_commit(step, directory)
+        return directory
+
+    def _clean_up(self, committed: Path, listed: set[str]) -> None:
+        # Leftovers of an earlier save of the same step (e.g. a larger world's shard files).
+        for f in committed.iterdir():
+            if f.name not in listed and f.name != MANIFEST:
+                f.unlink()
+        keep = {p for p, _ in committed_checkpoints(self.root)[-self.keep_last:]}
+        for d in self.root.iterdir():
+            # Only one save is in flight (this one), so any other directory without a
+            # manifest is a crashed save's remains.
+            if _DIR_RE.fullmatch(d.name) and d not in keep and d != committed:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def wait(self) -> Path | None:
+        """Finish the in-flight save. Returns the checkpoint it committed (on every rank), or
+        None if the gate refused or nothing was in flight; raises if the save failed."""
+        inflight, self._inflight = self._inflight, None
+        return inflight.result() if inflight is not None else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict:
+    """Load a committed checkpoint into `model` and `optimizer` (collective: every rank),
+    whatever (dp, tp) mesh it was saved from; returns its `extra`.
+
+    The manifest and every file's checksum are verified first (CheckpointError naming the
+    problem: missing, incomplete, corrupt). RNG states are restored when the world size is the
+    one that saved; otherwise each rank reseeds from reseed_value(step, rank).
+    """
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    manifest = _verify_collectively(path) if distributed else verify_checkpoint(path)
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    load_tensors(path, state, no_dist=not distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    if manifest["world_size"] == world:
+        _set_rng_state(json.loads((path / _rng_file(rank)).read_text()))
+    else:
+        seed = reseed_value(manifest["step"], rank)
+        torch.manual_seed(seed)  # seeds CUDA generators too
+    return manifest["extra"]
