@@ -1,0 +1,144 @@
+"""`lazarus train` end to end: real launcher, real worker processes on gloo.
+
+The core promise: a run killed after a checkpoint and resumed by fresh processes produces the
+very same losses as a run that was never interrupted, and a checkpoint taken on one mesh
+continues on another with the same global batch.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lazarus.trainer.launch import job_from_args
+from lazarus.trainer.train import FAULT_EXIT_CODE
+
+N = 3  # steps before the crash; the runs go to 2N
+COMMON = ["--model", "tiny", "--steps", str(2 * N), "--global-batch", "8", "--micro-batch", "2",
+          "--seq-len", "32", "--lr", "3e-3", "--warmup-steps", "2", "--seed", "5"]
+
+
+def lazarus_train(args: list[str], *, fail_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LAZARUS_FAIL_AT", None)
+    if fail_at:
+        env["LAZARUS_FAIL_AT"] = fail_at
+    return subprocess.run([sys.executable, "-m", "lazarus.cli", "train", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def train_ok(args: list[str]) -> subprocess.CompletedProcess:
+    result = lazarus_train(args)
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+        # A known gloo teardown abort (about 1 launch in 40, see FACTS.md) after the work is
+        # done; one retry tells it apart from a real failure.
+        print("retrying once after a gloo abort at exit")
+        result = lazarus_train(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s"} for r in rows)
+    return {r["step"]: r["loss"] for r in rows}
+
+
+# ---- bad input: one clear line, exit 2, nothing touched ----
+
+@pytest.fixture
+def existing(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    incomplete = tmp_path / "ckpt" / "step-00000004"
+    incomplete.mkdir(parents=True)
+    (incomplete / "__0_0.distcp").write_bytes(b"partial")
+    bad_toml = tmp_path / "job.toml"
+    bad_toml.write_text('[train]\nmodel = "tiny"\nsteps = = 3\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "3", "--dp", "2", "--tp", "2"], "mesh dp=2 x tp=2 = 4 ranks does not match --nproc 3"),
+    (["--nproc", "4", "--dp", "4", "--global-batch", "10"], "global batch 10 is not divisible by dp=4"),
+    (["--model", "huge"], "unknown model size 'huge'"),
+    (["--resume", "{tmp}/nowhere"], "checkpoint {tmp}/nowhere does not exist"),
+    (["--resume", "{tmp}/ckpt/step-00000004"], "is incomplete: no manifest.json"),
+    (["--resume", "--ckpt-dir", "{tmp}/ckpt"], "no committed checkpoint in {tmp}/ckpt"),
+    (["--config", "{tmp}/job.toml"], "job.toml is not valid TOML: .*line 3"),
+])
+def test_bad_input_is_one_line_and_exit_2(existing, args, message):
+    tmp = str(existing)
+    before = {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()}
+    result = lazarus_train([a.format(tmp=tmp) for a in args] + ["--metrics", f"{tmp}/metrics.jsonl"])
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("lazarus train: error: ")
+    assert re.search(message.format(tmp=tmp), lines[0]), lines[0]
+    assert {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()} == before
+
+
+def test_flags_override_the_job_file(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nmodel = "tiny"\nsteps = 7\ntp = 2\nglobal_batch = 4\n')
+    cfg, nproc = job_from_args(["--config", str(job), "--steps", "9", "--nproc", "4"])
+    assert (cfg.steps, cfg.tp, cfg.dp, cfg.global_batch, nproc) == (9, 2, 2, 4, 4)
+
+
+# ---- exact resume and resharding ----
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted dp2 x tp2 run, and the same run killed at step N+1 and resumed."""
+    tmp = tmp_path_factory.mktemp("runs")
+    mesh = ["--nproc", "4", "--dp", "2", "--tp", "2"]
+    straight = train_ok(COMMON + mesh + ["--metrics", str(tmp / "straight.jsonl")])
+
+    ckpt = tmp / "ckpt"
+    crashed = lazarus_train(COMMON + mesh + ["--metrics", str(tmp / "resumed.jsonl"), "--ckpt-dir", str(ckpt),
+                                             "--ckpt-every", str(N)], fail_at=f"{N + 1}:0")
+    assert crashed.returncode == FAULT_EXIT_CODE, crashed.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{N:08d}"]
+    shutil.copytree(ckpt, tmp / "ckpt-at-N")  # pristine, for the reshard runs
+
+    resumed = train_ok(COMMON + mesh + ["--metrics", str(tmp / "resumed.jsonl"), "--ckpt-dir", str(ckpt),
+                                        "--resume"])
+    return {"tmp": tmp, "straight": losses(tmp / "straight.jsonl"), "resumed": losses(tmp / "resumed.jsonl"),
+            "stdout": straight.stdout, "resumed_stdout": resumed.stdout}
+
+
+def test_loss_falls_and_progress_is_printed(runs):
+    straight = runs["straight"]
+    assert list(straight) == list(range(1, 2 * N + 1))
+    assert straight[2 * N] < straight[1]
+    assert f"step     {2 * N}/{2 * N} | loss " in runs["stdout"]
+
+
+def test_resume_gives_bit_identical_losses(runs):
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert "resumed from" in runs["resumed_stdout"]
+    # Steps 1..N come from the run that crashed, N+1..2N from the fresh processes.
+    assert list(resumed) == list(range(1, 2 * N + 1))
+    for step in range(N + 1, 2 * N + 1):
+        assert resumed[step] == straight[step], (step, resumed[step], straight[step])
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1), (4, 1)])
+def test_reshard_continues_on_another_mesh(runs, dp, tp):
+    tmp = runs["tmp"]
+    ckpt = tmp / f"ckpt-dp{dp}tp{tp}"
+    shutil.copytree(tmp / "ckpt-at-N", ckpt)
+    metrics = tmp / f"dp{dp}tp{tp}.jsonl"
+    train_ok(COMMON + ["--nproc", str(dp * tp), "--dp", str(dp), "--tp", str(tp), "--metrics", str(metrics),
+                       "--ckpt-dir", str(ckpt), "--resume"])
+    resharded, straight = losses(metrics), runs["straight"]
+    assert list(resharded) == list(range(N + 1, 2 * N + 1))
+    for step in resharded:
+        # Same weights, optimizer state and data; only the order of float reductions differs.
+        assert abs(resharded[step] - straight[step]) < 2e-3, (step, resharded[step], straight[step])

@@ -1,0 +1,139 @@
+"""One trainer rank: what `lazarus train` spawns locally and the node agent launches (or keeps
+parked, warm) on a cluster.
+
+The assignment says who this rank is in which rendezvous round and where the round's store
+is. Store keys are namespaced by round: a restarted worker must never read a dead round's
+entries (on a shared store that makes gloo connect to dead peers or hang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+
+from lazarus.errors import UserError
+
+ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
+# Fault injection for tests: "STEP" or "STEP:RANK" (rank 0 if omitted) kills that rank at the
+# start of that step.
+FAIL_AT_ENV = "LAZARUS_FAIL_AT"
+# How long init waits for the store and for every peer of the round to show up.
+STORE_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerAssignment:
+    rank: int
+    world_size: int
+    local_rank: int
+    round: int
+    store_host: str
+    store_port: int
+    train: dict                  # TrainConfig.to_dict()
+    restore: str | None = None   # committed checkpoint to resume from
+    report_socket: str | None = None  # the local agent's unix socket; None: no agent
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerAssignment:
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"worker assignment is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise UserError("worker assignment must be a JSON object")
+        names = {f.name for f in fields(cls)}
+        unknown, missing = set(d) - names, {f.name for f in fields(cls) if f.name not in d} - {"restore", "report_socket"}
+        if unknown or missing:
+            raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        return cls(**d)
+
+
+def _fail_at_step(rank: int) -> int | None:
+    spec = os.environ.get(FAIL_AT_ENV)
+    if not spec:
+        return None
+    step, _, target = spec.partition(":")
+    return int(step) if int(target or 0) == rank else None
+
+
+def run(assignment: WorkerAssignment) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from lazarus.trainer.config import TrainConfig
+    from lazarus.trainer.parallelize import backend_for
+    from lazarus.trainer.session import connect
+    from lazarus.trainer.train import train
+
+    # Under TP the logits come back from a redistribute as a view; nothing modifies them in
+    # place, so FSDP's warning about in-place ops on views does not apply.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    a = assignment
+    cfg = TrainConfig.from_dict(a.train)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(a.local_rank)
+    store = dist.TCPStore(a.store_host, a.store_port, world_size=a.world_size, is_master=False,
+                          timeout=STORE_TIMEOUT, wait_for_workers=False)
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
+                            rank=a.rank, world_size=a.world_size, timeout=STORE_TIMEOUT)
+    session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
+    try:
+        train(cfg, session=session, restore=a.restore, fail_at_step=_fail_at_step(a.rank))
+    finally:
+        session.close()
+        dist.destroy_process_group()
+    return 0
+
+
+def _park() -> WorkerAssignment:
+    # Pay for every heavy import now; promotion then costs only the rendezvous.
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    import lazarus.trainer.train  # noqa: F401
+
+    print(json.dumps({"event": "parked", "pid": os.getpid()}), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        raise UserError("parked worker: stdin closed before an assignment arrived")
+    return WorkerAssignment.from_json(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lazarus worker",
+        description=f"Run one trainer rank. The assignment (JSON) comes from --assignment FILE, "
+                    f"from ${ASSIGNMENT_ENV}, or with --park from one line on stdin.")
+    parser.add_argument("--assignment", metavar="FILE", help="JSON file with the assignment")
+    parser.add_argument("--park", action="store_true",
+                        help="import everything, print a 'parked' JSON line, then wait for one "
+                             "assignment line on stdin")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.park:
+        assignment = _park()
+    elif args.assignment:
+        try:
+            text = open(args.assignment, encoding="utf-8").read()
+        except OSError as e:
+            raise UserError(f"cannot read assignment {args.assignment}: {e.strerror}") from None
+        assignment = WorkerAssignment.from_json(text)
+    elif ASSIGNMENT_ENV in os.environ:
+        assignment = WorkerAssignment.from_json(os.environ[ASSIGNMENT_ENV])
+    else:
+        raise UserError(f"no assignment: pass --assignment FILE, --park, or set {ASSIGNMENT_ENV}")
+    return run(assignment)
+
+
+if __name__ == "__main__":
+    from lazarus.cli import main as cli_main
+
+    sys.exit(cli_main(["worker", *sys.argv[1:]]))
