@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazarus import jobspec
-from lazarus.errors import UserError
 from lazarus.etcd import Snapshot
 from lazarus.records import (CheckpointRecord, Keys, NodeRecord, NodeStatus, RecordError,
                              RoundRecord, RunStatus)
@@ -65,7 +64,7 @@ def parse(snap: Snapshot, keys: Keys) -> ClusterView:
                 view.checkpoints.append(CheckpointRecord.from_json(kv.value, key))
             elif key.startswith(keys.cordon):
                 view.cordoned.add(key[len(keys.cordon):])
-        except (RecordError, UserError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError) as e:  # RecordError, UserError, bad JSON
             view.ignored[key] = str(e)
     view.checkpoints.sort(key=lambda c: c.step)
     view.last_round = max(rounds, default=0)

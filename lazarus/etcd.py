@@ -214,7 +214,12 @@ class Etcd:
         return int(reply.TTL) if reply is not None else 0
 
     def revoke(self, lease_id: int) -> None:
-        self._run(self._client.revoke_lease(lease_id))
+        """Revoke a lease; one that is already gone is fine."""
+        try:
+            self._run(self._client.revoke_lease(lease_id))
+        except aexc.ClientError as e:
+            if "lease not found" not in str(e):
+                raise
 
     # -- watches -------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, *, start_revision: int,
@@ -350,6 +355,8 @@ class Session:
                 continue
 
     def close(self, *, revoke: bool = True) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         if revoke and not self.lost.is_set():
             try:

@@ -60,7 +60,11 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "JobSpec":
-        return from_dict(json.loads(raw), source="etcd job record")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"etcd job record is not JSON ({e})") from None
+        return from_dict(doc, source="etcd job record")
 
 
 def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> int:

@@ -1,0 +1,197 @@
+"""The control plane against a real etcd server: fencing, garbage in our keys, leadership."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lazarus import etcd as E
+from lazarus import jobspec
+from lazarus.agent.service import Agent
+from lazarus.daemon.service import Daemon
+from lazarus.embedded_etcd import EmbeddedEtcd
+from lazarus.records import Keys, NodeRecord, RunStatus
+from lazarus.trainer.session import Session
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as server:
+        client = E.Etcd(server.endpoint)
+        yield client
+        client.close()
+
+
+@pytest.fixture
+def keys(request):
+    return Keys(f"/test/{request.node.name}/")
+
+
+def _job() -> jobspec.JobSpec:
+    return jobspec.from_dict({"job": {"name": "t", "nodes": 2, "min_nodes": 1,
+                                      "nproc_per_node": 1, "id": "J"},
+                              "train": {"model": "tiny", "global_batch": 4, "steps": 5}},
+                             source="test")
+
+
+def _register(etcd, keys, *names, lease=None):
+    for n in names:
+        rec = NodeRecord(node=n, host="127.0.0.1", nproc=1, store_port=1)
+        etcd.put(keys.node_key(n), rec.to_json(), lease=lease)
+
+
+def _status(etcd, keys) -> RunStatus:
+    return RunStatus.from_json(etcd.get(keys.status).value)
+
+
+def _until(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_worker_of_an_old_round_cannot_commit_a_checkpoint(etcd, keys, tmp_path):
+    agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path, park=False)
+    try:
+        agent.register()
+        agent._job_id = "J"
+        etcd.put(keys.round, b"2")
+        stale = Session(socket_path=agent.channel.path, rank=0, round=1)
+        current = Session(socket_path=agent.channel.path, rank=0, round=2)
+        assert stale.may_commit(10) is False
+        assert current.may_commit(12) is True
+        stale.checkpoint_committed(10, "/ckpt/10")
+        current.checkpoint_committed(12, "/ckpt/12")
+        assert _until(lambda: etcd.get(keys.checkpoint_key(12)) is not None)
+        assert etcd.get(keys.checkpoint_key(10)) is None
+        stale.close()
+        current.close()
+    finally:
+        agent.shutdown()
+
+
+def test_garbage_in_our_keys_is_ignored_and_the_run_starts(etcd, keys):
+    garbage = {keys.node_key("junk"): b"\xff\xfe not json",
+               keys.nodestatus_key("n0"): b'{"node": "n0", "workers": "dancing"}',
+               keys.checkpoint_key(7): b'{"step": "seven"}',
+               keys.round_key(3): b"[]",
+               keys.root + "unknown/key": b"whatever"}
+    for k, v in garbage.items():
+        etcd.put(k, v)
+    _register(etcd, keys, "n0", "n1")
+    etcd.put(keys.job, _job().to_json())
+    daemon = Daemon(etcd, keys, lease_ttl_s=3)
+    try:
+        for _ in range(4):
+            daemon.step()
+        st = _status(etcd, keys)
+        assert st.state == "RENDEZVOUS" and st.members == ["n0", "n1"]
+        # a garbled submission does not disturb the accepted run
+        etcd.put(keys.job, b"{broken")
+        daemon.step()
+        assert _status(etcd, keys).job_id == "J"
+    finally:
+        daemon.leadership.resign()
+
+
+def test_garbled_run_status_is_repaired_not_lost(etcd, keys):
+    _register(etcd, keys, "n0", "n1")
+    etcd.put(keys.job, _job().to_json())
+    daemon = Daemon(etcd, keys, lease_ttl_s=3)
+    try:
+        for _ in range(3):
+            daemon.step()
+        assert _status(etcd, keys).round == 1
+        etcd.put(keys.status, b"garbage typed by hand")
+        for _ in range(3):
+            daemon.step()
+        st = _status(etcd, keys)
+        assert st.job_id == "J" and st.round == 2 and st.state == "RENDEZVOUS"
+        events = [json.loads(kv.value)["kind"] for kv in etcd.get_prefix(keys.events).kvs.values()]
+        assert "status_repaired" in events
+    finally:
+        daemon.leadership.resign()
+
+
+def test_two_daemons_never_act_at_once(etcd, keys):
+    _register(etcd, keys, "n0", "n1")
+    etcd.put(keys.job, _job().to_json())
+    a = Daemon(etcd, keys, lease_ttl_s=2)
+    b = Daemon(etcd, keys, lease_ttl_s=2)
+    try:
+        a.step()
+        b.step()
+        assert a.leadership.is_leader and not b.leadership.is_leader
+        rev_before = etcd.get(keys.status).mod_revision
+        b.step()  # the standby writes nothing
+        assert etcd.get(keys.status).mod_revision == rev_before
+        # the leader's lease is gone (as if it froze past its TTL): b takes over, and a's
+        # writes are fenced off even though a still thinks it leads
+        a.leadership.session.close(revoke=True)
+        b.step()
+        assert b.leadership.is_leader
+        view_a_epoch = a.leadership.epoch
+        assert view_a_epoch != b.leadership.epoch
+        ok = etcd.txn([a.leadership.fence()], [E.put_op(keys.status, b"{}")])
+        assert ok is False
+    finally:
+        a.leadership.resign()
+        b.leadership.resign()
+
+
+@pytest.mark.parametrize("body, expect", [
+    ("[job]\nnodes = 2\n[train]\nmodel = 'tiny'\n", None),
+    ("[job\nnodes=2", "not valid TOML"),
+    ("[job]\nnodez = 2\n", "unknown key(s) in [job]: ['nodez']"),
+    ("[job]\nnodes = 2\n[train]\nmodle = 'tiny'\n", "unknown train setting 'modle'"),
+    ("[job]\nnodes = 1\nmin_nodes = 2\n", "min_nodes (2) is more than nodes (1)"),
+    ("[job]\nnodes = 2\nnproc_per_node = 2\n[train]\ntp = 4\n", "tp=4 must divide nproc_per_node=2"),
+    ("[job]\nnodes = 3\nmin_nodes = 1\n[train]\nglobal_batch = 4\n", "with 3 node(s) (dp=3)"),
+    ("[job]\nnodes = 0\n", "[job] nodes must be an integer >= 1"),
+    ("[job]\nnodes = 1\n[train]\ndp = 4\n", "dp is derived from the node count"),
+    ("[job]\nnodes = 1\n[train]\nmodel = 'huge'\n", "huge"),
+])
+def test_submit_rejects_bad_job_files_with_one_line(tmp_path, body, expect, etcd):
+    path = tmp_path / "job.toml"
+    path.write_text(body)
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
+                           etcd.endpoint, "--root", "/test/submit/"],
+                          capture_output=True, text=True, timeout=120)
+    if expect is None:
+        assert proc.returncode == 0, proc.stderr
+        assert etcd.get("/test/submit/job") is not None
+        return
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], proc.stderr
+
+
+def test_job_file_that_does_not_exist(tmp_path, etcd):
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(tmp_path / "no.toml"),
+                           "--etcd", etcd.endpoint], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_unreachable_etcd_is_one_clear_line(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[job]\nnodes = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
+                           "127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "unavailable" in (proc.stdout + proc.stderr)
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_etcd_endpoint_is_a_user_error(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[job]\nnodes = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
+                           "nonsense"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "is not HOST:PORT" in proc.stderr
