@@ -16,6 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 
+from lazarus import exitcodes
 from lazarus.errors import UserError
 
 ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
@@ -88,9 +89,17 @@ def run(assignment: WorkerAssignment) -> int:
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
     try:
         train(cfg, session=session, restore=a.restore, fail_at_step=_fail_at_step(a.rank))
+    except Exception as e:
+        if not exitcodes.is_peer_failure(e):
+            raise
+        # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
+        # os._exit: tearing down a process group whose peer is gone can block.
+        print(f"rank {a.rank} round {a.round}: a peer is gone ({str(e).splitlines()[0][:200]})",
+              file=sys.stderr, flush=True)
+        os._exit(exitcodes.PEER_LOST)
     finally:
         session.close()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return 0
 
 
