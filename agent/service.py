@@ -78,7 +78,11 @@ class Agent:
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
                          gpu_backend="none", lease_ttl_s=self.lease_ttl_s)
-        self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
+        try:
+            self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
+        except E.LeaseLost:
+            self.session.mark_lost()
+            raise E.EtcdUnavailable("lease lost while registering; retrying") from None
         self._published_state = None  # the new lease has no status key yet
         log.info("registered %s (%s, %d ranks, store port %d)", self.node, self.role,
                  self.nproc, self.store.port)
@@ -230,8 +234,12 @@ class Agent:
                 status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
             return
         assert self.session is not None
-        self.etcd.put(self.keys.nodestatus_key(self.node), status.to_json(),
-                      lease=self.session.lease)
+        try:
+            self.etcd.put(self.keys.nodestatus_key(self.node), status.to_json(),
+                          lease=self.session.lease)
+        except E.LeaseLost:
+            self.session.mark_lost()  # register() starts a new session on the next pass
+            return
         self._published_state, self._published_step, self._published_at = state, status.step, now
 
     # -- main loop ---------------------------------------------------------------------------

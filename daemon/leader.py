@@ -40,8 +40,12 @@ class Leadership:
             self.epoch = None
             self.session = E.Session(self.etcd, ttl_s=self.ttl_s)
         value = json.dumps({**self.identity, "lease": self.session.lease}).encode()
-        self.etcd.txn([E.key_missing(self.keys.leader)],
-                      [E.put_op(self.keys.leader, value, lease=self.session.lease)])
+        try:
+            self.etcd.txn([E.key_missing(self.keys.leader)],
+                          [E.put_op(self.keys.leader, value, lease=self.session.lease)])
+        except E.LeaseLost:
+            self.session.mark_lost()  # expired while etcd was away: a new one next time
+            return False
         kv = self.etcd.get(self.keys.leader)
         if kv is not None and kv.lease == self.session.lease:
             self.epoch = kv.create_revision

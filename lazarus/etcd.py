@@ -42,6 +42,20 @@ class EtcdUnavailable(ConnectionError):
     """etcd did not answer (down, partitioned, or restarting). Retry later."""
 
 
+class LeaseLost(RuntimeError):
+    """etcd no longer knows the lease a write named: its owner's session is over."""
+
+
+# gRPC backs off reconnects exponentially up to 2 minutes by default; after a long etcd outage
+# the client would then sit out many seconds after etcd is back, longer than a lease TTL, and
+# every lease would lapse. Reconnect attempts stay at most a second apart instead.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class KV:
     key: str
@@ -136,7 +150,8 @@ class Etcd:
         self._closed = False
 
     async def _make(self, host: str, port: int) -> aetcd.Client:
-        return aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+        return aetcd.Client(host=host, port=port, timeout=self.timeout_s,
+                            options=dict(_CHANNEL_OPTIONS))
 
     def _run(self, coro, *, direct: bool = False):
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -146,6 +161,8 @@ class Etcd:
             fut.cancel()
             raise EtcdUnavailable(f"etcd at {self.endpoint} unavailable: {e}") from e
         except aexc.ClientError as e:
+            if "lease not found" in str(e):
+                raise LeaseLost(str(e)) from e
             if "UNAVAILABLE" in str(e) or "Connection" in type(e).__name__:
                 raise EtcdUnavailable(f"etcd at {self.endpoint} unavailable: {e}") from e
             raise
@@ -217,9 +234,8 @@ class Etcd:
         """Revoke a lease; one that is already gone is fine."""
         try:
             self._run(self._client.revoke_lease(lease_id))
-        except aexc.ClientError as e:
-            if "lease not found" not in str(e):
-                raise
+        except LeaseLost:
+            pass
 
     # -- watches -------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, *, start_revision: int,
@@ -345,17 +361,27 @@ class Session:
     def _keepalive(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                if self.etcd.refresh(self.lease) <= 0:
-                    self.lost.set()
-                    log.warning("etcd lease %x expired", self.lease)
-                    if self._on_lost is not None:
-                        self._on_lost()
-                    return
+                alive = self.etcd.refresh(self.lease) > 0
             except EtcdUnavailable:
                 continue
+            except LeaseLost:
+                alive = False
+            if not alive:
+                self.mark_lost()
+                return
+
+    def mark_lost(self) -> None:
+        """The lease is gone (expired, or a write was refused for it): tell the owner once."""
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        self._stop.set()
+        log.warning("etcd lease %x expired", self.lease)
+        if self._on_lost is not None:
+            self._on_lost()
 
     def close(self, *, revoke: bool = True) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() and not revoke:
             return
         self._stop.set()
         if revoke and not self.lost.is_set():

@@ -31,6 +31,7 @@ heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt: see Rendezvou
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +57,14 @@ def make_handler(params):
     space = EtcdSpace(process_etcd(params.endpoint, cfg), cfg)
     backend = EtcdRendezvousBackend(space, params.run_id)
     # Reach etcd now: a wrong endpoint fails here in etcd_timeout, not after join_timeout.
-    backend.get_state()
+    current = backend.get_state()
+    # torch would only say "RendezvousClosedError"; torchrun's default run id is "none", so
+    # a second job started soon after the first would hit this without a hint.
+    if current is not None and pickle.loads(current[0]).closed:
+        raise RendezvousClosedError(
+            f"the rendezvous {params.run_id!r} in etcd at {params.endpoint} is closed: a job with "
+            f"this --rdzv-id finished less than {cfg.state_ttl_s} s ago (its keys expire then); "
+            f"give this job its own --rdzv-id")
     store = EtcdStore(space, backend.store_prefix, timeout=timedelta(seconds=cfg.read_timeout_s))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return create_handler(store, backend, params)
@@ -64,6 +72,7 @@ def make_handler(params):
 
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousParameters,
 )
