@@ -20,6 +20,8 @@ different roots).
     events/<time_ns:020d>-<writer>   Event: a state change with its reason
     cordon/<node>             present = the node takes no new work (operator's choice)
     commands/checkpoint       a request for a checkpoint now (value: request id)
+    torchrun/<run_id>/state   torchrun's rendezvous state (lazarus.rendezvous_backend), for
+    torchrun/<run_id>/store/  users of `torchrun --rdzv-backend lazarus-etcd`; leased
 
 Records read back from etcd may be garbage (a person with etcdctl, a different version): each
 `parse_*` raises RecordError, which readers log and skip; nothing here crashes the daemon.

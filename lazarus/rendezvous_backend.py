@@ -51,7 +51,7 @@ def create_rdzv_handler() -> Callable:
     return make_handler
 
 
-def make_handler(params):
+def make_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """RendezvousParameters -> a DynamicRendezvousHandler whose state and store live in etcd."""
     cfg = RendezvousEtcdConfig.from_params(params)
     space = EtcdSpace(process_etcd(params.endpoint, cfg), cfg)
@@ -77,6 +77,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+    DynamicRendezvousHandler,
     RendezvousBackend,
     create_handler,
 )
@@ -193,8 +194,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
     """The rendezvous state in one etcd key; the token is the key's mod_revision."""
 
     def __init__(self, space: EtcdSpace, run_id: str):
-        if not run_id:
-            raise ValueError("the rendezvous needs a run id (--rdzv-id)")
         self._space = space
         base = f"{space.cfg.key_prefix}{run_id}/"
         self.key = base + "state"
@@ -217,7 +216,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             put = put_op(key, state, lease=self._space.lease())
             if token is None:
                 # A new incarnation of this run id: drop store keys an older one left behind.
-                return etcd.txn([key_missing(key)], [put, delete_op(self.store_prefix, prefix=True)])
+                return etcd.txn([key_missing(key)],
+                                [put, delete_op(self.store_prefix, prefix=True)])
             return etcd.txn([mod_revision_is(key, token)], [put])
 
         won = self._space.call(attempt, f"writing {key}")

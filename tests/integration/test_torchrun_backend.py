@@ -1,0 +1,163 @@
+"""`torchrun --rdzv-backend lazarus-etcd` with a user's plain script, against a real etcd.
+
+Two torchrun processes on this machine play two nodes; their workers talk gloo. torchrun
+finds the backend through the `torchrun.handlers` entry point of the installed package.
+
+About 1 launch in 40 here ends with a rank aborting in C++ teardown after the script finished
+("terminate called without an active exception", FACTS.md). `run_job` accepts a non-zero
+exit only with that message AND every rank's result printed: the work was done. Any other
+failure fails the test.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from lazarus.embedded_etcd import EmbeddedEtcd
+from lazarus.etcd import Etcd
+from lazarus.rendezvous_backend import (
+    EtcdRendezvousBackend,
+    EtcdSpace,
+    EtcdStore,
+    RendezvousEtcdConfig,
+    make_handler,
+)
+
+SCRIPT = Path(__file__).parent / "scripts" / "user_allreduce.py"
+EXIT_ABORT = "terminate called without an active exception"
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+def torchrun(endpoint: str, run_id: str, *, nnodes: str, max_restarts: int = 0,
+             script_args: tuple[str, ...] = (), rdzv_conf: str = "") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "lazarus-etcd",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--nnodes", nnodes,
+           "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
+           "--monitor-interval", "0.1"]
+    if rdzv_conf:
+        cmd += ["--rdzv-conf", rdzv_conf]
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE is left unset on purpose: the backend must make
+    # restarts work by itself.
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    return subprocess.Popen(cmd + [str(SCRIPT), *script_args], env={**env, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def new_run_id() -> str:
+    return f"job-{uuid.uuid4().hex[:8]}"
+
+
+def run_job(endpoint: str, run_id: str, *, nodes: int = 2, nnodes: str = "2", **kw) -> list[str]:
+    """Start `nodes` torchrun agents of one job; all stdout lines once every agent finished."""
+    agents = [torchrun(endpoint, run_id, nnodes=nnodes, **kw) for _ in range(nodes)]
+    outs = [a.communicate(timeout=120) for a in agents]
+    lines = [line for out, _ in outs for line in out.splitlines()]
+    results = [line for line in lines if line.startswith("result ")]
+    for agent, (out, err) in zip(agents, outs):
+        if agent.returncode != 0:
+            assert EXIT_ABORT in err and len(results) == nodes, f"agent failed:\n{out}\n{err}"
+    return lines
+
+
+def test_two_torchrun_agents_run_a_plain_script(etcd):
+    run_id = new_run_id()
+    # Elastic 1..2 nodes: both agents start together, so the round fills up to 2 at once.
+    lines = run_job(etcd.endpoint, run_id, nnodes="1:2")
+    assert sorted(line for line in lines if line.startswith("result ")) == [
+        "result rank=0 world=2 sum=3", "result rank=1 world=2 sum=3"]
+
+    # The finished job's rendezvous is closed; a new job under the same id is told why.
+    again = torchrun(etcd.endpoint, run_id, nnodes="1")
+    _, err = again.communicate(timeout=60)
+    assert again.returncode != 0
+    assert "give this job its own --rdzv-id" in err, err
+
+
+def test_a_crashed_worker_is_restarted_and_the_job_completes(etcd, tmp_path):
+    marker = tmp_path / "crashed"
+    lines = run_job(etcd.endpoint, new_run_id(), max_restarts=1,
+                    script_args=("--crash-once", str(marker)))
+    assert "crashing rank=0" in lines  # the first attempt did fail
+    assert sorted(line for line in lines if line.startswith("result ")) == [
+        "result rank=0 world=2 sum=3", "result rank=1 world=2 sum=3"]
+
+
+@pytest.fixture
+def space(etcd):
+    client = Etcd(etcd.endpoint)
+    yield EtcdSpace(client, RendezvousEtcdConfig(etcd_timeout_s=5))
+    client.close()
+
+
+def test_set_state_is_compare_and_set_on_the_token(space):
+    run_id = f"cas-{uuid.uuid4().hex[:8]}"
+    a, b = EtcdRendezvousBackend(space, run_id), EtcdRendezvousBackend(space, run_id)
+    assert a.get_state() is None
+
+    state1, token1, won = a.set_state(b"one")
+    assert (state1, won) == (b"one", True)
+    # Without a token a write only creates: b sees a's state and loses.
+    assert b.set_state(b"two") == (b"one", token1, False)
+
+    state2, token2, won = b.set_state(b"two", token1)
+    assert (state2, won) == (b"two", True) and token2 != token1
+    # a still holds token1: stale, so it loses and learns the current state and token.
+    assert a.set_state(b"three", token1) == (b"two", token2, False)
+    assert a.get_state() == (b"two", token2)
+
+
+def test_store_counts_waits_and_is_cleared_for_a_new_run(space):
+    run_id = f"store-{uuid.uuid4().hex[:8]}"
+    backend = EtcdRendezvousBackend(space, run_id)
+    store = EtcdStore(space, backend.store_prefix, timeout=timedelta(seconds=1))
+    assert [store.add("n", 1), store.add("n", 2)] == [1, 3]
+    with pytest.raises(dist.DistStoreError):
+        store.get("never-set")
+    # Wrapped the way torch wraps it per round.
+    dist.PrefixStore("round.0", store).set("addr", "host:1")
+    assert dist.PrefixStore("round.0", store).get("addr") == b"host:1"
+    # The store keys above predate the state: creating the state (a new incarnation of this
+    # run id) drops them, so a reused run id never reads an old job's round-0 address.
+    backend.set_state(b"fresh")
+    assert not store.check(["n"]) and not store.check(["round.0/addr"])
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_etcd_fails_fast_with_a_clear_message():
+    endpoint = f"127.0.0.1:{closed_port()}"
+    agent = torchrun(endpoint, "job-unreachable", nnodes="1", rdzv_conf="etcd_timeout=2")
+    # A hang would outlast this (torch's default join timeout is 600 s).
+    _, err = agent.communicate(timeout=60)
+    assert agent.returncode != 0
+    assert f"etcd at {endpoint} did not answer for 2 s" in err, err
+
+
+@pytest.mark.parametrize("endpoint, conf, message", [
+    ("no-port-here", {}, "is not HOST:PORT"),
+    ("127.0.0.1:2379", {"etcd_timeout": "soon"}, "etcd_timeout='soon' is not a number"),
+    ("127.0.0.1:2379", {"state_ttl": "10"}, "state_ttl=10 must be at least three keep_alive"),
+    ("127.0.0.1:2379", {"key_prefix": "jobs"}, "must start with '/'"),
+])
+def test_bad_rendezvous_options_are_named(endpoint, conf, message):
+    # Checked before any etcd client exists, so this costs no torchrun launch.
+    params = RendezvousParameters("lazarus-etcd", endpoint, "job", 1, 2, **conf)
+    with pytest.raises(ValueError, match=message):
+        make_handler(params)
