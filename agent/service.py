@@ -180,13 +180,9 @@ class Agent:
                 self.workers.stop()
         if mine and (self.workers.group is None or self.workers.group.round != rec.round):
             self._launch(rec)
-        if self.workers.group is None or self._has_stepped():
-            # Refilling while a round starts would steal the CPU its workers need.
-            self.workers.refill()
-
-    def _has_stepped(self) -> bool:
-        with self._lock:
-            return self._step["step"] > 0
+        # Refill at once, even while a round starts: the next fault may come any second, and
+        # a parked worker still importing torch then is no better than a cold start.
+        self.workers.refill()
 
     def _launch(self, rec: RoundRecord) -> None:
         ranks = rec.ranks_of(self.node)

@@ -79,6 +79,9 @@ def run(assignment: WorkerAssignment) -> int:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     a = assignment
     cfg = TrainConfig.from_dict(a.train)
+    if cfg.dp * cfg.tp != a.world_size:
+        raise UserError(f"mesh dp {cfg.dp} x tp {cfg.tp} = {cfg.dp * cfg.tp} ranks, but the "
+                        f"assignment's world size is {a.world_size}")
     device = device_type()
     if device == "cuda":
         torch.cuda.set_device(a.local_rank)
