@@ -4,6 +4,8 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     kill-worker@STEP[:NODE]   SIGKILL one training rank (of NODE, else of the last member)
     kill-node@STEP[:NODE]     SIGKILL a node's agent; its workers die with it, its lease lapses
     kill-daemon@STEP          SIGKILL the leading daemon; a standby must take over
+    revive-node@STEP[:NODE]   start a killed node's agent again (default: the last one
+                              killed); it joins the run at the next checkpoint boundary
 
 A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1".
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from lazarus.errors import UserError
 
-KINDS = ("kill-worker", "kill-node", "kill-daemon")
+KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node")
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
 
 

@@ -56,6 +56,7 @@ class LocalCluster:
         self.etcd: E.Etcd | None = None
         self.daemons: list[Proc] = []
         self.agents: dict[str, Proc] = {}
+        self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -94,7 +95,15 @@ class LocalCluster:
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level])
         self.agents[node] = proc
+        self._agent_spec[node] = (nproc, role)
         return proc
+
+    def revive_node(self, node: str) -> str:
+        """Start a killed node's agent again, as the same node id with the same role."""
+        assert not self.agents[node].alive, f"node {node} is alive"
+        nproc, role = self._agent_spec[node]
+        self.start_agent(node, nproc=nproc, role=role)
+        return node
 
     def submit(self, job: JobSpec) -> None:
         assert self.etcd is not None

@@ -111,6 +111,12 @@ def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
     members = st.status.members if st.status else []
     if fault.kind == "kill-daemon":
         return None
+    if fault.kind == "revive-node":
+        dead = [n for n, proc in cluster.agents.items() if not proc.alive]
+        node = fault.target or (dead[-1] if dead else None)
+        if node is None or node not in dead:
+            raise UserError(f"--chaos revive-node@{fault.step}: no killed node {node!r} to revive")
+        return node
     node = fault.target or (members[-1] if members else None)
     if node is None or node not in cluster.agents:
         raise UserError(f"--chaos {fault.kind}@{fault.step}: no node {node!r} to hit")
@@ -124,6 +130,8 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
         fault.hit = cluster.kill_worker(node)
     elif fault.kind == "kill-node":
         fault.hit = cluster.kill_node(node)
+    elif fault.kind == "revive-node":
+        fault.hit = cluster.revive_node(node)
     else:
         fault.hit = cluster.kill_daemon()
         cluster.start_daemon()  # a new standby, so the next leader death is covered too
@@ -133,7 +141,7 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 leader_changes: list[tuple[float, int]]) -> list[dict]:
     out = []
     for f in faults:
-        if f.fired_at is None:
+        if f.fired_at is None or f.kind == "revive-node":
             continue
         rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
                "detected_after_s": None, "recovered_after_s": None, "culprit": None}
