@@ -1,0 +1,104 @@
+"""Bad input to the control-plane commands: one clear line, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lazarus import chaos
+from lazarus.errors import UserError
+from lazarus.etcd import parse_endpoint
+from lazarus.records import NodeStatus, RecordError, RunStatus
+
+
+def lazarus(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "lazarus.cli", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_chaos_schedule_parses_and_sorts():
+    faults = chaos.parse_schedule("kill-node@30:n1, kill-worker@10,kill-daemon@20")
+    assert [(f.kind, f.step, f.target) for f in faults] == [
+        ("kill-worker", 10, None), ("kill-daemon", 20, None), ("kill-node", 30, "n1")]
+    assert chaos.parse_schedule("") == []
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ("explode@3", "unknown fault 'explode'"),
+    ("kill-worker", "is not KIND@STEP"),
+    ("kill-worker@x", "is not KIND@STEP"),
+    ("kill-worker@0", "at least 1"),
+    ("kill-daemon@5:n1", "takes no target"),
+])
+def test_bad_chaos_schedule(spec, expect):
+    with pytest.raises(UserError, match=expect):
+        chaos.parse_schedule(spec)
+
+
+@pytest.mark.parametrize("endpoint, expect", [
+    ("127.0.0.1:2379", ("127.0.0.1", 2379)),
+    ("http://etcd.local:23790/", ("etcd.local", 23790)),
+])
+def test_endpoint_parsing(endpoint, expect):
+    assert parse_endpoint(endpoint) == expect
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", ":2379", "host:99999", "host:abc", ""])
+def test_bad_endpoint(endpoint):
+    with pytest.raises(UserError, match="is not HOST:PORT"):
+        parse_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("raw, expect", [
+    (b"nope", "not JSON"),
+    (b"[1]", "expected a JSON object"),
+    (b'{"job_id": "J"}', "missing field 'state'"),
+    (b'{"job_id": "J", "state": "DANCING"}', "unknown state"),
+    (b'{"job_id": "J", "state": "RUNNING", "round": "3"}', "wrong type"),
+    (b'{"job_id": "J", "state": "RUNNING", "round": true}', "wrong type"),
+])
+def test_garbage_run_status_is_a_record_error(raw, expect):
+    with pytest.raises(RecordError, match=expect):
+        RunStatus.from_json(raw)
+
+
+def test_record_round_trip():
+    ns = NodeStatus(node="n0", round=3, workers="running", step=7, exit_codes={"1": -9})
+    assert NodeStatus.from_json(ns.to_json()) == ns
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["up", "--nodes", "2", "--dp", "3"], "--dp 3 x --tp 1 = 3 ranks"),
+    (["up", "--chaos", "kill-everything@3"], "unknown fault"),
+    (["up", "--nproc-per-node", "2", "--tp", "4"], "tp=4 must divide nproc_per_node=2"),
+    (["up", "--lease-ttl", "1"], "--lease-ttl must be at least 2"),
+    (["up", "--model", "gigantic"], "gigantic"),
+    (["up", "--steps", "0"], "--steps must be at least 1"),
+    (["agent", "--nproc", "0"], "--nproc must be at least 1"),
+    (["agent", "--role", "boss"], "--role must be active or spare"),
+    (["daemon", "--etcd", "nonsense"], "is not HOST:PORT"),
+])
+def test_bad_command_lines(args, expect, tmp_path):
+    if args[0] == "up":
+        args = [*args, "--workdir", str(tmp_path)]
+    if args[0] == "agent":
+        args = [*args, "--etcd", "127.0.0.1:9", "--workdir", str(tmp_path)]
+    line = one_error_line(lazarus(*args))
+    assert expect in line, line
+
+
+def test_missing_etcd_binary_says_how_to_install(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no etcd on this PATH
+    line = one_error_line(lazarus("daemon", "--etcd", "embedded", env=env))
+    assert "apt-get install -y etcd-server" in line
