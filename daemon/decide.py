@@ -15,45 +15,14 @@ Failure classes handled here (DESIGN.md's table):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from lazarus import exitcodes
 from lazarus.jobspec import JobSpec
-from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, ROLE_ACTIVE, RUNNING,
-                             SUCCEEDED, TERMINAL, W_FAILED, W_RUNNING, W_SUCCEEDED,
-                             CheckpointRecord, RoundRecord, RunStatus)
+from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED, TERMINAL,
+                             W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
+from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus
+from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
-
-
-@dataclass(frozen=True, slots=True)
-class AcceptJob:
-    job: JobSpec
-
-
-@dataclass(frozen=True, slots=True)
-class SetStatus:
-    status: RunStatus
-
-
-@dataclass(frozen=True, slots=True)
-class StartRound:
-    record: RoundRecord
-
-
-@dataclass(frozen=True, slots=True)
-class Emit:
-    kind: str
-    message: str
-    fields: dict = field(default_factory=dict)
-
-
-Action = AcceptJob | SetStatus | StartRound | Emit
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    actions: list
-    reason: str
 
 
 def decide(now: float, view: ClusterView) -> Decision:
@@ -79,24 +48,6 @@ def decide(now: float, view: ClusterView) -> Decision:
     return _HANDLERS[st.state](now, view, job, st)
 
 
-# -- membership -------------------------------------------------------------------------------
-def _usable(view: ClusterView, job: JobSpec) -> list[str]:
-    """Nodes that may take work: registered, not cordoned, with enough ranks; actives first."""
-    ok = [n for n, rec in view.nodes.items()
-          if n not in view.cordoned and rec.nproc >= job.nproc_per_node]
-    return sorted(ok, key=lambda n: (view.nodes[n].role != ROLE_ACTIVE, n))
-
-
-def _choose(view: ClusterView, job: JobSpec, keep: list[str]) -> list[str]:
-    members = [n for n in keep if n in view.nodes and n not in view.cordoned][: job.nodes]
-    for n in _usable(view, job):
-        if len(members) >= job.nodes:
-            break
-        if n not in members:
-            members.append(n)
-    return members
-
-
 def _lost(view: ClusterView, st: RunStatus) -> list[str]:
     return [n for n in st.members if n not in view.nodes]
 
@@ -118,11 +69,6 @@ def _peer_grace_s(view: ClusterView, st: RunStatus) -> float:
     return max(ttls, default=5) + 1.0
 
 
-def _restore(view: ClusterView, job_id: str) -> CheckpointRecord | None:
-    good = [c for c in view.checkpoints if c.good and c.job_id == job_id]
-    return good[-1] if good else None
-
-
 def _repair_status(now: float, view: ClusterView) -> Decision:
     """run/status is unreadable (hand-edited, corrupted). The run is not lost: the round
     records say which job ran on which nodes, so rebuild the status and recover from there."""
@@ -136,30 +82,6 @@ def _repair_status(now: float, view: ClusterView) -> Decision:
                        incident={"kind": "status_repaired", "culprit": "run/status",
                                  "fault_at": now, "detected_at": now, "round": rec.round})
     return Decision([SetStatus(status), Emit("status_repaired", reason)], reason)
-
-
-# -- transitions ------------------------------------------------------------------------------
-def _start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
-                 members: list[str], reason: str, *, restarts: int) -> Decision:
-    n = max(st.round, view.last_round) + 1
-    first = view.nodes[members[0]]
-    ckpt = _restore(view, job.id)
-    train = job.train_config_for(len(members))
-    record = RoundRecord(
-        round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
-        world_size=job.world_size(len(members)), dp=train["dp"], tp=job.tp,
-        store_host=first.host, store_port=first.store_port,
-        restore=ckpt.path if ckpt else None, restore_step=ckpt.step if ckpt else 0,
-        train=train)
-    status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
-                                 reason=reason, restarts=restarts, restore=record.restore,
-                                 restore_step=record.restore_step)
-    msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size} "
-           f"(dp {record.dp} x tp {record.tp}), "
-           + (f"restoring step {ckpt.step}" if ckpt else "from scratch") + f" -- {reason}")
-    return Decision([StartRound(record), SetStatus(status),
-                     Emit("round_started", msg, {"members": members, "restore_step":
-                                                 record.restore_step})], msg)
 
 
 def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], reason: str,
@@ -197,11 +119,11 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
 
 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
-    members = _choose(view, job, [])
+    members = choose(view, job, [])
     waited = now - st.since
     if len(members) >= job.nodes or (len(members) >= job.min_nodes
                                      and waited >= job.rendezvous_timeout_s):
-        return _start_round(now, view, job, st, members, "first round", restarts=st.restarts)
+        return start_round(now, view, job, st, members, "first round", restarts=st.restarts)
     return Decision([], f"waiting for nodes: {len(members)} of {job.nodes} "
                         f"(min {job.min_nodes}) after {waited:.0f} s")
 
@@ -248,11 +170,11 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     if len(st.members) < job.nodes:
-        spare = [n for n in _usable(view, job) if n not in st.members]
-        ckpt = _restore(view, job.id)
+        spare = [n for n in usable(view, job) if n not in st.members]
+        ckpt = restore_point(view, job.id)
         if spare and ckpt is not None and ckpt.round == st.round and ckpt.step > st.restore_step:
-            members = _choose(view, job, st.members)
-            return _start_round(now, view, job, st, members,
+            members = choose(view, job, st.members)
+            return start_round(now, view, job, st, members,
                                 f"grow to {len(members)} node(s) at checkpoint step "
                                 f"{ckpt.step} ({', '.join(m for m in members if m not in st.members)} "
                                 "joins)", restarts=st.restarts)
@@ -265,14 +187,14 @@ def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
                                      reason=f"gave up after {st.restarts} restarts "
                                             f"(max_restarts); last fault: {st.reason}")
         return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
-    members = _choose(view, job, st.members)
+    members = choose(view, job, st.members)
     if len(members) >= job.min_nodes:
         kept = [n for n in members if n in st.members]
         added = [n for n in members if n not in st.members]
         why = f"recovery {st.restarts + 1}: keep {', '.join(kept) or 'none'}" + (
             f", promote {', '.join(added)}" if added else "") + (
             f", shrink to {len(members)} of {job.nodes}" if len(members) < job.nodes else "")
-        return _start_round(now, view, job, st, members, why, restarts=st.restarts + 1)
+        return start_round(now, view, job, st, members, why, restarts=st.restarts + 1)
     waited = now - st.since
     if waited > job.rendezvous_timeout_s:
         status = dataclasses.replace(st, state=FAILED, since=now,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lazarus import etcd as E
 from lazarus.records import EventRecord, Keys
-from lazarus.daemon.decide import AcceptJob, Decision, Emit, SetStatus, StartRound
+from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.view import ClusterView
 

@@ -19,7 +19,12 @@ different roots).
                               of global rank 0, fenced on run/round
     events/<time_ns:020d>-<writer>   Event: a state change with its reason
     cordon/<node>             present = the node takes no new work (operator's choice)
-    commands/checkpoint       a request for a checkpoint now (value: request id)
+    commands/checkpoint       a request for a checkpoint now: {"id", "requested_at"}; agents
+                              pass a new id on to their workers
+    commands/drain/<node>     drain NODE: checkpoint, then a new round without it (a spare
+                              takes its place); {"requested_at"}
+    commands/pause            present = the run pauses after a checkpoint; deleted = resume
+    commands/cancel           present = the run ends as CANCELLED
     torchrun/<run_id>/state   torchrun's rendezvous state (lazarus.rendezvous_backend), for
     torchrun/<run_id>/store/  users of `torchrun --rdzv-backend lazarus-etcd`; leased
 
@@ -40,9 +45,10 @@ DEFAULT_ROOT = "/lazarus/v1/"
 
 # Run states (DESIGN.md): PENDING -> RENDEZVOUS -> RUNNING -> RECOVERING -> RENDEZVOUS ...
 PENDING, RENDEZVOUS, RUNNING, RECOVERING = "PENDING", "RENDEZVOUS", "RUNNING", "RECOVERING"
-SUCCEEDED, FAILED = "SUCCEEDED", "FAILED"
-STATES = (PENDING, RENDEZVOUS, RUNNING, RECOVERING, SUCCEEDED, FAILED)
-TERMINAL = (SUCCEEDED, FAILED)
+SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
+PAUSED = "PAUSED"
+STATES = (PENDING, RENDEZVOUS, RUNNING, RECOVERING, PAUSED, SUCCEEDED, FAILED, CANCELLED)
+TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
 
 # Worker states an agent reports for its node in a round.
 W_IDLE, W_STARTING, W_RUNNING, W_FAILED, W_SUCCEEDED = (
@@ -88,6 +94,14 @@ class Keys:
     def cordon(self) -> str: return self.root + "cordon/"
     @property
     def checkpoint_request(self) -> str: return self.root + "commands/checkpoint"
+    @property
+    def drains(self) -> str: return self.root + "commands/drain/"
+    @property
+    def pause(self) -> str: return self.root + "commands/pause"
+    @property
+    def cancel(self) -> str: return self.root + "commands/cancel"
+
+    def drain_key(self, node: str) -> str: return self.drains + node
 
     def round_key(self, n: int) -> str: return f"{self.rounds}{n:08d}"
     def node_key(self, node: str) -> str: return self.nodes + node

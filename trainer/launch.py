@@ -80,6 +80,10 @@ def check_inputs(cfg: TrainConfig) -> str | None:
     from lazarus.trainer import checkpoint as ckpt
     from lazarus.trainer.data import TokenDataset, ensure_corpus
 
+    if cfg.fused_kernels:
+        from lazarus.trainer.models.llama import select_ops
+
+        select_ops(fused=True)  # UserError here, not in every rank, if the kernels are missing
     dataset = TokenDataset(ensure_corpus(Path(cfg.data) if cfg.data else None), cfg.seq_len)
     if cfg.global_batch > len(dataset):
         raise UserError(f"global batch {cfg.global_batch} is larger than the corpus "

@@ -22,7 +22,7 @@ from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer, lr_at, set_lr
-from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model
+from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model, device_type
 from lazarus.trainer.session import Session
 
 # Exit code of a rank killed by fault injection (LAZARUS_FAIL_AT): tests tell it apart from a
@@ -83,9 +83,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     checkpoint in flight has been committed, so a test knows which checkpoint survives.
     """
     rank = dist.get_rank()
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    mesh = build_mesh(device_type, dp=cfg.dp, tp=cfg.tp)
+    kind = device_type()
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    mesh = build_mesh(kind, dp=cfg.dp, tp=cfg.tp)
     torch.manual_seed(cfg.seed)
 
     model = build_model(get_model_config(cfg.model), mesh,

@@ -25,8 +25,8 @@ def run_ranks(tmp_path, *, dp: int, tp: int) -> dict:
     world = dp * tp
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / f"dp{dp}tp{tp}.pt"
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(store.port), str(dp), str(tp), str(out)],
-                              env={"OMP_NUM_THREADS": "1", **os.environ})
+    args = [str(world), str(store.port), str(dp), str(tp), str(out)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), *args], env={"OMP_NUM_THREADS": "1", **os.environ})
              for r in range(world)]
     codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0] * world

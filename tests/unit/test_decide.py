@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from lazarus import jobspec
-from lazarus.daemon.decide import AcceptJob, Emit, SetStatus, StartRound, decide
+from lazarus.daemon.actions import AcceptJob, Emit, SetStatus, StartRound
+from lazarus.daemon.decide import decide
 from lazarus.daemon.view import ClusterView
 from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
                              CheckpointRecord, NodeRecord, NodeStatus, RoundRecord, RunStatus)

@@ -86,7 +86,7 @@ def test_reference_ops():
 
 def test_rope_rotates_pairs_and_keeps_relative_positions():
     cfg = get_model_config("tiny")
-    cos, sin = rope_tables(cfg)
+    cos, sin = rope_tables(cfg, "cpu")
     t, d = 6, cfg.head_dim
     q = torch.randn(1, 1, 1, d).expand(1, t, 1, d)
     k = torch.randn(1, 1, 1, d).expand(1, t, 1, d)

@@ -111,10 +111,13 @@ def select_ops(fused: bool) -> SimpleNamespace:
     missing = [n for n in _KERNEL_NAMES if not hasattr(kernels, n)]
     if missing:
         raise UserError(f"fused_kernels is on but lazarus.trainer.kernels lacks {', '.join(missing)}")
+    ok, why = kernels.available()
+    if not ok:
+        raise UserError(f"fused_kernels is on but the kernels cannot run here: {why}")
     return SimpleNamespace(**{n: getattr(kernels, n) for n in _KERNEL_NAMES})
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_seq_len, head_dim / 2], in fp32."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
@@ -194,7 +197,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ops) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg)  # on the default device: meta when built for sharding
+        cos, sin = rope_tables(cfg, None)  # the default device: meta when built for sharding
         # Not persistent: derived from the config, so checkpoints carry weights only.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

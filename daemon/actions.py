@@ -1,0 +1,53 @@
+"""What decide() may ask for. The executor turns a Decision into one fenced transaction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lazarus.jobspec import JobSpec
+from lazarus.records import RoundRecord, RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptJob:
+    job: JobSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SetStatus:
+    status: RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class StartRound:
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    kind: str
+    message: str
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCheckpoint:
+    """Ask every rank for a checkpoint now (passed on by the agents at the next step)."""
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cordon:
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClearCommand:
+    """The operator command is done: delete its key ("drain/<node>", "cancel")."""
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    actions: list
+    reason: str

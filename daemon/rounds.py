@@ -1,0 +1,56 @@
+"""Choosing a round: its members (topology: actives first, a node's ranks together), its
+rank order, its store and the checkpoint it restores. Pure helpers of the policy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lazarus.jobspec import JobSpec
+from lazarus.records import RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord, RoundRecord, RunStatus
+from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
+from lazarus.daemon.view import ClusterView
+
+
+def usable(view: ClusterView, job: JobSpec) -> list[str]:
+    """Nodes that may take work: registered, not cordoned, with enough ranks; actives first."""
+    ok = [n for n, rec in view.nodes.items()
+          if n not in view.cordoned and rec.nproc >= job.nproc_per_node]
+    return sorted(ok, key=lambda n: (view.nodes[n].role != ROLE_ACTIVE, n))
+
+
+def choose(view: ClusterView, job: JobSpec, keep: list[str]) -> list[str]:
+    members = [n for n in keep if n in view.nodes and n not in view.cordoned][: job.nodes]
+    for n in usable(view, job):
+        if len(members) >= job.nodes:
+            break
+        if n not in members:
+            members.append(n)
+    return members
+
+
+def restore_point(view: ClusterView, job_id: str) -> CheckpointRecord | None:
+    good = [c for c in view.checkpoints if c.good and c.job_id == job_id]
+    return good[-1] if good else None
+
+
+def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
+                 members: list[str], reason: str, *, restarts: int) -> Decision:
+    n = max(st.round, view.last_round) + 1
+    first = view.nodes[members[0]]
+    ckpt = restore_point(view, job.id)
+    train = job.train_config_for(len(members))
+    record = RoundRecord(
+        round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
+        world_size=job.world_size(len(members)), dp=train["dp"], tp=job.tp,
+        store_host=first.host, store_port=first.store_port,
+        restore=ckpt.path if ckpt else None, restore_step=ckpt.step if ckpt else 0,
+        train=train)
+    status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
+                                 reason=reason, restarts=restarts, restore=record.restore,
+                                 restore_step=record.restore_step)
+    msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size} "
+           f"(dp {record.dp} x tp {record.tp}), "
+           + (f"restoring step {ckpt.step}" if ckpt else "from scratch") + f" -- {reason}")
+    return Decision([StartRound(record), SetStatus(status),
+                     Emit("round_started", msg, {"members": members, "restore_step":
+                                                 record.restore_step})], msg)
