@@ -63,10 +63,11 @@ class Agent:
         self._lock = threading.Lock()       # guards the step fields the channel updates
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
         self._job_id = ""                   # job of the round our workers run
+        self._checkpoint_request: bytes | None = None
         self._published_state: tuple | None = None
         self._published_step = -1
         self._published_at = 0.0
-        self._watch: E.Watch | None = None
+        self._watches: list[E.Watch] = []
         self._etcd_down_since: float | None = None
 
     # -- registration ------------------------------------------------------------------------
@@ -146,7 +147,9 @@ class Agent:
 
     # -- reconcile ---------------------------------------------------------------------------
     def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
-        snap = self.etcd.snapshot([self.keys.status, self.keys.round])
+        snap = self.etcd.snapshot([self.keys.status, self.keys.round,
+                                   self.keys.checkpoint_request])
+        self._pass_on_checkpoint_request(snap.kvs.get(self.keys.checkpoint_request))
         status = rec = None
         kv = snap.kvs.get(self.keys.status)
         if kv is not None:
@@ -163,6 +166,16 @@ class Agent:
                 except RecordError as e:
                     log.warning("ignoring unreadable round record: %s", e)
         return status, rec
+
+    def _pass_on_checkpoint_request(self, kv: E.KV | None) -> None:
+        """A new request id (the daemon's or an operator's) goes to every local rank once."""
+        req = kv.value if kv is not None else b""
+        if self._checkpoint_request is None:
+            self._checkpoint_request = req  # requests older than this agent are not ours
+        elif req != self._checkpoint_request:
+            self._checkpoint_request = req
+            self.channel.broadcast({"type": "checkpoint_requested"})
+            log.info("checkpoint requested: passed on to the workers")
 
     def reconcile(self) -> None:
         self.register()
@@ -249,10 +262,12 @@ class Agent:
             except E.EtcdUnavailable as e:
                 log.warning("waiting for etcd: %s", e)
                 stop.wait(1.0)
-        self._watch = self.etcd.watch_prefix(self.keys.root + "run/", start_revision=rev + 1,
-                                             on_events=lambda _e: self.wake.set(),
-                                             on_resync=lambda: self.etcd.snapshot(
-                                                 [self.keys.root]).revision + 1)
+        self._watches = [
+            self.etcd.watch_prefix(prefix, start_revision=rev + 1,
+                                   on_events=lambda _e: self.wake.set(),
+                                   on_resync=lambda: self.etcd.snapshot(
+                                       [self.keys.root]).revision + 1)
+            for prefix in (self.keys.root + "run/", self.keys.root + "commands/")]
         next_reconcile = 0.0
         while not stop.is_set():
             woke = self.wake.wait(0.1)
@@ -272,7 +287,8 @@ class Agent:
                     self._etcd_down_since = time.time()
                     log.warning("etcd unreachable (%s); workers keep training", e)
                 stop.wait(0.5)
-        self._watch.cancel()
+        for w in self._watches:
+            w.cancel()
         self.shutdown()
 
     def shutdown(self) -> None:

@@ -18,8 +18,10 @@ import dataclasses
 
 from lazarus import exitcodes
 from lazarus.jobspec import JobSpec
-from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED, TERMINAL,
+from lazarus.records import (FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
+                             SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
+from lazarus.daemon import commands
 from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus
 from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
@@ -45,7 +47,7 @@ def decide(now: float, view: ClusterView) -> Decision:
     job = view.job
     if job is None or job.id != st.job_id:
         return Decision([], f"accepted job record of run {st.job_id} is missing or unreadable")
-    return _HANDLERS[st.state](now, view, job, st)
+    return commands.immediate(now, view, st) or _HANDLERS[st.state](now, view, job, st)
 
 
 def _lost(view: ClusterView, st: RunStatus) -> list[str]:
@@ -169,6 +171,9 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    f"{fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+    command = commands.while_running(now, view, job, st)
+    if command is not None:
+        return command
     if len(st.members) < job.nodes:
         spare = [n for n in usable(view, job) if n not in st.members]
         ckpt = restore_point(view, job.id)
@@ -205,4 +210,4 @@ def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
 
 
 _HANDLERS = {PENDING: _pending, RENDEZVOUS: _rendezvous, RUNNING: _running,
-             RECOVERING: _recovering}
+             RECOVERING: _recovering, PAUSED: commands.paused}

@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 from lazarus import etcd as E
-from lazarus.records import EventRecord, Keys
-from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus, StartRound
+from lazarus.records import EventRecord, Keys, dumps
+from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
+                                    RequestCheckpoint, SetStatus, StartRound)
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.view import ClusterView
 
@@ -32,6 +33,13 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
                              round=status.round if status else 0,
                              state=status.state if status else "", fields=action.fields)
             ops.append(E.put_op(keys.event_key(f"{writer}-{i}"), ev.to_json()))
+        elif isinstance(action, RequestCheckpoint):
+            ops.append(E.put_op(keys.checkpoint_request,
+                                dumps({"id": action.id, "requested_at": now})))
+        elif isinstance(action, Cordon):
+            ops.append(E.put_op(keys.cordon_key(action.node), b"drained"))
+        elif isinstance(action, ClearCommand):
+            ops.append(E.delete_op(keys.root + "commands/" + action.name))
         else:
             raise AssertionError(f"unknown action {action!r}")
     return ops

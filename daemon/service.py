@@ -47,7 +47,8 @@ class Daemon:
     def _prefixes(self) -> list[str]:
         k = self.keys
         # Everything the policy reads; events are write-only for the controller.
-        return [k.job, k.root + "run/", k.rounds, k.nodes, k.nodestatus, k.checkpoints, k.cordon]
+        return [k.job, k.root + "run/", k.rounds, k.nodes, k.nodestatus, k.checkpoints, k.cordon,
+                k.root + "commands/"]
 
     def _start_watch(self) -> None:
         def resync() -> int:

@@ -29,6 +29,13 @@ class ClusterView:
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     cordoned: set[str] = field(default_factory=set)
+    # Operator commands (see lazarus.records). Revisions order them against checkpoint
+    # commits without trusting anybody's clock.
+    checkpoint_revision: dict[int, int] = field(default_factory=dict)  # step -> mod revision
+    drains: dict[str, int] = field(default_factory=dict)   # node -> request revision
+    pause_revision: int | None = None
+    cancel_requested: bool = False
+    checkpoint_request_revision: int = 0
     ignored: dict[str, str] = field(default_factory=dict)  # key -> why it was ignored
 
     def latest_checkpoint(self) -> CheckpointRecord | None:
@@ -61,7 +68,17 @@ def parse(snap: Snapshot, keys: Keys) -> ClusterView:
                 rec = NodeStatus.from_json(kv.value, key)
                 view.node_status[rec.node] = rec
             elif key.startswith(keys.checkpoints):
-                view.checkpoints.append(CheckpointRecord.from_json(kv.value, key))
+                rec = CheckpointRecord.from_json(kv.value, key)
+                view.checkpoints.append(rec)
+                view.checkpoint_revision[rec.step] = kv.mod_revision
+            elif key.startswith(keys.drains):
+                view.drains[key[len(keys.drains):]] = kv.mod_revision
+            elif key == keys.pause:
+                view.pause_revision = kv.mod_revision
+            elif key == keys.cancel:
+                view.cancel_requested = True
+            elif key == keys.checkpoint_request:
+                view.checkpoint_request_revision = kv.mod_revision
             elif key.startswith(keys.cordon):
                 view.cordoned.add(key[len(keys.cordon):])
         except (ValueError, TypeError, KeyError) as e:  # RecordError, UserError, bad JSON
