@@ -7,6 +7,7 @@ ports, started with PR_SET_PDEATHSIG so that it never outlives the process that 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from lazarus.errors import UserError
@@ -76,13 +78,21 @@ class EmbeddedEtcd:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode}; "
                                    f"see {self.log_file}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+            if self._healthy():
+                return self
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {timeout_s:.0f} s")
+
+    def _healthy(self) -> bool:
+        """etcd answers /health with true once it has a leader and serves requests; an open
+        port alone is not enough (a client then times out waiting for gRPC settings)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+                                        timeout=0.5) as resp:
+                return json.loads(resp.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -8,7 +8,7 @@ from lazarus.daemon.actions import (ClearCommand, Cordon, Emit, RequestCheckpoin
 from lazarus.daemon.decide import decide
 from lazarus.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, CheckpointRecord
 
-from test_decide import NOW, kinds, only, status, view
+from tests.unit.test_decide import NOW, kinds, only, status, view
 
 
 def ckpt(step, rev, view_):
@@ -47,7 +47,7 @@ def test_drain_of_a_member_checkpoints_first_then_swaps_in_the_spare():
 
 
 def test_drain_below_min_nodes_waits_for_a_spare():
-    from test_decide import job
+    from tests.unit.test_decide import job
     v = view(status=status(RUNNING), j=job(min_nodes=2))
     v.drains = {"b": 50}
     ckpt(12, 60, v)
