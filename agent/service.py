@@ -34,6 +34,8 @@ log = logging.getLogger("lazarus.agent")
 # Node status carries the latest step; writing it more often than this would make every
 # node an etcd writer per step, which the design forbids at scale.
 STATUS_PERIOD_S = 1.0
+# Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
+MAX_SPIKES = 32
 
 
 class Agent:
@@ -62,6 +64,7 @@ class Agent:
         self.wake = threading.Event()
         self._lock = threading.Lock()       # guards the step fields the channel updates
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+        self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
         self._job_id = ""                   # job of the round our workers run
         self._checkpoint_request: bytes | None = None
         self._published_state: tuple | None = None
@@ -96,6 +99,15 @@ class Agent:
                 if msg.get("round") == self._group_round():
                     st = self._step
                     st["step"] = max(st["step"], int(msg.get("step", 0)))
+                    spike = msg.get("spike")
+                    if isinstance(spike, dict) and msg.get("rank") == min(self._local_ranks(),
+                                                                          default=0):
+                        self._spikes.append({"step": int(msg.get("step", 0)),
+                                             "window": spike.get("window"),
+                                             "loss": spike.get("loss"),
+                                             "reason": spike.get("reason")})
+                        del self._spikes[:-MAX_SPIKES]
+                        self.wake.set()
                     if msg.get("rank") == min(self._local_ranks(), default=0):
                         st["loss"] = float(msg.get("loss", 0.0))
                         dt = float(msg.get("step_time_s", 0.0))
@@ -207,6 +219,7 @@ class Agent:
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+            self._spikes = []
         self._job_id = rec.job_id
         self.workers.launch(rec.round, assignments)
         log.info("round %d: started ranks %s%s", rec.round, ranks,
@@ -217,6 +230,7 @@ class Agent:
         g = self.workers.group
         with self._lock:
             st = dict(self._step)
+            spikes = list(self._spikes)
         if g is None:
             state = W_IDLE
         elif g.failed:
@@ -232,12 +246,12 @@ class Agent:
             failed_rank=g.failed_rank() if g else None, step=st["step"], loss=st["loss"],
             step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
             pids=g.pids() if g else [], parked=len(self.workers.parked),
-            updated_at=time.time(), fault_at=g.fault_at if g else 0.0)
+            updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes)
 
     def publish(self, *, force: bool = False) -> None:
         """Write node status on a change of worker state at once, else at most once a period."""
         status = self.node_status()
-        state = (status.workers, status.round, status.failed_rank)
+        state = (status.workers, status.round, status.failed_rank, len(status.spikes))
         now = time.time()
         if not force and state == self._published_state and (
                 status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):

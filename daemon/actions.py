@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazarus.jobspec import JobSpec
-from lazarus.records import RoundRecord, RunStatus
+from lazarus.records import CheckpointRecord, RoundRecord, RunStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,13 @@ class Cordon:
 class ClearCommand:
     """The operator command is done: delete its key ("drain/<node>", "cancel")."""
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class MarkCheckpoint:
+    """Rewrite a checkpoint's registry record as good or not (rollback abandons some)."""
+    checkpoint: CheckpointRecord
+    good: bool
 
 
 @dataclass(frozen=True, slots=True)

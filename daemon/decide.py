@@ -21,7 +21,7 @@ from lazarus.jobspec import JobSpec
 from lazarus.records import (FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands
+from lazarus.daemon import commands, spikes
 from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus
 from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
@@ -171,6 +171,9 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    f"{fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+    rolled_back = spikes.rollback(now, view, job, st)
+    if rolled_back is not None:
+        return rolled_back
     command = commands.while_running(now, view, job, st)
     if command is not None:
         return command

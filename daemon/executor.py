@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lazarus import etcd as E
 from lazarus.records import EventRecord, Keys, dumps
 from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
-                                    RequestCheckpoint, SetStatus, StartRound)
+                                    MarkCheckpoint, RequestCheckpoint, SetStatus, StartRound)
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.view import ClusterView
 
@@ -36,6 +38,9 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
         elif isinstance(action, RequestCheckpoint):
             ops.append(E.put_op(keys.checkpoint_request,
                                 dumps({"id": action.id, "requested_at": now})))
+        elif isinstance(action, MarkCheckpoint):
+            rec = dataclasses.replace(action.checkpoint, good=action.good)
+            ops.append(E.put_op(keys.checkpoint_key(rec.step), rec.to_json()))
         elif isinstance(action, Cordon):
             ops.append(E.put_op(keys.cordon_key(action.node), b"drained"))
         elif isinstance(action, ClearCommand):

@@ -33,12 +33,30 @@ def restore_point(view: ClusterView, job_id: str) -> CheckpointRecord | None:
     return good[-1] if good else None
 
 
+_LATEST = object()
+
+
+def round_train_config(job: JobSpec, st: RunStatus, n_nodes: int, restore_step: int) -> dict:
+    """The trainer config of a round: the job's [train] with dp for `n_nodes`, plus what
+    earlier rollbacks ordered (data windows to skip, a lowered LR for a while)."""
+    train = job.train_config_for(n_nodes)
+    if st.skip_windows:
+        train["skip_windows"] = [list(w) for w in st.skip_windows]
+    if st.lr_scale < 1.0 and st.lr_scale_until > restore_step:
+        train["lr_scale"] = st.lr_scale
+        train["lr_scale_steps"] = st.lr_scale_until - restore_step
+    return train
+
+
 def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
-                 members: list[str], reason: str, *, restarts: int) -> Decision:
+                members: list[str], reason: str, *, restarts: int,
+                restore=_LATEST) -> Decision:
+    """`restore`: the checkpoint to resume from (a CheckpointRecord or None for a fresh start);
+    by default the newest good one of this job."""
     n = max(st.round, view.last_round) + 1
     first = view.nodes[members[0]]
-    ckpt = restore_point(view, job.id)
-    train = job.train_config_for(len(members))
+    ckpt = restore_point(view, job.id) if restore is _LATEST else restore
+    train = round_train_config(job, st, len(members), ckpt.step if ckpt else 0)
     record = RoundRecord(
         round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
         world_size=job.world_size(len(members)), dp=train["dp"], tp=job.tp,

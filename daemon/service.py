@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 from lazarus import etcd as E
 from lazarus import logs
@@ -116,6 +118,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lease-ttl", type=int, default=5, help="leader lease TTL in seconds")
     p.add_argument("--data-dir", help="embedded etcd data directory")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--api", default="127.0.0.1:7070",
+                   help="serve the gRPC API on HOST:PORT (port 0: any free port; 'off': no "
+                        "API) (default %(default)s)")
+    p.add_argument("--token-file", help="bearer token clients must send (default: env "
+                   "LAZARUS_TOKEN, else a random one, written to the endpoint file)")
+    p.add_argument("--tls-cert", help="serve the API over TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", help="mutual TLS: clients need a certificate this CA "
+                   "signed")
+    p.add_argument("--endpoint-file", default=None,
+                   help="where to leave the API address and token for the CLI (default "
+                        "$LAZARUS_HOME/endpoint.json or ~/.lazarus/endpoint.json; '' for none)")
     args = p.parse_args(argv)
     logs.setup(args.log_level, "daemon")
     from lazarus import jobspec
@@ -124,6 +138,15 @@ def main(argv: list[str]) -> int:
         raise UserError("--lease-ttl must be at least 2 seconds")
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
+    from lazarus import endpoint_file
+    token = (endpoint_file.load_token(args.token_file) if args.token_file
+             else os.environ.get("LAZARUS_TOKEN") or None)
+    ep_path = endpoint_file.default_path() if args.endpoint_file is None else (
+        Path(args.endpoint_file) if args.endpoint_file else None)
+    if args.api != "off" and token is None:
+        if ep_path is None:
+            raise UserError("give --token-file or LAZARUS_TOKEN when --endpoint-file is ''")
+        token = secrets.token_urlsafe(24)  # only the endpoint file's owner can read it
 
     embedded = None
     endpoint = args.etcd
@@ -136,13 +159,39 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    server = None
     try:
         if job is not None:
             E.retry(lambda: etcd.put(keys.job, job.to_json()), deadline_s=30)
             log.info("submitted job %s (%s)", job.name, job.id)
-        Daemon(etcd, keys, lease_ttl_s=args.lease_ttl).run(stop)
+        daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl)
+        if args.api != "off":
+            from lazarus.daemon import api
+            server, port = api.serve(etcd, keys, address=args.api, token=token,
+                                     tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                     client_ca=args.tls_client_ca, served_by=daemon.writer)
+            address = _advertised(args.api, port)
+            daemon.leadership.identity["api"] = address  # GetRunHealth names the leader's API
+            log.info("API on %s%s", address, " (TLS)" if args.tls_cert else "")
+            if ep_path is not None:
+                endpoint_file.write(ep_path, endpoint_file.Endpoint(
+                    addresses=[address], token=token, pid=os.getpid(),
+                    tls_ca=str(Path(args.tls_cert).resolve()) if args.tls_cert else None))
+        daemon.run(stop)
     finally:
+        if server is not None:
+            server.stop(grace=1.0).wait()
+            if ep_path is not None:
+                endpoint_file.remove_if_mine(ep_path, os.getpid())
         etcd.close()
         if embedded is not None:
             embedded.cleanup()
     return 0
+
+
+def _advertised(listen: str, port: int) -> str:
+    """The address clients dial: the listen host, or this host's name for a wildcard."""
+    host = listen.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = socket.gethostname()
+    return f"{host}:{port}"

@@ -21,6 +21,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "submit": ("lazarus.submit", "main", "submit a job file to the daemon"),
+    "status": ("lazarus.client", "status_main", "the run's health (asks the daemon's API)"),
+    "nodes": ("lazarus.client", "nodes_main", "nodes: role, state, ranks, progress"),
+    "events": ("lazarus.client", "events_main", "the run's events; --follow to keep watching"),
+    "checkpoints": ("lazarus.client", "checkpoints_main", "committed checkpoints"),
+    "checkpoint": ("lazarus.client", "checkpoint_main", "`checkpoint now`: ask for a checkpoint"),
+    "drain": ("lazarus.client", "drain_main", "checkpoint, then swap a spare in for NODE"),
+    "cordon": ("lazarus.client", "cordon_main", "NODE takes no new work"),
+    "uncordon": ("lazarus.client", "uncordon_main", "NODE may take work again"),
+    "pause": ("lazarus.client", "pause_main", "pause the run after a checkpoint"),
+    "resume": ("lazarus.client", "resume_main", "resume a paused run"),
+    "cancel": ("lazarus.client", "cancel_main", "end the current run as CANCELLED"),
 }
 
 

@@ -8,6 +8,9 @@
     max_restarts = 20      # recoveries before the run is declared FAILED
     rendezvous_timeout_s = 60
 
+    [policy]               # loss spikes: lazarus.policy.SpikePolicy (optional)
+    max_spikes = 3
+
     [train]                # lazarus.trainer.config.TrainConfig; dp is derived from the nodes
     model = "tiny"
     tp = 1
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.errors import UserError
+from lazarus.policy import SpikePolicy
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
              "rendezvous_timeout_s", "id"}
@@ -42,7 +46,12 @@ class JobSpec:
     max_restarts: int = 20
     rendezvous_timeout_s: float = 60.0
     train: dict = field(default_factory=dict)
+    policy: dict = field(default_factory=dict)
     id: str = ""
+
+    @property
+    def spike_policy(self) -> "SpikePolicy":
+        return SpikePolicy.from_dict(self.policy, source=f"job {self.name}")
 
     def world_size(self, n_nodes: int) -> int:
         return n_nodes * self.nproc_per_node
@@ -77,16 +86,16 @@ def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> i
 def from_dict(doc: dict, *, source: str) -> JobSpec:
     if not isinstance(doc, dict):
         raise UserError(f"{source}: expected a table with [job] and [train]")
-    unknown_tables = set(doc) - {"job", "train", "id", "name", "nodes", "min_nodes",
-                                 "nproc_per_node", "max_restarts", "rendezvous_timeout_s"}
+    unknown_tables = set(doc) - {"job", "train", "policy"} - _JOB_KEYS
     if unknown_tables:
         raise UserError(f"{source}: unknown table(s) {sorted(unknown_tables)}; "
-                        "a job file has [job] and [train]")
+                        "a job file has [job], [train] and optionally [policy]")
     # to_json writes a flat record (asdict); a TOML file nests [job].
     job = doc.get("job", {k: v for k, v in doc.items() if k in _JOB_KEYS})
     train = doc.get("train", {})
     if not isinstance(job, dict) or not isinstance(train, dict):
         raise UserError(f"{source}: [job] and [train] must be tables")
+    policy = SpikePolicy.from_dict(doc.get("policy", {}), source=source)
     unknown = set(job) - _JOB_KEYS
     if unknown:
         raise UserError(f"{source}: unknown key(s) in [job]: {sorted(unknown)}")
@@ -104,7 +113,7 @@ def from_dict(doc: dict, *, source: str) -> JobSpec:
         name=name, nodes=nodes, min_nodes=min_nodes,
         nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source),
         max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
-        rendezvous_timeout_s=float(timeout), train=dict(train),
+        rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy.as_dict(),
         id=str(job.get("id") or uuid.uuid4().hex[:12]))
     validate_sizes(spec, source=source)
     return spec

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus import etcd as E
-from lazarus.embedded_etcd import EmbeddedEtcd, die_with_parent
+from lazarus.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
 from lazarus.jobspec import JobSpec
 from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
                              RunStatus)
@@ -55,10 +56,16 @@ class LocalCluster:
         self.etcd_server: EmbeddedEtcd | None = None
         self.etcd: E.Etcd | None = None
         self.daemons: list[Proc] = []
+        self.api_addresses: list[str] = []  # one per daemon started, in order
+        self.token = secrets.token_urlsafe(24)
+        self.token_file = workdir / "api-token"
         self.agents: dict[str, Proc] = {}
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
 
     @property
     def endpoint(self) -> str:
@@ -82,10 +89,14 @@ class LocalCluster:
         self.etcd = E.Etcd(self.endpoint)
 
     def start_daemon(self) -> Proc:
+        api = f"127.0.0.1:{free_port()}"
         proc = self._spawn(f"daemon-{len(self.daemons)}",
                            ["daemon", "--etcd", self.endpoint, "--lease-ttl",
-                            str(self.lease_ttl_s), "--log-level", self.log_level])
+                            str(self.lease_ttl_s), "--log-level", self.log_level,
+                            "--api", api, "--token-file", str(self.token_file),
+                            "--endpoint-file", ""])
         self.daemons.append(proc)
+        self.api_addresses.append(api)
         return proc
 
     def start_agent(self, node: str, *, nproc: int, role: str) -> Proc:

@@ -166,6 +166,10 @@ class RunStatus(_Record):
     restore: str | None = None   # checkpoint the current round restores
     restore_step: int = 0
     incident: dict | None = None  # open incident: {"kind", "culprit", "detected_at", "fault_at"}
+    # Loss-spike rollbacks: data windows every later round skips, and a lowered LR until a step.
+    skip_windows: list = field(default_factory=list)
+    lr_scale: float = 1.0
+    lr_scale_until: int = 0
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -226,6 +230,7 @@ class NodeStatus(_Record):
     parked: int = 0
     updated_at: float = 0.0
     fault_at: float = 0.0       # wall time the agent saw the failure
+    spikes: list = field(default_factory=list)  # recent skipped steps: {"step", "window", ...}
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

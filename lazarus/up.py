@@ -9,12 +9,14 @@ recovered from the last checkpoint with no human in the loop.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
-from lazarus import chaos, jobspec
+from lazarus import chaos, endpoint_file, jobspec
 from lazarus.errors import UserError
 from lazarus.localcluster import LocalCluster
 from lazarus.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
@@ -135,6 +137,17 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
     else:
         fault.hit = cluster.kill_daemon()
         cluster.start_daemon()  # a new standby, so the next leader death is covered too
+        _publish_api(cluster)
+
+
+def _publish_api(cluster: LocalCluster) -> None:
+    """Leave the live daemons' API addresses and token where `lazarus status` looks; the
+    file goes when this process exits."""
+    path = endpoint_file.default_path()
+    live = [a for a, proc in zip(cluster.api_addresses, cluster.daemons) if proc.alive]
+    endpoint_file.write(path, endpoint_file.Endpoint(addresses=live, token=cluster.token,
+                                                     pid=os.getpid()))
+    atexit.register(endpoint_file.remove_if_mine, path, os.getpid())
 
 
 def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
@@ -193,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         cluster.start_etcd()
         cluster.start_daemon()
         cluster.start_daemon()
+        _publish_api(cluster)
         for i in range(args.nodes + args.spares):
             cluster.start_agent(f"n{i}", nproc=args.nproc_per_node,
                                 role=ROLE_ACTIVE if i < args.nodes else ROLE_SPARE)

@@ -1,0 +1,387 @@
+"""The operator API (proto/lazarus/v1/lazarus.proto), served by every daemon.
+
+Reads come from one etcd snapshot (daemon.health), so a standby answers like the leader and
+names it. Commands are etcd writes on the keys of lazarus.records (cordon/, commands/...);
+the leader's reconcile loop acts on them. Nothing here holds state of the run.
+
+A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
+they are parsed, every field is checked (INVALID_ARGUMENT names it), at most MAX_STREAMS event
+streams run at once so unary calls always find a thread, and an error in a handler ends that
+call only (gRPC turns it into a status).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+import tomllib
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from lazarus import etcd as E
+from lazarus import jobspec
+from lazarus.daemon import health
+from lazarus.errors import UserError
+from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
+from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
+from lazarus.records import (TERMINAL, EventRecord, Keys, RecordError, RunStatus, dumps,
+                             writer_id)
+
+log = logging.getLogger("lazarus.api")
+
+MAX_REQUEST_BYTES = 256 * 1024
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_JOB_TOML_BYTES = 64 * 1024
+MAX_STREAMS = 8
+MAX_KINDS, MAX_KIND_LEN = 32, 64
+MAX_NODE_LEN = 253
+MAX_REASON_LEN = 256
+MAX_CHECKPOINT_LIMIT = 100_000
+WORKERS = MAX_STREAMS + 8
+# How often a quiet event stream looks whether its client is still there.
+STREAM_POLL_S = 1.0
+
+
+class _Refused(Exception):
+    """A request the API turns down: (status code, message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(message: str) -> _Refused:
+    return _Refused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _precondition(message: str) -> _Refused:
+    return _Refused(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def _node_name(value: str) -> str:
+    if not value:
+        raise _invalid("node: required")
+    if len(value) > MAX_NODE_LEN or "/" in value or not value.isprintable():
+        raise _invalid(f"node: {value[:80]!r} is not a node id (printable, no '/', at most "
+                       f"{MAX_NODE_LEN} characters)")
+    return value
+
+
+def _text(field: str, value: str, limit: int) -> str:
+    if len(value) > limit or not value.isprintable():
+        raise _invalid(f"{field}: at most {limit} printable characters")
+    return value
+
+
+def _unary(method):
+    """Refusals and etcd outages become statuses; the call ends, the server goes on."""
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except _Refused as e:
+            context.abort(e.code, str(e))
+        except E.EtcdUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable from the daemon: {e}")
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class LazarusServicer(pb_grpc.LazarusServicer):
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, served_by: str,
+                 max_streams: int = MAX_STREAMS):
+        self.etcd = etcd
+        self.keys = keys
+        self.served_by = served_by
+        self._streams = threading.BoundedSemaphore(max_streams)
+
+    def _snapshot(self) -> E.Snapshot:
+        return self.etcd.snapshot(health.prefixes(self.keys))
+
+    def _status(self) -> RunStatus | None:
+        kv = self.etcd.get(self.keys.status)
+        if kv is None:
+            return None
+        try:
+            return RunStatus.from_json(kv.value, self.keys.status)
+        except RecordError:
+            raise _precondition("run/status is unreadable; the daemon is repairing it") from None
+
+    def _active_run(self) -> RunStatus:
+        st = self._status()
+        if st is None or st.state in TERMINAL:
+            raise _precondition("no run is active" + (f" (the last one {st.state})" if st else ""))
+        return st
+
+    # -- reads ---------------------------------------------------------------------------------
+    @_unary
+    def GetRunHealth(self, request, context):
+        return health.run_health(self._snapshot(), self.keys, now=time.time(),
+                                 served_by=self.served_by)
+
+    @_unary
+    def ListNodes(self, request, context):
+        snap = self._snapshot()
+        return pb.ListNodesResponse(nodes=health.list_nodes(snap, self.keys, now=time.time()),
+                                    revision=snap.revision)
+
+    @_unary
+    def ListCheckpoints(self, request, context):
+        if not 0 <= request.limit <= MAX_CHECKPOINT_LIMIT:
+            raise _invalid(f"limit: must be 0..{MAX_CHECKPOINT_LIMIT}, got {request.limit}")
+        snap = self.etcd.snapshot([self.keys.checkpoints])
+        return pb.ListCheckpointsResponse(
+            checkpoints=health.list_checkpoints(snap, self.keys, limit=request.limit))
+
+    def WatchEvents(self, request, context):
+        try:
+            if request.start_revision < 0:
+                raise _invalid(f"start_revision: must be >= 0, got {request.start_revision}")
+            if len(request.kinds) > MAX_KINDS:
+                raise _invalid(f"kinds: at most {MAX_KINDS}, got {len(request.kinds)}")
+            for kind in request.kinds:
+                _text("kinds", kind, MAX_KIND_LEN)
+            if not self._streams.acquire(blocking=False):
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this daemon already serves {MAX_STREAMS} event streams")
+        except _Refused as e:
+            context.abort(e.code, str(e))
+        try:
+            yield from self._events(request, context)
+        except E.EtcdUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable from the daemon: {e}")
+        finally:
+            self._streams.release()
+
+    def _events(self, request, context):
+        kinds = set(request.kinds)
+        last = request.start_revision - 1  # highest revision delivered
+
+        def wanted(kv: E.KV) -> pb.Event | None:
+            if kv.mod_revision <= last:
+                return None
+            try:
+                ev = EventRecord.from_json(kv.value, kv.key)
+                msg = health.event_message(kv, ev)
+            except (RecordError, ValueError, TypeError):
+                return None
+            return msg if not kinds or ev.kind in kinds else None
+
+        snap = self.etcd.get_prefix(self.keys.events)
+        backlog = [snap.kvs[k] for k in sorted(snap.kvs)]
+        if request.follow:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+            def resync() -> int:  # the watch fell behind a compaction: re-list what is left
+                again = E.retry(lambda: self.etcd.get_prefix(self.keys.events), deadline_s=30)
+                inbox.put([E.Event(kind="PUT", kv=again.kvs[k]) for k in sorted(again.kvs)])
+                return again.revision + 1
+
+            watch = self.etcd.watch_prefix(
+                self.keys.events, start_revision=max(snap.revision + 1, request.start_revision),
+                on_events=inbox.put, on_resync=resync)
+            context.add_callback(watch.cancel)
+        try:
+            for kv in backlog:
+                msg = wanted(kv)
+                if msg is not None:
+                    last = max(last, kv.mod_revision)
+                    yield msg
+            if not request.follow:
+                return
+            while context.is_active():
+                try:
+                    batch = inbox.get(timeout=STREAM_POLL_S)
+                except queue.Empty:
+                    continue
+                for ev in batch:
+                    if "DELETE" in ev.kind:
+                        continue
+                    msg = wanted(ev.kv)
+                    if msg is not None:
+                        last = max(last, ev.kv.mod_revision)
+                        yield msg
+        finally:
+            if request.follow:
+                watch.cancel()
+
+    # -- commands ------------------------------------------------------------------------------
+    def _put(self, key: str, doc: dict) -> int:
+        return self.etcd.put(key, dumps(doc))
+
+    @_unary
+    def TriggerCheckpoint(self, request, context):
+        reason = _text("reason", request.reason, MAX_REASON_LEN)
+        self._active_run()
+        rid = uuid.uuid4().hex[:12]
+        rev = self._put(self.keys.checkpoint_request,
+                        {"id": rid, "requested_at": time.time(), "reason": reason})
+        return pb.CommandReply(message=f"checkpoint requested (id {rid}); the workers save at "
+                                       "their next step boundary", revision=rev, id=rid)
+
+    def _registered(self, node: str) -> None:
+        if self.etcd.get(self.keys.node_key(node)) is None:
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"node {node!r} is not registered")
+
+    @_unary
+    def DrainNode(self, request, context):
+        node = _node_name(request.node)
+        self._registered(node)
+        st = self._active_run()
+        if node not in st.members:
+            raise _precondition(f"node {node!r} is not a member of round {st.round}; "
+                                "cordon it to keep work off it")
+        rev = self._put(self.keys.drain_key(node), {"requested_at": time.time()})
+        return pb.CommandReply(message=f"draining {node}: checkpoint, then a new round "
+                                       "without it", revision=rev)
+
+    @_unary
+    def CordonNode(self, request, context):
+        node = _node_name(request.node)
+        self._registered(node)
+        rev = self._put(self.keys.cordon_key(node), {"requested_at": time.time()})
+        return pb.CommandReply(message=f"cordoned {node}: it takes no new work", revision=rev)
+
+    @_unary
+    def UncordonNode(self, request, context):
+        node = _node_name(request.node)
+        if self.etcd.get(self.keys.cordon_key(node)) is None:
+            return pb.CommandReply(message=f"{node} was not cordoned")
+        self.etcd.delete(self.keys.cordon_key(node))
+        return pb.CommandReply(message=f"uncordoned {node}")
+
+    @_unary
+    def PauseRun(self, request, context):
+        reason = _text("reason", request.reason, MAX_REASON_LEN)
+        st = self._active_run()
+        if self.etcd.get(self.keys.pause) is not None:
+            return pb.CommandReply(message=f"run {st.job_id} is already pausing or paused")
+        rev = self._put(self.keys.pause, {"requested_at": time.time(), "reason": reason,
+                                          "job_id": st.job_id})
+        return pb.CommandReply(message=f"pausing run {st.job_id} after a checkpoint",
+                               revision=rev)
+
+    @_unary
+    def ResumeRun(self, request, context):
+        if self.etcd.get(self.keys.pause) is None:
+            return pb.CommandReply(message="the run was not paused")
+        self.etcd.delete(self.keys.pause)
+        return pb.CommandReply(message="resuming the run from its last checkpoint")
+
+    @_unary
+    def SubmitJob(self, request, context):
+        text = request.job_toml
+        if not text.strip():
+            raise _invalid("job_toml: required (the text of a job file)")
+        if len(text.encode()) > MAX_JOB_TOML_BYTES:
+            raise _invalid(f"job_toml: at most {MAX_JOB_TOML_BYTES} bytes")
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise _invalid(f"job_toml: not valid TOML: {e}") from None
+        try:
+            spec = jobspec.from_dict(doc, source="job_toml")
+        except UserError as e:
+            raise _invalid(str(e)) from None
+        st = self._status()
+        if st is not None and st.state not in TERMINAL:
+            raise _precondition(f"run {st.job_id} is {st.state}; cancel it first")
+        rev = self.etcd.put(self.keys.job, spec.to_json())
+        return pb.SubmitJobReply(job_id=spec.id, revision=rev,
+                                 message=f"submitted job {spec.name!r} ({spec.id}): "
+                                         f"{spec.nodes} node(s) x {spec.nproc_per_node} rank(s)")
+
+    @_unary
+    def CancelJob(self, request, context):
+        job_id = _text("job_id", request.job_id, 64)
+        st = self._active_run()
+        if job_id and job_id != st.job_id:
+            raise _precondition(f"job {job_id} is not the current run (that is {st.job_id})")
+        rev = self._put(self.keys.cancel, {"requested_at": time.time(), "job_id": st.job_id})
+        return pb.CommandReply(message=f"cancelling run {st.job_id}", revision=rev)
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Every call must carry `authorization: Bearer TOKEN`; others end UNAUTHENTICATED before
+    their request is even parsed."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._expected):
+            return handler
+        return _deny(handler, "missing or wrong bearer token" if given else
+                     "missing bearer token (authorization metadata)")
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    def unary(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def stream(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # a generator, like the handler it stands in for
+
+    # No deserializer: a refused call's bytes are never parsed.
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"{what} {path!r} is unreadable ({e.strerror})") from None
+
+
+def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
+          tls_cert: str | None = None, tls_key: str | None = None,
+          client_ca: str | None = None, served_by: str | None = None,
+          max_streams: int = MAX_STREAMS) -> tuple[grpc.Server, int]:
+    """Start the API on `address` (HOST:PORT; port 0 = any free port); returns the started
+    server and the port it bound. token None = no authentication. TLS when tls_cert and
+    tls_key are given; with client_ca, clients must present a certificate it signed."""
+    if (tls_cert is None) != (tls_key is None):
+        raise UserError("TLS needs both --tls-cert and --tls-key")
+    if client_ca is not None and tls_cert is None:
+        raise UserError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    options = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+               ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+               # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port
+               # would silently share it instead of failing.
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8,
+                                                    thread_name_prefix="api"),
+                         interceptors=[TokenAuth(token)] if token else [],
+                         options=options, maximum_concurrent_rpcs=4 * (max_streams + 8))
+    pb_grpc.add_LazarusServicer_to_server(
+        LazarusServicer(etcd, keys, served_by=served_by or writer_id(),
+                        max_streams=max_streams), server)
+    try:
+        if tls_cert is not None:
+            creds = grpc.ssl_server_credentials(
+                [(_read(tls_key, "--tls-key"), _read(tls_cert, "--tls-cert"))],
+                root_certificates=_read(client_ca, "--tls-client-ca") if client_ca else None,
+                require_client_auth=client_ca is not None)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise UserError(f"--api {address}: cannot listen there ({e}); is the port taken? "
+                        "(port 0 picks a free one)") from None
+    if port == 0:
+        raise UserError(f"--api {address}: cannot listen there")
+    server.start()
+    return server, port

@@ -1,0 +1,229 @@
+"""What the API reports, read from one etcd snapshot: run health, nodes, events, checkpoints.
+
+Pure functions of the snapshot and the clock, so every daemon (leader or standby) answers the
+same way, and tests can feed them records directly. Garbage records are skipped, as in
+daemon.view.
+"""
+
+from __future__ import annotations
+
+import json
+
+from google.protobuf import struct_pb2
+
+from lazarus import etcd as E
+from lazarus.daemon.view import ClusterView, parse
+from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
+from lazarus.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, Keys,
+                             RecordError, RunStatus)
+
+# Node.state values beyond the worker states an agent reports.
+SPARE, CORDONED, LOST, STARTING = "spare", "cordoned", "lost", "starting"
+
+
+def prefixes(keys: Keys) -> list[str]:
+    """Everything the API reads, in one snapshot (not torchrun's keys, which can be many)."""
+    return [keys.leader, keys.job, keys.root + "run/", keys.rounds, keys.nodes,
+            keys.nodestatus, keys.checkpoints, keys.cordon, keys.root + "commands/",
+            keys.events]
+
+
+def events(snap: E.Snapshot, keys: Keys) -> list[tuple[E.KV, EventRecord]]:
+    """Readable events, oldest first (keys start with the writer's time in ns)."""
+    out = []
+    for key, kv in sorted(snap.prefix(keys.events).items()):
+        try:
+            out.append((kv, EventRecord.from_json(kv.value, key)))
+        except RecordError:
+            continue
+    return out
+
+
+def goodput(evs: list[EventRecord], job_id: str, now: float) -> tuple[float, float, float]:
+    """(goodput, wall_s, productive_s) of job `job_id` from its events.
+
+    Wall time runs from the job's acceptance to its end (or now). Productive time is time in
+    RUNNING with no open incident; a fault ends it at the moment the fault happened, not when
+    it was detected. Steps re-done after a restore count as productive (an upper bound).
+    """
+    start = run_from = None
+    productive, end, incident = 0.0, now, False
+    for ev in evs:
+        if ev.kind == "job_accepted":
+            if ev.fields.get("id") == job_id:
+                start, run_from, productive, end, incident = ev.time, None, 0.0, now, False
+            continue
+        if start is None:
+            continue
+        if ev.kind == "fault_detected":
+            incident = True
+            if run_from is not None:
+                fault_at = ev.fields.get("fault_at", ev.time)
+                if not isinstance(fault_at, (int, float)):
+                    fault_at = ev.time
+                productive += min(max(fault_at, run_from), ev.time) - run_from
+                run_from = None
+        elif ev.kind == "recovered":
+            incident = False
+        producing = ev.state == RUNNING and not incident
+        if producing and run_from is None:
+            run_from = ev.time
+        elif not producing and run_from is not None:
+            productive += ev.time - run_from
+            run_from = None
+        if ev.state in TERMINAL:
+            end = ev.time
+            break
+    if start is None:
+        return -1.0, 0.0, 0.0
+    if run_from is not None:
+        productive += max(0.0, end - run_from)
+    wall = max(0.0, end - start)
+    return (productive / wall if wall > 0 else 0.0), wall, productive
+
+
+def node_state(node: str, view: ClusterView) -> str:
+    st = view.status
+    if node in view.cordoned:
+        return CORDONED
+    if node not in view.nodes:
+        return LOST
+    if st is None or node not in st.members:
+        return SPARE
+    ns = view.node_status.get(node)
+    if ns is not None and ns.round == st.round:
+        return ns.workers
+    return STARTING
+
+
+def _drains(snap: E.Snapshot, keys: Keys) -> list[str]:
+    return sorted(k[len(keys.drains):] for k in snap.prefix(keys.drains))
+
+
+def checkpoint_message(rec: CheckpointRecord) -> pb.Checkpoint:
+    return pb.Checkpoint(step=rec.step, path=rec.path, round=rec.round, job_id=rec.job_id,
+                         committed_at=rec.committed_at, good=rec.good)
+
+
+def event_message(kv: E.KV, ev: EventRecord) -> pb.Event:
+    fields = struct_pb2.Struct()
+    # Struct holds JSON values only; what came from etcd is JSON already.
+    fields.update(json.loads(json.dumps(ev.fields)))
+    return pb.Event(revision=kv.mod_revision, time=ev.time, kind=ev.kind, message=ev.message,
+                    round=ev.round, state=ev.state, fields=fields)
+
+
+def _leader(snap: E.Snapshot, keys: Keys) -> pb.Leader | None:
+    kv = snap.kvs.get(keys.leader)
+    if kv is None:
+        return None
+    try:
+        doc = json.loads(kv.value)
+    except (ValueError, UnicodeDecodeError):
+        return pb.Leader(id="(unreadable leader record)")
+    if not isinstance(doc, dict):
+        return pb.Leader(id="(unreadable leader record)")
+    pid = doc.get("pid")
+    return pb.Leader(id=str(doc.get("id", "")), host=str(doc.get("host", "")),
+                     api=str(doc.get("api", "")),
+                     pid=pid if isinstance(pid, int) and not isinstance(pid, bool)
+                     and 0 <= pid < 2**63 else 0)
+
+
+def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str) -> pb.RunHealth:
+    view = parse(snap, keys)
+    h = pb.RunHealth(revision=snap.revision, served_by=served_by,
+                     paused=keys.pause in snap.kvs, draining=_drains(snap, keys))
+    leader = _leader(snap, keys)
+    if leader is not None:
+        h.leader.CopyFrom(leader)
+        h.served_by_leader = leader.id == served_by
+    st: RunStatus | None = view.status
+    if st is not None:
+        h.job_id, h.state, h.reason, h.since = st.job_id, st.state, st.reason, st.since
+        h.round, h.restarts = st.round, st.restarts
+        h.members.extend(st.members)
+        if view.job is not None and view.job.id == st.job_id:
+            h.job_name = view.job.name
+            steps = view.job.train.get("steps", 0)
+            h.total_steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else 0
+        current = [view.node_status[n] for n in st.members
+                   if n in view.node_status and view.node_status[n].round == st.round]
+        if current:
+            h.step = max(ns.step for ns in current)
+            # Loss and throughput as rank 0 sees them (tokens are counted for the whole batch).
+            first = next((ns for ns in current if ns.node == st.members[0]), current[0])
+            h.loss, h.tokens_per_s, h.step_time_s = first.loss, first.tokens_per_s, first.step_time_s
+        if st.incident is not None:
+            inc = st.incident
+            h.incident.CopyFrom(pb.Incident(
+                kind=str(inc.get("kind", "")), culprit=str(inc.get("culprit", "")),
+                fault_at=_number(inc.get("fault_at")), detected_at=_number(inc.get("detected_at")),
+                round=int(_number(inc.get("round"))), reason=st.reason))
+        h.goodput, h.wall_time_s, h.productive_time_s = goodput(
+            [ev for _, ev in events(snap, keys)], st.job_id, now)
+        mine = [c for c in view.checkpoints if c.job_id == st.job_id]
+        if mine:
+            h.last_checkpoint.CopyFrom(checkpoint_message(mine[-1]))
+        good = [c for c in mine if c.good]
+        if good:
+            h.last_good_checkpoint.CopyFrom(checkpoint_message(good[-1]))
+    else:
+        h.goodput = -1.0
+    for node in _node_names(view):
+        state = node_state(node, view)
+        h.nodes_by_state[state] = h.nodes_by_state[state] + 1
+    return h
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _node_names(view: ClusterView) -> list[str]:
+    lost = [n for n in view.status.members if n not in view.nodes] if view.status else []
+    return sorted(set(view.nodes) | set(lost))
+
+
+def list_nodes(snap: E.Snapshot, keys: Keys, *, now: float) -> list[pb.Node]:
+    view = parse(snap, keys)
+    drains = set(_drains(snap, keys))
+    out = []
+    for name in _node_names(view):
+        try:
+            out.append(_node(name, view, drains, now))
+        except (ValueError, TypeError):  # a number out of the wire's range: a garbage record
+            continue
+    return out
+
+
+def _node(name: str, view: ClusterView, drains: set[str], now: float) -> pb.Node:
+    node = pb.Node(node=name, state=node_state(name, view), cordoned=name in view.cordoned,
+                   draining=name in drains, registered=name in view.nodes,
+                   last_report_age_s=-1.0)
+    rec = view.nodes.get(name)
+    if rec is not None:
+        node.host, node.role, node.nproc, node.pid = rec.host, rec.role, rec.nproc, rec.pid
+        node.lease_ttl_s = rec.lease_ttl_s
+        node.registered_for_s = max(0.0, now - rec.started_at) if rec.started_at else 0.0
+    if view.round is not None and name in view.round.members:
+        node.ranks.extend(view.round.ranks_of(name))
+    ns = view.node_status.get(name)
+    if ns is not None:
+        node.round, node.step, node.loss = ns.round, ns.step, ns.loss
+        node.step_time_s, node.tokens_per_s, node.parked = ns.step_time_s, ns.tokens_per_s, ns.parked
+        node.step_rate = 1.0 / ns.step_time_s if ns.step_time_s > 0 else 0.0
+        if ns.updated_at:
+            node.last_report_age_s = max(0.0, now - ns.updated_at)
+    return node
+
+
+def list_checkpoints(snap: E.Snapshot, keys: Keys, *, limit: int) -> list[pb.Checkpoint]:
+    view = parse(snap, keys)
+    out = []
+    for rec in view.checkpoints[-limit:] if limit else view.checkpoints:
+        try:
+            out.append(checkpoint_message(rec))
+        except (ValueError, TypeError):  # a number out of the wire's range: a garbage record
+            continue
+    return out

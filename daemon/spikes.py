@@ -1,0 +1,78 @@
+"""Loss-spike policy: when the trainer guard keeps skipping steps, roll back. Pure.
+
+The trainer handles one spike alone (it skips that batch, DESIGN.md). Spikes that repeat
+within `window_steps` mean the model or the data went bad: restore the last GOOD checkpoint
+(no spike within `good_after_steps` after it, so one taken just before the trouble is never
+used), skip the data window the spikes came from in every later round, optionally lower the LR
+for a while, and mark the checkpoints of the abandoned stretch as not good.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lazarus.jobspec import JobSpec
+from lazarus.policy import SpikePolicy
+from lazarus.records import CheckpointRecord, RunStatus
+from lazarus.daemon.actions import Decision, MarkCheckpoint
+from lazarus.daemon.rounds import start_round
+from lazarus.daemon.view import ClusterView
+
+
+def _spikes(view: ClusterView, st: RunStatus) -> dict[int, list[int]]:
+    """step -> data window [first, last] of the round's skipped steps, from every member.
+    Malformed entries (a buggy or foreign agent) are ignored."""
+    out: dict[int, list[int]] = {}
+    for node in st.members:
+        ns = view.node_status.get(node)
+        if ns is None or ns.round != st.round:
+            continue
+        for sp in ns.spikes:
+            window = sp.get("window") if isinstance(sp, dict) else None
+            step = sp.get("step") if isinstance(sp, dict) else None
+            if (isinstance(step, int) and isinstance(window, list) and len(window) == 2
+                    and all(isinstance(x, int) for x in window) and window[0] <= window[1]):
+                out[step] = window
+    return out
+
+
+def good_checkpoint(view: ClusterView, job: JobSpec, spike_steps: list[int],
+                    policy: SpikePolicy) -> CheckpointRecord | None:
+    first = min(spike_steps)
+    for c in reversed(view.checkpoints):
+        if c.job_id != job.id or not c.good or c.step >= first:
+            continue
+        if not any(c.step < s <= c.step + policy.good_after_steps for s in spike_steps):
+            return c
+    return None
+
+
+def rollback(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    policy = job.spike_policy
+    spikes = _spikes(view, st)
+    if not spikes:
+        return None
+    latest = max(spikes)
+    recent = sorted(s for s in spikes if s > latest - policy.window_steps)
+    if len(recent) < policy.max_spikes:
+        return None
+    good = good_checkpoint(view, job, sorted(spikes), policy)
+    window = [min(spikes[s][0] for s in recent), max(spikes[s][1] for s in recent)]
+    restore_step = good.step if good else 0
+    lowered = policy.lr_scale < 1.0 and policy.lr_scale_steps > 0
+    incident = {"kind": "loss_spike", "culprit": f"data {window[0]}..{window[1]}",
+                "fault_at": now, "detected_at": now, "round": st.round,
+                "spike_steps": recent, "restore_step": restore_step}
+    rolled = dataclasses.replace(
+        st, skip_windows=[*st.skip_windows, window], incident=incident,
+        lr_scale=policy.lr_scale if lowered else st.lr_scale,
+        lr_scale_until=restore_step + policy.lr_scale_steps if lowered else st.lr_scale_until)
+    reason = (f"{len(recent)} loss spikes at steps {recent} within {policy.window_steps} steps: "
+              f"roll back to good checkpoint step {restore_step}, skip data "
+              f"{window[0]}..{window[1]}"
+              + (f", LR x{policy.lr_scale} for {policy.lr_scale_steps} steps" if lowered else ""))
+    decision = start_round(now, view, job, rolled, list(st.members), reason,
+                           restarts=st.restarts + 1, restore=good)
+    abandoned = [MarkCheckpoint(c, good=False) for c in view.checkpoints
+                 if c.job_id == job.id and c.good and c.step > restore_step]
+    return Decision(decision.actions + abandoned, decision.reason)

@@ -1,0 +1,425 @@
+"""The operator CLI on the gRPC API: `lazarus status|nodes|events|checkpoints|checkpoint now|
+drain|cordon|uncordon|pause|resume|cancel`.
+
+It finds the daemon from --address/--token (or --token-file), else $LAZARUS_ADDRESS /
+$LAZARUS_TOKEN, else the endpoint file `lazarus daemon` and `lazarus up` leave (see
+lazarus.endpoint_file); with several addresses, the first that answers serves. Tables by
+default, --json for scripts (events: one JSON object per line).
+
+Exit codes: 0 done; 1 the daemon refused (no such node, not in this run state, ...);
+2 a bad argument; 3 the daemon (or its etcd) is unreachable; 4 the token was refused.
+This module must stay light: no torch, nothing of the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from lazarus import endpoint_file
+from lazarus.errors import UserError
+from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
+from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
+
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH = 1, 2, 3, 4
+
+
+class Failed(Exception):
+    """The call failed: a one-line message and the exit code that goes with it."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(kw_only=True, slots=True)
+class Target:
+    addresses: list[str]
+    token: str | None = None
+    tls_ca: str | None = None        # None and tls False: plaintext
+    tls: bool = False
+    client_cert: str | None = None   # mutual TLS
+    client_key: str | None = None
+    timeout_s: float = 10.0
+    source: str = ""                 # where the address came from, for error messages
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("daemon")
+    g.add_argument("--address", help="daemon API HOST:PORT (default: $LAZARUS_ADDRESS, else "
+                   "the endpoint file left by `lazarus daemon` / `lazarus up`)")
+    g.add_argument("--token", help="bearer token (default: $LAZARUS_TOKEN or the endpoint "
+                   "file); prefer --token-file, which does not show in `ps`")
+    g.add_argument("--token-file", help="file holding the bearer token")
+    g.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca)")
+    g.add_argument("--tls-ca", help="CA certificate (PEM) to trust for the daemon")
+    g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key", help="client key (PEM) for mutual TLS")
+    g.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _target(args: argparse.Namespace) -> Target:
+    if args.timeout <= 0:
+        raise UserError("--timeout must be positive")
+    token = args.token or (endpoint_file.load_token(args.token_file) if args.token_file
+                           else None)
+    address = args.address or os.environ.get("LAZARUS_ADDRESS")
+    if address:
+        addresses, source = [address], ("--address" if args.address else "$LAZARUS_ADDRESS")
+        file_ep = None
+    else:
+        path = endpoint_file.default_path()
+        file_ep = endpoint_file.read(path)
+        if file_ep is None or not file_ep.addresses:
+            raise Failed("no daemon known: start one (`lazarus daemon`, `lazarus up`) or give "
+                         f"--address (looked in $LAZARUS_ADDRESS and {path})", EXIT_UNREACHABLE)
+        if file_ep.pid and not _alive(file_ep.pid):
+            raise Failed(f"the daemon that wrote {path} (pid {file_ep.pid}) has exited; start "
+                         "one or give --address", EXIT_UNREACHABLE)
+        addresses, source = file_ep.addresses, str(path)
+    token = token or os.environ.get("LAZARUS_TOKEN") or (file_ep.token if file_ep else None)
+    tls_ca = args.tls_ca or (file_ep.tls_ca if file_ep else None)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("mutual TLS needs both --tls-cert and --tls-key")
+    return Target(addresses=addresses, token=token, tls_ca=tls_ca,
+                  tls=bool(args.tls or tls_ca or args.tls_cert), client_cert=args.tls_cert,
+                  client_key=args.tls_key, timeout_s=args.timeout, source=source)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"{path!r} is unreadable ({e.strerror})") from None
+
+
+def _channel(target: Target, address: str) -> grpc.Channel:
+    if target.tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(target.tls_ca),
+                                             private_key=_read(target.client_key),
+                                             certificate_chain=_read(target.client_cert))
+        return grpc.secure_channel(address, creds)
+    return grpc.insecure_channel(address)
+
+
+def _metadata(target: Target) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {target.token}")] if target.token else []
+
+
+def _failure(err: grpc.RpcError, address: str, target: Target) -> Failed:
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        hint = "" if target.token else " (no token given: --token-file or $LAZARUS_TOKEN)"
+        return Failed(f"the daemon at {address} refused the token: {details}{hint}", EXIT_AUTH)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return Failed(f"the daemon at {address} refused: {details}", EXIT_AUTH)
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith("etcd"):
+        return Failed(f"the daemon at {address} answered: {details}", EXIT_UNREACHABLE)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        first = details.splitlines()[0] if details else code.name
+        return Failed(f"cannot reach the daemon at {address} ({first}; from {target.source})",
+                      EXIT_UNREACHABLE)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return Failed(details, EXIT_USAGE)
+    return Failed(details or code.name, EXIT_REFUSED)
+
+
+def call(target: Target, method: str, request):
+    """A unary call on the first address that answers."""
+    failure: Failed | None = None
+    for address in target.addresses:
+        with _channel(target, address) as channel:
+            try:
+                return getattr(pb_grpc.LazarusStub(channel), method)(
+                    request, timeout=target.timeout_s, metadata=_metadata(target))
+            except grpc.RpcError as e:
+                failure = _failure(e, address, target)
+                if failure.code != EXIT_UNREACHABLE:
+                    raise failure from None
+    assert failure is not None
+    raise failure
+
+
+def stream_events(target: Target, request: pb.WatchEventsRequest) -> Iterator[pb.Event]:
+    failure: Failed | None = None
+    for address in target.addresses:
+        with _channel(target, address) as channel:
+            # A followed stream has no deadline; a plain listing has the usual one.
+            timeout = None if request.follow else target.timeout_s
+            delivered = False
+            try:
+                for ev in pb_grpc.LazarusStub(channel).WatchEvents(
+                        request, timeout=timeout, metadata=_metadata(target)):
+                    delivered = True
+                    yield ev
+                return
+            except grpc.RpcError as e:
+                failure = _failure(e, address, target)
+                # Another daemon would replay what was printed already: stop here instead.
+                if failure.code != EXIT_UNREACHABLE or delivered:
+                    raise failure from None
+    assert failure is not None
+    raise failure
+
+
+# -- output ------------------------------------------------------------------------------------
+def _console():
+    from rich.console import Console
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _as_dict(msg) -> dict:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def _print_json(msg) -> None:
+    print(json.dumps(_as_dict(msg), sort_keys=True))
+
+
+def _clock(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else "-"
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 0:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def render_status(h: pb.RunHealth, now: float) -> None:
+    from rich.table import Table
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    if not h.job_id:
+        t.add_row("run", "no job submitted")
+    else:
+        t.add_row("run", f"{h.job_name or '?'} ({h.job_id})  {h.state}  since "
+                         f"{_clock(h.since)} ({_ago(now - h.since)} ago)")
+        t.add_row("reason", h.reason or "-")
+        t.add_row("round", f"{h.round}  members {', '.join(h.members) or '-'}  "
+                           f"restarts {h.restarts}")
+        total = f"/{h.total_steps}" if h.total_steps else ""
+        t.add_row("step", f"{h.step}{total}  loss {h.loss:.4f}  {h.tokens_per_s:,.0f} tok/s  "
+                          f"{h.step_time_s:.3f} s/step")
+        t.add_row("goodput", "-" if h.goodput < 0 else
+                  f"{h.goodput:.1%} ({h.productive_time_s:.0f} s of {h.wall_time_s:.0f} s)")
+    t.add_row("nodes", ", ".join(f"{k} {v}" for k, v in sorted(h.nodes_by_state.items())) or "none")
+    if h.HasField("last_checkpoint"):
+        c = h.last_checkpoint
+        good = "" if c.good else " (not yet good)"
+        t.add_row("checkpoint", f"step {c.step}{good} at {_clock(c.committed_at)}  {c.path}")
+        if not c.good and h.HasField("last_good_checkpoint"):
+            t.add_row("good", f"step {h.last_good_checkpoint.step}")
+    else:
+        t.add_row("checkpoint", "none committed")
+    if h.HasField("incident"):
+        i = h.incident
+        t.add_row("incident", f"{i.kind} on {i.culprit or '?'} (round {i.round}, "
+                              f"{_ago(now - i.fault_at)} ago): {i.reason}")
+    if h.paused:
+        t.add_row("paused", "a pause command is in force (lazarus resume)")
+    if h.draining:
+        t.add_row("draining", ", ".join(h.draining))
+    if h.HasField("leader"):
+        who = f"{h.leader.id} at {h.leader.api or '(no API)'}"
+        t.add_row("leader", who if h.served_by_leader else f"{who}; answered by standby "
+                                                          f"{h.served_by}")
+    else:
+        t.add_row("leader", f"none (answered by {h.served_by})")
+    _console().print(t)
+
+
+def render_nodes(nodes: list[pb.Node]) -> None:
+    from rich.table import Table
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col, just in (("NODE", "left"), ("ROLE", "left"), ("STATE", "left"),
+                      ("RANKS", "left"), ("STEP", "right"), ("STEP/S", "right"),
+                      ("TOK/S", "right"), ("LOSS", "right"), ("REPORTED", "right"),
+                      ("LEASE", "right"), ("HOST", "left")):
+        t.add_column(col, justify=just, no_wrap=True)
+    for n in nodes:
+        ranks = ",".join(map(str, n.ranks)) or "-"
+        flags = "".join([" (cordoned)" if n.cordoned and n.state != "cordoned" else "",
+                         " (draining)" if n.draining else ""])
+        t.add_row(n.node, n.role or "-", n.state + flags, ranks, str(n.step),
+                  f"{n.step_rate:.2f}", f"{n.tokens_per_s:,.0f}", f"{n.loss:.4f}",
+                  f"{_ago(n.last_report_age_s)} ago" if n.last_report_age_s >= 0 else "-",
+                  f"{n.lease_ttl_s} s" if n.registered else "expired", n.host or "-")
+    _console().print(t)
+
+
+def render_checkpoints(cks: list[pb.Checkpoint]) -> None:
+    from rich.table import Table
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col, just in (("STEP", "right"), ("ROUND", "right"), ("GOOD", "left"),
+                      ("COMMITTED", "left"), ("PATH", "left")):
+        t.add_column(col, justify=just, no_wrap=True)
+    for c in cks:
+        t.add_row(str(c.step), str(c.round), "yes" if c.good else "no", _clock(c.committed_at),
+                  c.path)
+    _console().print(t)
+
+
+def event_line(ev: pb.Event) -> str:
+    return f"{_clock(ev.time)}  {ev.kind:<15} {ev.message}"
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _run(prog: str, argv: list[str], add_args: Callable[[argparse.ArgumentParser], None],
+         body: Callable[[argparse.Namespace, Target], int], description: str) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_args(p)
+    _common(p)
+    args = p.parse_args(argv)
+    try:
+        return body(args, _target(args))
+    except Failed as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.code
+
+
+def _none(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def status_main(argv: list[str]) -> int:
+    def body(args, target):
+        h = call(target, "GetRunHealth", pb.GetRunHealthRequest())
+        if args.json:
+            _print_json(h)
+        else:
+            render_status(h, time.time())
+        return 0
+    return _run("lazarus status", argv, _none, body, "the run's health at a glance")
+
+
+def nodes_main(argv: list[str]) -> int:
+    def body(args, target):
+        reply = call(target, "ListNodes", pb.ListNodesRequest())
+        if args.json:
+            _print_json(reply)
+        else:
+            render_nodes(list(reply.nodes))
+        return 0
+    return _run("lazarus nodes", argv, _none, body, "the nodes, their roles and progress")
+
+
+def checkpoints_main(argv: list[str]) -> int:
+    def add(p):
+        p.add_argument("--limit", type=int, default=0, help="only the newest N")
+
+    def body(args, target):
+        reply = call(target, "ListCheckpoints", pb.ListCheckpointsRequest(limit=args.limit))
+        if args.json:
+            _print_json(reply)
+        else:
+            render_checkpoints(list(reply.checkpoints))
+        return 0
+    return _run("lazarus checkpoints", argv, add, body, "committed checkpoints, oldest first")
+
+
+def events_main(argv: list[str]) -> int:
+    def add(p):
+        p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+        p.add_argument("--kind", action="append", default=[],
+                       help="only events of this kind (repeatable)")
+        p.add_argument("--since-revision", type=int, default=0,
+                       help="from this etcd revision on (an event's revision + 1 resumes)")
+
+    def body(args, target):
+        req = pb.WatchEventsRequest(start_revision=args.since_revision, kinds=args.kind,
+                                    follow=args.follow)
+        for ev in stream_events(target, req):
+            print(json.dumps(_as_dict(ev), sort_keys=True) if args.json else event_line(ev),
+                  flush=True)
+        return 0
+    return _run("lazarus events", argv, add, body, "the run's events (state changes and why)")
+
+
+def _command(prog: str, argv: list[str], description: str, method: str,
+             make_request: Callable[[argparse.Namespace], object],
+             add_args: Callable[[argparse.ArgumentParser], None] = _none) -> int:
+    def body(args, target):
+        reply = call(target, method, make_request(args))
+        if args.json:
+            _print_json(reply)
+        else:
+            print(reply.message)
+        return 0
+    return _run(prog, argv, add_args, body, description)
+
+
+def _node_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("node", help="node id")
+
+
+def checkpoint_main(argv: list[str]) -> int:
+    def add(p):
+        p.add_argument("what", choices=["now"], help="`now`: checkpoint at the next step")
+        p.add_argument("--reason", default="", help="noted with the request")
+    return _command("lazarus checkpoint", argv, "ask for a checkpoint now",
+                    "TriggerCheckpoint", lambda a: pb.TriggerCheckpointRequest(reason=a.reason),
+                    add)
+
+
+def drain_main(argv: list[str]) -> int:
+    return _command("lazarus drain", argv, "checkpoint, then swap a spare in for NODE",
+                    "DrainNode", lambda a: pb.DrainNodeRequest(node=a.node), _node_arg)
+
+
+def cordon_main(argv: list[str]) -> int:
+    return _command("lazarus cordon", argv, "NODE takes no new work", "CordonNode",
+                    lambda a: pb.CordonNodeRequest(node=a.node), _node_arg)
+
+
+def uncordon_main(argv: list[str]) -> int:
+    return _command("lazarus uncordon", argv, "NODE may take work again", "UncordonNode",
+                    lambda a: pb.UncordonNodeRequest(node=a.node), _node_arg)
+
+
+def pause_main(argv: list[str]) -> int:
+    def add(p):
+        p.add_argument("--reason", default="", help="noted with the request")
+    return _command("lazarus pause", argv, "pause the run after a checkpoint", "PauseRun",
+                    lambda a: pb.PauseRunRequest(reason=a.reason), add)
+
+
+def resume_main(argv: list[str]) -> int:
+    return _command("lazarus resume", argv, "resume a paused run", "ResumeRun",
+                    lambda a: pb.ResumeRunRequest())
+
+
+def cancel_main(argv: list[str]) -> int:
+    def add(p):
+        p.add_argument("--job-id", default="", help="refuse unless this is the current job")
+    return _command("lazarus cancel", argv, "end the current run as CANCELLED", "CancelJob",
+                    lambda a: pb.CancelJobRequest(job_id=a.job_id), add)
