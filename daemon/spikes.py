@@ -14,7 +14,7 @@ import dataclasses
 from lazarus.jobspec import JobSpec
 from lazarus.policy import SpikePolicy
 from lazarus.records import CheckpointRecord, RunStatus
-from lazarus.daemon.actions import Decision, MarkCheckpoint
+from lazarus.daemon.actions import Decision, Emit, MarkCheckpoint
 from lazarus.daemon.rounds import start_round
 from lazarus.daemon.view import ClusterView
 
@@ -75,4 +75,5 @@ def rollback(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                            restarts=st.restarts + 1, restore=good)
     abandoned = [MarkCheckpoint(c, good=False) for c in view.checkpoints
                  if c.job_id == job.id and c.good and c.step > restore_step]
-    return Decision(decision.actions + abandoned, decision.reason)
+    detected = Emit("fault_detected", reason, {**incident, "skip_window": window})
+    return Decision([detected, *decision.actions, *abandoned], decision.reason)

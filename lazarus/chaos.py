@@ -6,6 +6,9 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     kill-daemon@STEP          SIGKILL the leading daemon; a standby must take over
     revive-node@STEP[:NODE]   start a killed node's agent again (default: the last one
                               killed); it joins the run at the next checkpoint boundary
+    loss-spike@STEP           a poisoned batch at STEP: the trainer guard skips it
+    diverge@STEP              a poisoned data window from STEP: spikes repeat, the daemon
+                              rolls back to the last good checkpoint and skips the window
 
 A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1".
 """
@@ -17,7 +20,10 @@ from dataclasses import dataclass
 
 from lazarus.errors import UserError
 
-KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node")
+KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "loss-spike", "diverge")
+# Faults the trainer injects itself (through the job's [train] inject list), keyed on the
+# data it reads, so that they are reproducible and a rollback's skip really removes them.
+TRAINER_KINDS = ("loss-spike", "diverge")
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
 
 
@@ -44,8 +50,8 @@ def parse_schedule(spec: str) -> list[Fault]:
                             f"(kinds: {', '.join(KINDS)})")
         if m["kind"] not in KINDS:
             raise UserError(f"--chaos: unknown fault {m['kind']!r} (kinds: {', '.join(KINDS)})")
-        if m["kind"] == "kill-daemon" and m["target"]:
-            raise UserError(f"--chaos {item!r}: kill-daemon takes no target (it hits the leader)")
+        if m["kind"] in ("kill-daemon", *TRAINER_KINDS) and m["target"]:
+            raise UserError(f"--chaos {item!r}: {m['kind']} takes no target")
         step = int(m["step"])
         if step < 1:
             raise UserError(f"--chaos {item!r}: the step must be at least 1")

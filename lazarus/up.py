@@ -86,7 +86,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobSpec:
+def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
+         inject: list[str]) -> jobspec.JobSpec:
     for name in ("nodes", "nproc_per_node", "tp", "steps", "global_batch", "seq_len"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -105,6 +106,8 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                      "global_batch": args.global_batch, "seq_len": args.seq_len,
                      "ckpt_dir": str(workdir / "checkpoints"), "ckpt_every": args.ckpt_every,
                      "metrics": str(metrics), "warmup_steps": min(10, args.steps)}}
+    if inject:
+        doc["train"]["inject"] = inject
     return jobspec.from_dict(doc, source="lazarus up")
 
 
@@ -154,8 +157,8 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 leader_changes: list[tuple[float, int]]) -> list[dict]:
     out = []
     for f in faults:
-        if f.fired_at is None or f.kind == "revive-node":
-            continue
+        if f.fired_at is None or f.kind in ("revive-node", "loss-spike"):
+            continue  # a revival is no fault; a single spike is skipped by the trainer
         rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
                "detected_after_s": None, "recovered_after_s": None, "culprit": None}
         if f.kind == "kill-daemon":
@@ -188,7 +191,8 @@ def run(args: argparse.Namespace) -> dict:
     metrics = (args.metrics or workdir / "metrics.jsonl").resolve()
     if metrics.exists():
         metrics.unlink()  # this run's story only
-    job = _job(args, workdir, metrics)
+    trainer_faults = [f for f in schedule if f.kind in chaos.TRAINER_KINDS]
+    job = _job(args, workdir, metrics, [f"{f.kind}@{f.step}" for f in trainer_faults])
     say = print
     say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
         f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
             cluster.start_agent(f"n{i}", nproc=args.nproc_per_node,
                                 role=ROLE_ACTIVE if i < args.nodes else ROLE_SPARE)
         cluster.submit(job)
-        pending = list(schedule)
+        pending = [f for f in schedule if f.kind not in chaos.TRAINER_KINDS]
         last_print = 0.0
         leader = None
         state = None
@@ -229,6 +233,11 @@ def run(args: argparse.Namespace) -> dict:
                 say(f"  [{ev.kind}] {ev.message}")
             step = tail.latest["step"] if tail.latest else 0
             state = st.status.state if st.status else "PENDING"
+            for fault in trainer_faults:
+                if fault.fired_at is None and step >= fault.step:
+                    # the trainer injected it itself, at the data that step reads
+                    fault.fired_at, fault.fired_step, fault.hit = time.time(), step, "data"
+                    say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
             if (pending and step >= pending[0].step and state == "RUNNING"
                     and (st.status.incident is None)):
                 fault = pending.pop(0)
@@ -257,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         "faults": [f.as_dict() for f in schedule],
         "recoveries": _recoveries(schedule, events, tail, leader_changes),
         "final_loss": tail.latest["loss"] if tail.latest else None,
+        "skipped_steps": sorted({rec["step"] for _, rec in tail.seen if rec.get("skipped")}),
         "workdir": str(workdir),
         "metrics": str(metrics),
     }

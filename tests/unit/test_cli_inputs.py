@@ -40,6 +40,7 @@ def test_chaos_schedule_parses_and_sorts():
     ("kill-worker@x", "is not KIND@STEP"),
     ("kill-worker@0", "at least 1"),
     ("kill-daemon@5:n1", "takes no target"),
+    ("diverge@5:n1", "takes no target"),
 ])
 def test_bad_chaos_schedule(spec, expect):
     with pytest.raises(UserError, match=expect):
