@@ -14,6 +14,12 @@ class AcceptJob:
 
 
 @dataclass(frozen=True, slots=True)
+class RejectJob:
+    """A submission that cannot run: drop it (the event says why)."""
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class SetStatus:
     status: RunStatus
 

@@ -43,9 +43,19 @@ MAX_KINDS, MAX_KIND_LEN = 32, 64
 MAX_NODE_LEN = 253
 MAX_REASON_LEN = 256
 MAX_CHECKPOINT_LIMIT = 100_000
-WORKERS = MAX_STREAMS + 8
 # How often a quiet event stream looks whether its client is still there.
 STREAM_POLL_S = 1.0
+
+
+class _QuietUnparsable(logging.Filter):
+    """gRPC logs a traceback for every request it cannot parse (the caller gets INTERNAL);
+    left on, any client could flood the daemon's log with garbage."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Exception deserializing message!"
+
+
+logging.getLogger("grpc._common").addFilter(_QuietUnparsable())
 
 
 class _Refused(Exception):
@@ -152,6 +162,7 @@ class LazarusServicer(pb_grpc.LazarusServicer):
         except _Refused as e:
             context.abort(e.code, str(e))
         try:
+            context.send_initial_metadata(())  # the client knows the stream is established
             yield from self._events(request, context)
         except E.EtcdUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unreachable from the daemon: {e}")

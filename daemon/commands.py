@@ -22,6 +22,9 @@ from lazarus.daemon.view import ClusterView
 
 def immediate(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     """Commands that act in any live state."""
+    if view.cancel_requested and view.cancel_job_id not in (None, "", st.job_id):
+        msg = f"ignored a cancel meant for run {view.cancel_job_id} (this run is {st.job_id})"
+        return Decision([ClearCommand("cancel"), Emit("cancel_ignored", msg)], msg)
     if view.cancel_requested:
         status = dataclasses.replace(st, state=CANCELLED, since=now, incident=None,
                                      reason="cancelled by the operator")

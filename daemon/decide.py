@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 
 from lazarus import exitcodes
+from lazarus import jobspec
+from lazarus.errors import UserError
 from lazarus.jobspec import JobSpec
 from lazarus.records import (FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import commands, spikes
-from lazarus.daemon.actions import AcceptJob, Decision, Emit, SetStatus
+from lazarus.daemon.actions import AcceptJob, Decision, Emit, RejectJob, SetStatus
 from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
 
@@ -35,6 +37,11 @@ def decide(now: float, view: ClusterView) -> Decision:
     if sub is not None and (st is None or sub.id != st.job_id):
         if st is not None and st.state not in TERMINAL:
             return Decision([], f"job {sub.id} waits: run {st.job_id} is {st.state}")
+        try:
+            jobspec.validate_sizes(sub, source=f"job {sub.name!r}")
+        except UserError as e:
+            return Decision([RejectJob(sub.id), Emit("job_rejected", str(e), {"id": sub.id})],
+                            str(e))
         status = RunStatus(job_id=sub.id, state=PENDING, since=now,
                            reason=f"job {sub.name!r} ({sub.id}) accepted")
         return Decision([AcceptJob(sub), SetStatus(status),

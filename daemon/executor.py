@@ -12,7 +12,8 @@ import dataclasses
 from lazarus import etcd as E
 from lazarus.records import EventRecord, Keys, dumps
 from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
-                                    MarkCheckpoint, RequestCheckpoint, SetStatus, StartRound)
+                                    MarkCheckpoint, RejectJob, RequestCheckpoint, SetStatus,
+                                    StartRound)
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.view import ClusterView
 
@@ -38,6 +39,8 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
         elif isinstance(action, RequestCheckpoint):
             ops.append(E.put_op(keys.checkpoint_request,
                                 dumps({"id": action.id, "requested_at": now})))
+        elif isinstance(action, RejectJob):
+            ops.append(E.delete_op(keys.job))
         elif isinstance(action, MarkCheckpoint):
             rec = dataclasses.replace(action.checkpoint, good=action.good)
             ops.append(E.put_op(keys.checkpoint_key(rec.step), rec.to_json()))

@@ -6,6 +6,8 @@ so one bad key (typed by hand, written by another version) cannot stop the contr
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 
 from lazarus import jobspec
@@ -35,6 +37,7 @@ class ClusterView:
     drains: dict[str, int] = field(default_factory=dict)   # node -> request revision
     pause_revision: int | None = None
     cancel_requested: bool = False
+    cancel_job_id: str | None = None       # the run a cancel was meant for, when it says
     checkpoint_request_revision: int = 0
     ignored: dict[str, str] = field(default_factory=dict)  # key -> why it was ignored
 
@@ -77,6 +80,8 @@ def parse(snap: Snapshot, keys: Keys) -> ClusterView:
                 view.pause_revision = kv.mod_revision
             elif key == keys.cancel:
                 view.cancel_requested = True
+                doc = json.loads(kv.value or b"{}")
+                view.cancel_job_id = doc.get("job_id") if isinstance(doc, dict) else None
             elif key == keys.checkpoint_request:
                 view.checkpoint_request_revision = kv.mod_revision
             elif key.startswith(keys.cordon):

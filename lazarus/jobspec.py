@@ -73,7 +73,9 @@ class JobSpec:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"etcd job record is not JSON ({e})") from None
-        return from_dict(doc, source="etcd job record")
+        # Sizes were checked when the job was submitted (and are checked again when the
+        # leader accepts it); re-checking here would import torch into every reader.
+        return from_dict(doc, source="etcd job record", check_sizes=False)
 
 
 def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> int:
@@ -83,7 +85,7 @@ def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> i
     return value
 
 
-def from_dict(doc: dict, *, source: str) -> JobSpec:
+def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     if not isinstance(doc, dict):
         raise UserError(f"{source}: expected a table with [job] and [train]")
     unknown_tables = set(doc) - {"job", "train", "policy"} - _JOB_KEYS
@@ -115,13 +117,14 @@ def from_dict(doc: dict, *, source: str) -> JobSpec:
         max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
         rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy.as_dict(),
         id=str(job.get("id") or uuid.uuid4().hex[:12]))
-    validate_sizes(spec, source=source)
+    if check_sizes:
+        validate_sizes(spec, source=source)
     return spec
 
 
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
     """Every node count from min_nodes to nodes must give a valid trainer config."""
-    from lazarus.trainer.config import TrainConfig  # light: no torch import
+    from lazarus.trainer.config import TrainConfig  # imports torch (model sizes, TP fit)
 
     if "dp" in spec.train:
         raise UserError(f"{source}: [train] dp is derived from the node count; remove it")

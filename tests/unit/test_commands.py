@@ -78,3 +78,11 @@ def test_a_fault_while_draining_is_handled_first():
     st = only(decide(NOW, v).actions, SetStatus).status
     assert st.incident["kind"] == "node_lost"
     assert not any(isinstance(a, Emit) and a.kind == "drained" for a in decide(NOW, v).actions)
+
+
+def test_a_cancel_meant_for_another_run_is_dropped():
+    v = view(status=status(RUNNING))
+    v.cancel_requested, v.cancel_job_id = True, "OLD"
+    d = decide(NOW, v)
+    assert ClearCommand("cancel") in d.actions
+    assert not any(isinstance(a, SetStatus) for a in d.actions)

@@ -279,3 +279,11 @@ def test_peer_lost_with_no_root_cause_recovers_after_the_grace():
         ns("a", "failed", exit_codes={"0": 75}, failed_rank=0, fault_at=NOW - 7)])
     st = only(decide(NOW, v).actions, SetStatus).status
     assert st.incident["kind"] == "peer_lost"
+
+
+def test_a_submission_with_impossible_sizes_is_rejected_not_accepted():
+    from lazarus.daemon.actions import RejectJob
+    bad = dataclasses.replace(job(), id="BAD", train={"model": "tiny", "global_batch": 3})
+    d = decide(NOW, view(status=None, submitted=bad))
+    assert kinds(d.actions) == ["RejectJob", "Emit:job_rejected"]
+    assert "global" in d.reason or "batch" in d.reason

@@ -1,0 +1,259 @@
+"""Hang detection from the progress each rank publishes, and naming the rank that hangs.
+
+Every rank tells its agent where it is whenever that changes (a `Progress` record on the
+worker channel): the step, the phase, how many collectives it has issued, and when it entered
+the phase. Nothing is measured inside the worker beyond that: a hung rank cannot report its
+own hang, but its last record says where it stopped.
+
+A rank hangs when it has made no progress for max(k x median step time, floor). Three cases
+must not fire, and each gets its own, longer allowance:
+  - the first steps of a round (no median yet; compile and warm-up make them slow),
+  - a checkpoint phase, and an eval phase (long by design, once in a while),
+  - peers of a rank in such a phase: they wait in a collective for it.
+
+The culprit is the rank furthest behind in the program: ordered by (step, collectives issued,
+phase in step order), the ranks at the minimum are the ones the others wait for. All ranks
+at the same position name none here: the culprit is on another node, and the daemon's
+`combine` over every agent's report finds it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Phases in the order a step goes through them. "collective" is an explicit collective of the
+# training step (loss or grad-norm all-reduce); collectives issued inside a checkpoint save or
+# an eval belong to those phases, so their waits get the long allowance.
+PHASES = ("data", "forward", "backward", "collective", "optimizer", "eval", "checkpoint")
+LONG_PHASES = ("eval", "checkpoint")
+_ORDER = {p: i for i, p in enumerate(PHASES)}
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a rank is. Sent as {"type": "progress", "rank", "round", **fields}.
+
+    `seq`: collectives this rank had issued when it entered the phase (the sum of
+    `_get_sequence_number_for_group()` over the process groups it uses; equal on every rank
+    of an SPMD program at the same point). `since`: time.monotonic() when it entered the
+    phase; the clock is shared by every process of a host. `op`: the collective's name in
+    the "collective" phase, for the report.
+    """
+    step: int
+    phase: str
+    seq: int
+    since: float
+    op: str = ""
+
+    def __post_init__(self):
+        if self.phase not in _ORDER:
+            raise ValueError(f"unknown phase {self.phase!r} (known: {', '.join(PHASES)})")
+
+    def to_message(self, *, rank: int, round: int) -> dict:
+        return {"type": "progress", "rank": rank, "round": round, "step": self.step,
+                "phase": self.phase, "seq": self.seq, "since": self.since, "op": self.op}
+
+    @classmethod
+    def from_message(cls, msg: Mapping) -> Progress:
+        """ValueError (or KeyError / TypeError) on a malformed message."""
+        return cls(step=int(msg["step"]), phase=str(msg["phase"]), seq=int(msg["seq"]),
+                   since=float(msg["since"]), op=str(msg.get("op", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """A rank's place in the program as a verdict reports it (JSON-able, host-independent)."""
+    step: int
+    phase: str
+    seq: int
+    stalled_s: float
+    op: str = ""
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.step, self.seq, _ORDER[self.phase])
+
+    def describe(self) -> str:
+        where = f"in {self.op or 'a collective'}" if self.phase == "collective" \
+            else f"in {self.phase}"
+        return f"{where} at step {self.step} after {self.seq} collectives"
+
+
+def name_culprits(positions: Mapping[int, Position]) -> tuple[tuple[int, ...], str]:
+    """(culprit ranks, reason): the ranks furthest behind, or none when all are level."""
+    keys = {rank: pos.key() for rank, pos in positions.items()}
+    lowest = min(keys.values())
+    behind = tuple(sorted(r for r, k in keys.items() if k == lowest))
+    ahead = sorted(r for r in keys if r not in behind)
+    if not ahead:
+        pos = positions[behind[0]]
+        return (), (f"{_who(behind)} all stalled {pos.describe()}: "
+                    "the rank they wait for is not among them")
+    lead = positions[ahead[0]]
+    waiting = [r for r in ahead if positions[r].phase == "collective"]
+    culprit = positions[behind[0]]
+    others = (f"{_who(waiting)} wait{'s' if len(waiting) == 1 else ''} {lead.describe()}"
+              if waiting else f"{_who(ahead)} got further ({lead.describe()})")
+    return behind, (f"{_who(behind)} stuck {culprit.describe()} for "
+                    f"{culprit.stalled_s:.1f} s; {others}")
+
+
+def _who(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class HangVerdict:
+    culprits: tuple[int, ...]        # global ranks named as the cause; () = none local
+    reason: str
+    stalled_s: float                 # longest time without progress among the ranks
+    timeout_s: float                 # the allowance that ran out
+    positions: dict[int, Position] = field(default_factory=dict)  # every rank observed
+
+    def to_dict(self) -> dict:
+        return {"culprits": list(self.culprits), "reason": self.reason,
+                "stalled_s": self.stalled_s, "timeout_s": self.timeout_s,
+                "positions": {str(r): {"step": p.step, "phase": p.phase, "seq": p.seq,
+                                       "stalled_s": p.stalled_s, "op": p.op}
+                              for r, p in self.positions.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> HangVerdict:
+        return cls(culprits=tuple(int(r) for r in d["culprits"]), reason=str(d["reason"]),
+                   stalled_s=float(d["stalled_s"]), timeout_s=float(d["timeout_s"]),
+                   positions={int(r): Position(**p) for r, p in d["positions"].items()})
+
+
+@dataclass(kw_only=True, slots=True)
+class HangConfig:
+    """`k` x median step time, at least `floor_s`, is the allowance of a normal step. Too
+    small a floor fires on a step that is merely jittery; the median adapts to the model."""
+    k: float = 3.0
+    floor_s: float = 10.0
+    # Before `min_samples` step times are known (the first steps of every round).
+    first_step_timeout_s: float = 300.0
+    checkpoint_timeout_s: float = 600.0
+    eval_timeout_s: float = 600.0
+    # Completed steps per rank left out of the median: the first one compiles and warms up.
+    warmup_steps: int = 1
+    min_samples: int = 2
+    window: int = 64                 # step times the median is taken over
+
+
+@dataclass(slots=True)
+class _Rank:
+    progress: Progress
+    step_start: float                # since of the first record seen for this step
+    completed: int = 0               # steps completed under observation
+    long_phase: bool = False         # this step went through a checkpoint or an eval
+
+
+class HangDetector:
+    """Fed with every rank's progress (`observe`), asked periodically (`check`).
+
+    `check` returns a verdict for as long as the hang lasts; the caller acts once (capture
+    stacks, report) and calls `reset()` when the round is replaced. Times are
+    time.monotonic(), the clock of the records' `since`.
+    """
+
+    def __init__(self, config: HangConfig | None = None):
+        self.config = config or HangConfig()
+        self._ranks: dict[int, _Rank] = {}
+        self._step_times: deque[float] = deque(maxlen=self.config.window)
+
+    def reset(self) -> None:
+        self._ranks.clear()
+        self._step_times.clear()
+
+    def forget(self, rank: int) -> None:
+        self._ranks.pop(rank, None)
+
+    def observe(self, rank: int, progress: Progress) -> None:
+        """Record a rank's latest progress (its `since` is the time it got there)."""
+        st = self._ranks.get(rank)
+        if st is None:
+            self._ranks[rank] = _Rank(progress=progress, step_start=progress.since,
+                                      long_phase=progress.phase in LONG_PHASES)
+            return
+        if progress.step != st.progress.step:
+            if progress.step == st.progress.step + 1:
+                st.completed += 1
+                if st.completed > self.config.warmup_steps and not st.long_phase:
+                    self._step_times.append(progress.since - st.step_start)
+            st.step_start = progress.since
+            st.long_phase = False
+        st.long_phase |= progress.phase in LONG_PHASES
+        st.progress = progress
+
+    @property
+    def median_step_s(self) -> float | None:
+        if len(self._step_times) < self.config.min_samples:
+            return None
+        return statistics.median(self._step_times)
+
+    def _allowance(self, phase: str) -> float:
+        c = self.config
+        if phase == "checkpoint":
+            return c.checkpoint_timeout_s
+        if phase == "eval":
+            return c.eval_timeout_s
+        median = self.median_step_s
+        return c.first_step_timeout_s if median is None else max(c.k * median, c.floor_s)
+
+    def timeout_s(self) -> float:
+        """The allowance a rank gets now, counting peers in a long phase."""
+        long = {st.progress.phase for st in self._ranks.values()} & set(LONG_PHASES)
+        return max([self._allowance("data")] + [self._allowance(p) for p in long])
+
+    def check(self, now: float) -> HangVerdict | None:
+        if not self._ranks:
+            return None
+        positions = {rank: Position(step=st.progress.step, phase=st.progress.phase,
+                                    seq=st.progress.seq, stalled_s=now - st.progress.since,
+                                    op=st.progress.op)
+                     for rank, st in self._ranks.items()}
+        # Peers wait for a rank in a long phase: they share its allowance. A rank in the
+        # long phase itself gets no more than that phase's allowance.
+        group = self.timeout_s()
+        expired = []
+        for rank, pos in positions.items():
+            limit = self._allowance(pos.phase) if pos.phase in LONG_PHASES else group
+            if pos.stalled_s > limit:
+                expired.append((pos.stalled_s, limit))
+        if not expired:
+            return None
+        stalled_s, timeout = max(expired)
+        culprits, reason = name_culprits(positions)
+        return HangVerdict(culprits=culprits, reason=f"no progress for {stalled_s:.1f} s "
+                           f"(allowance {timeout:.1f} s): {reason}",
+                           stalled_s=stalled_s, timeout_s=timeout, positions=positions)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHang:
+    culprit_ranks: tuple[int, ...]
+    culprit_nodes: tuple[str, ...]
+    reason: str
+
+
+def combine(verdicts: Mapping[str, HangVerdict]) -> ClusterHang:
+    """Name the culprit node from the hang reports of several agents (node -> verdict).
+
+    Every agent sees only its own ranks; together their positions show who is behind. A node
+    whose agent has not reported yet is not blamed: wait a moment for its report (its ranks
+    stall too in a real hang), or act on what is here.
+    """
+    assert verdicts, "combine needs at least one report"
+    positions: dict[int, Position] = {}
+    node_of: dict[int, str] = {}
+    for node, verdict in verdicts.items():
+        for rank, pos in verdict.positions.items():
+            positions[rank] = pos
+            node_of[rank] = node
+    culprits, reason = name_culprits(positions)
+    nodes = tuple(sorted({node_of[r] for r in culprits}))
+    if culprits:
+        reason = f"node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: {reason}"
+    return ClusterHang(culprit_ranks=culprits, culprit_nodes=nodes, reason=reason)

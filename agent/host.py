@@ -1,0 +1,158 @@
+"""Host health: the checkpoint directory (free space, writable), memory, mounts, I/O errors.
+
+`sample_host(config)` reads the host (psutil, a probe file, sysfs); `assess_host(previous,
+sample, config)` is the pure verdict. Failed means the next checkpoint would not be written
+(no space for it, directory unwritable or gone, a required mount missing, memory nearly
+exhausted); the agent alerts, the trainer falls back to the in-memory tier, and a failure that
+persists cordons the node. Degraded means it is getting there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from lazarus.agent.gpu import DEGRADED, FAILED, HEALTHY
+
+GiB = 1 << 30
+
+
+@dataclass(kw_only=True, slots=True)
+class HostConfig:
+    checkpoint_dir: Path
+    required_mounts: tuple[str, ...] = ()
+    min_free_bytes: int = 1 * GiB      # failed below this (or below one checkpoint)
+    low_free_bytes: int = 10 * GiB     # degraded below this (or below two checkpoints)
+    checkpoint_bytes: int = 0          # size of the last checkpoint, once known
+    memory_degraded: float = 0.90      # share of memory in use
+    memory_failed: float = 0.97
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    checkpoint_dir: str
+    free_bytes: int | None             # None: the directory is not there
+    total_bytes: int | None
+    write_error: str | None            # why the probe write failed; None = writable
+    memory_used: float                 # share of memory not available to new work
+    memory_available_bytes: int
+    missing_mounts: tuple[str, ...] = ()
+    io_errors: int | None = None       # the block device's error counter, where it has one
+
+
+@dataclass(frozen=True, slots=True)
+class HostVerdict:
+    state: str
+    reasons: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"state": self.state, "reasons": list(self.reasons)}
+
+
+def _probe(directory: Path) -> str | None:
+    """Write, sync and remove a small file: what a checkpoint save will need."""
+    path = directory / f".lazarus-probe-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"lazarus probe\n" * 64)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    except OSError as e:
+        return f"{errno.errorcode.get(e.errno, 'error')}: {e.strerror}"
+    return None
+
+
+def _device_of(path: Path) -> str | None:
+    """The block device holding `path` (the longest mount point that contains it)."""
+    best, device = "", None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (str(path) == mp or str(path).startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+            best, device = mp, part.device
+    return device
+
+
+def _io_errors(device: str | None) -> int | None:
+    """SCSI-style devices count failed commands in sysfs (hex); others have no counter."""
+    if not device or not device.startswith("/dev/"):
+        return None
+    node = Path("/sys/class/block") / Path(device).name
+    if not node.exists():
+        return None
+    real = node.resolve()
+    for candidate in (real / "device" / "ioerr_cnt", real.parent / "device" / "ioerr_cnt"):
+        try:
+            return int(candidate.read_text().strip(), 16)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def sample_host(config: HostConfig) -> HostSample:
+    directory = Path(config.checkpoint_dir)
+    mem = psutil.virtual_memory()
+    missing = tuple(m for m in config.required_mounts if not os.path.ismount(m))
+    if not directory.is_dir():
+        return HostSample(checkpoint_dir=str(directory), free_bytes=None, total_bytes=None,
+                          write_error="the directory does not exist",
+                          memory_used=1 - mem.available / mem.total,
+                          memory_available_bytes=mem.available, missing_mounts=missing)
+    usage = psutil.disk_usage(str(directory))
+    return HostSample(checkpoint_dir=str(directory), free_bytes=usage.free,
+                      total_bytes=usage.total, write_error=_probe(directory),
+                      memory_used=1 - mem.available / mem.total,
+                      memory_available_bytes=mem.available, missing_mounts=missing,
+                      io_errors=_io_errors(_device_of(directory.resolve())))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def assess_host(previous: HostSample | None, sample: HostSample,
+                config: HostConfig) -> HostVerdict:
+    failed: list[str] = []
+    degraded: list[str] = []
+    s = sample
+    if s.write_error:
+        failed.append(f"checkpoint dir {s.checkpoint_dir} is not writable ({s.write_error})")
+    if s.free_bytes is not None:
+        need = max(config.min_free_bytes, config.checkpoint_bytes)
+        want = max(config.low_free_bytes, 2 * config.checkpoint_bytes)
+        if s.free_bytes < need:
+            failed.append(f"checkpoint dir has {_gib(s.free_bytes)} free, needs {_gib(need)}")
+        elif s.free_bytes < want:
+            degraded.append(f"checkpoint dir has {_gib(s.free_bytes)} free "
+                            f"(below {_gib(want)})")
+    failed.extend(f"required mount {m} is not mounted" for m in s.missing_mounts)
+    if s.memory_used >= config.memory_failed:
+        failed.append(f"memory {s.memory_used:.0%} in use "
+                      f"({_gib(s.memory_available_bytes)} available)")
+    elif s.memory_used >= config.memory_degraded:
+        degraded.append(f"memory {s.memory_used:.0%} in use")
+    if (previous is not None and previous.io_errors is not None and s.io_errors is not None
+            and s.io_errors > previous.io_errors):
+        degraded.append(f"{s.io_errors - previous.io_errors} new I/O errors on the "
+                        "checkpoint device")
+    state = FAILED if failed else DEGRADED if degraded else HEALTHY
+    return HostVerdict(state=state, reasons=tuple(failed + degraded))
+
+
+@dataclass(slots=True)
+class HostMonitor:
+    config: HostConfig
+    previous: HostSample | None = None
+    verdict: HostVerdict = field(default_factory=lambda: HostVerdict(state=HEALTHY))
+
+    def poll(self) -> HostVerdict:
+        sample = sample_host(self.config)
+        self.verdict = assess_host(self.previous, sample, self.config)
+        self.previous = sample
+        return self.verdict

@@ -1,0 +1,152 @@
+"""The step guard: which steps it rejects, what it remembers, and what a bad policy says."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from lazarus.errors import UserError
+from lazarus.trainer.config import TrainConfig
+from lazarus.trainer.guard import Guard, GuardConfig
+
+
+def noisy(n: int, *, seed: int = 0, loss: float = 3.0, grad_norm: float = 1.5) -> list[tuple[float, float]]:
+    """A healthy run: a few percent of gaussian noise on a flat loss and gradient norm."""
+    rng = random.Random(seed)
+    return [(loss * (1 + 0.03 * rng.gauss(0, 1)), grad_norm * (1 + 0.1 * rng.gauss(0, 1))) for _ in range(n)]
+
+
+def warmed(cfg: GuardConfig | None = None, n: int = 60) -> Guard:
+    guard = Guard(cfg or GuardConfig(window=50, min_history=20))
+    for loss, gn in noisy(n):
+        assert guard.observe(loss, gn) is None
+    return guard
+
+
+def test_healthy_noise_is_never_flagged():
+    guard = Guard(GuardConfig(window=50, min_history=10))
+    verdicts = [guard.observe(loss, gn) for loss, gn in noisy(2000, seed=1)]
+    assert verdicts.count(None) == 2000
+
+
+@pytest.mark.parametrize("loss, grad_norm, reason", [
+    (math.nan, 1.5, "nonfinite_loss"),
+    (math.inf, 1.5, "nonfinite_loss"),
+    (3.0, math.nan, "nonfinite_grad_norm"),
+    (3.0, -math.inf, "nonfinite_grad_norm"),
+])
+def test_nan_and_inf_are_skipped_from_the_first_step(loss, grad_norm, reason):
+    guard = Guard(GuardConfig())
+    assert guard.observe(loss, grad_norm) == reason
+    assert guard.state_dict() == {"loss": [], "grad_norm": []}
+
+
+def test_a_spike_after_min_history_is_flagged_and_drops_are_not():
+    guard = warmed()
+    assert guard.observe(6.0, 1.5) == "loss_spike"           # twice the loss
+    assert guard.observe(3.0, 6.0) == "grad_norm_spike"      # four times the norm
+    assert guard.observe(9.0, 9.0) == "loss_spike"           # both: the loss is named first
+    assert guard.observe(3.3, 1.9) is None                   # within the noise
+    assert guard.observe(0.5, 0.01) is None                  # one-sided: a drop is not a failure
+
+
+def test_threshold_is_a_robust_zscore():
+    # History: 1.0, 2.0, ..., 9.0 -> median 5, MAD 2, scale 1.4826 * 2.
+    guard = Guard(GuardConfig(window=9, min_history=9, threshold=3.0))
+    for v in range(1, 10):
+        assert guard.observe(float(v), 1.0) is None
+    bar = 5 + 3.0 * 1.4826 * 2
+    assert guard.verdict(bar - 0.01, 1.0) is None
+    assert guard.verdict(bar + 0.01, 1.0) == "loss_spike"
+
+
+def test_a_flat_history_has_a_one_percent_noise_floor():
+    guard = Guard(GuardConfig(window=10, min_history=5, threshold=6.0))
+    for _ in range(10):
+        guard.observe(2.0, 1.0)
+    # MAD is 0: the scale is 1% of the median, so the bar is 2.0 * (1 + 6 * 0.01).
+    assert guard.verdict(2.11, 1.0) is None
+    assert guard.verdict(2.13, 1.0) == "loss_spike"
+
+
+def test_nothing_but_nonfinite_values_is_judged_before_min_history():
+    guard = Guard(GuardConfig(window=50, min_history=20))
+    for loss, gn in noisy(19):
+        guard.observe(loss, gn)
+    assert guard.observe(100.0, 100.0) is None      # 19 accepted steps: too early to judge
+    assert guard.observe(math.nan, 1.0) == "nonfinite_loss"
+    assert guard.observe(100.0, 100.0) == "loss_spike"  # the 20 accepted steps include the 100
+
+
+def test_skipped_steps_never_enter_the_history():
+    guard = warmed()
+    before = guard.state_dict()
+    # A persistent blow-up stays flagged on every step: it never raises its own bar.
+    for _ in range(30):
+        assert guard.observe(8.0, 20.0) == "loss_spike"
+    assert guard.observe(math.inf, 1.0) == "nonfinite_loss"
+    assert guard.state_dict() == before
+
+
+def test_history_is_the_last_window_accepted_steps():
+    guard = Guard(GuardConfig(window=5, min_history=5))
+    for i in range(8):
+        guard.observe(3.0 + i / 100, 1.0 + i / 100)
+    assert guard.state_dict()["loss"] == [3.03, 3.04, 3.05, 3.06, 3.07]
+
+
+def test_state_round_trips_through_json_and_judges_alike():
+    series = noisy(80, seed=2) + [(7.0, 1.5), (3.1, 1.6), (3.0, 9.0)] + noisy(40, seed=3)
+    straight = Guard(GuardConfig(window=30, min_history=10))
+    verdicts = [straight.observe(*v) for v in series]
+
+    first = Guard(GuardConfig(window=30, min_history=10))
+    for v in series[:70]:
+        first.observe(*v)
+    resumed = Guard(GuardConfig(window=30, min_history=10))
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [resumed.observe(*v) for v in series[70:]] == verdicts[70:]
+    assert verdicts[80:83] == ["loss_spike", None, "grad_norm_spike"]
+    assert resumed.state_dict() == straight.state_dict()
+
+
+def test_max_skips_in_a_row_ends_the_run():
+    guard = warmed(GuardConfig(window=50, min_history=20, max_skips=3))
+    guard.observe(9.0, 1.5)
+    guard.observe(9.0, 1.5)
+    guard.stop_if_diverged()
+    guard.observe(3.0, 1.5)       # an accepted step resets the count
+    guard.observe(9.0, 1.5)
+    guard.observe(9.0, 1.5)
+    guard.stop_if_diverged()
+    guard.observe(9.0, 1.5)
+    with pytest.raises(UserError, match="the run diverged: the guard skipped 3 batches in a row"):
+        guard.stop_if_diverged()
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"window": 0}, "guard_window must be at least 1, got 0"),
+    ({"window": -5}, "guard_window must be at least 1, got -5"),
+    ({"threshold": 1.0}, "guard_threshold must be greater than 1"),
+    ({"threshold": 0.5}, "guard_threshold must be greater than 1"),
+    ({"threshold": math.nan}, "guard_threshold must be greater than 1"),
+    ({"min_history": 0}, r"guard_min_history must be between 1 and guard_window \(50\), got 0"),
+    ({"min_history": 60}, r"guard_min_history must be between 1 and guard_window \(50\), got 60"),
+    ({"max_skips": 0}, "guard_max_skips must be at least 1, got 0"),
+])
+def test_bad_policy_is_a_user_error_naming_the_setting(settings, message):
+    with pytest.raises(UserError, match=message):
+        GuardConfig(**settings)
+    with pytest.raises(UserError, match=message):
+        TrainConfig.from_dict({f"guard_{k}": v for k, v in settings.items()})
+
+
+def test_an_infinite_threshold_keeps_only_the_nonfinite_check():
+    guard = warmed(GuardConfig(window=50, min_history=20, threshold=math.inf))
+    assert guard.observe(1e6, 1e6) is None
+    assert guard.observe(math.nan, 1.0) == "nonfinite_loss"
+    cfg = TrainConfig.from_dict({"guard_threshold": math.inf, "guard_window": 8, "guard_min_history": 4})
+    assert cfg.guard_config() == GuardConfig(threshold=math.inf, window=8, min_history=4)

@@ -1,0 +1,129 @@
+"""Host monitor on real directories: free space, writability (a really full and a really
+read-only filesystem, mounted in a user namespace), mounts, memory, I/O errors."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from lazarus.agent.gpu import DEGRADED, FAILED, HEALTHY
+from lazarus.agent.host import (GiB, HostConfig, HostMonitor, HostSample, assess_host,
+                                sample_host)
+
+
+def config(path, **kw):
+    """Thresholds that pass on any machine, except those a test sets."""
+    return HostConfig(**{"checkpoint_dir": path, "min_free_bytes": 1, "low_free_bytes": 1,
+                         "memory_degraded": 1.01, "memory_failed": 1.01, **kw})
+
+
+def test_real_tmp_dir_is_healthy_and_the_probe_leaves_nothing(tmp_path):
+    monitor = HostMonitor(config(tmp_path))
+    verdict = monitor.poll()
+    assert verdict.state == HEALTHY, verdict.reasons
+    assert monitor.previous.write_error is None
+    assert monitor.previous.free_bytes > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_free_space_thresholds(tmp_path):
+    free = psutil.disk_usage(str(tmp_path)).free
+    low = assess_host(None, sample_host(c := config(tmp_path, low_free_bytes=free * 2)), c)
+    assert low.state == DEGRADED
+    assert "free (below" in low.reasons[0]
+    full = assess_host(None, sample_host(c := config(tmp_path, min_free_bytes=free * 2)), c)
+    assert full.state == FAILED
+    assert "GiB free, needs" in full.reasons[0]
+    # A known checkpoint size raises the floor: the next save would not fit.
+    big = config(tmp_path, checkpoint_bytes=free * 2)
+    assert assess_host(None, sample_host(big), big).state == FAILED
+
+
+def test_missing_checkpoint_dir_fails(tmp_path):
+    c = config(tmp_path / "gone")
+    verdict = assess_host(None, sample_host(c), c)
+    assert verdict.state == FAILED
+    assert verdict.reasons == (f"checkpoint dir {tmp_path / 'gone'} is not writable "
+                               "(the directory does not exist)",)
+
+
+def test_required_mounts(tmp_path):
+    c = config(tmp_path, required_mounts=("/", str(tmp_path)))
+    verdict = assess_host(None, sample_host(c), c)
+    assert verdict.state == FAILED
+    assert verdict.reasons == (f"required mount {tmp_path} is not mounted",)
+
+
+def test_memory_pressure_thresholds(tmp_path):
+    used = sample_host(config(tmp_path)).memory_used
+    c = config(tmp_path, memory_degraded=used / 2)
+    assert assess_host(None, sample_host(c), c).state == DEGRADED
+    c.memory_failed = used / 2
+    verdict = assess_host(None, sample_host(c), c)
+    assert verdict.state == FAILED and "memory" in verdict.reasons[0]
+
+
+def test_rising_io_errors_degrade(tmp_path):
+    c = config(tmp_path)
+    before = HostSample(checkpoint_dir="/ckpt", free_bytes=100 * GiB, total_bytes=200 * GiB,
+                        write_error=None, memory_used=0.2, memory_available_bytes=GiB,
+                        io_errors=4)
+    same = assess_host(before, before, c)
+    assert same.state == HEALTHY
+    worse = dataclasses.replace(before, io_errors=6)
+    assert assess_host(before, worse, c).reasons == ("2 new I/O errors on the checkpoint device",)
+    assert assess_host(None, worse, c).state == HEALTHY   # old errors are not news
+
+
+_IN_NAMESPACE = textwrap.dedent("""
+    import json, os, subprocess, sys
+    from pathlib import Path
+    from lazarus.agent.host import HostConfig, assess_host, sample_host
+    mnt = Path(sys.argv[1]); mode = sys.argv[2]
+    opts = "size=64k" + (",ro" if mode == "ro" else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], check=True)
+    if mode == "full":
+        with open(mnt / "fill", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+    c = HostConfig(checkpoint_dir=mnt, min_free_bytes=0, low_free_bytes=0,
+                   memory_degraded=1.01, memory_failed=1.01)
+    v = assess_host(None, sample_host(c), c)
+    print(json.dumps({"state": v.state, "reasons": v.reasons}))
+""")
+
+
+def _in_user_namespace(tmp_path, mode):
+    """Mount a 64 KiB tmpfs in a private mount namespace (no root needed where user
+    namespaces are allowed) and assess it there; nothing leaks to the host."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) not installed")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
+                           "-c", _IN_NAMESPACE, str(mnt), mode],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "mount" in proc.stderr and "Operation not permitted" in proc.stderr:
+        pytest.skip("user namespaces cannot mount here")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_full_filesystem_fails_the_write_probe(tmp_path):
+    verdict = _in_user_namespace(tmp_path, "full")
+    assert verdict["state"] == FAILED
+    assert "is not writable (ENOSPC: No space left on device)" in verdict["reasons"][0]
+
+
+def test_read_only_filesystem_fails_the_write_probe(tmp_path):
+    verdict = _in_user_namespace(tmp_path, "ro")
+    assert verdict["state"] == FAILED
+    assert "is not writable (EROFS: Read-only file system)" in verdict["reasons"][0]

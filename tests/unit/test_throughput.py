@@ -1,0 +1,84 @@
+"""Throughput per rank and node, straggler detection, and the swap cost model."""
+
+import pytest
+
+from lazarus.agent.throughput import (ThroughputConfig, ThroughputTracker, swap_worth_it)
+
+NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def feed(tracker, steps, slow=None, *, factor=1.5, base_s=1.0, tokens=1000, compute=False):
+    """`steps` steps of 4 ranks; rank `slow` takes `factor` x longer in the steps it is slow
+    (slow = {rank: set of steps})."""
+    for step in range(1, steps + 1):
+        for rank, node in NODES.items():
+            t = base_s * (factor if slow and step in slow.get(rank, ()) else 1.0)
+            if compute:  # synchronous training: equal wall time, different own work
+                tracker.observe(rank=rank, step=step, step_time_s=base_s * factor,
+                                tokens=tokens, node=node, compute_s=t)
+            else:
+                tracker.observe(rank=rank, step=step, step_time_s=t, tokens=tokens, node=node)
+
+
+def test_rank_and_node_stats():
+    tr = ThroughputTracker(ThroughputConfig(window=10))
+    feed(tr, 10, slow={2: {10}}, factor=2.0)
+    s0, s2 = tr.rank_stats(0), tr.rank_stats(2)
+    assert s0.tokens_per_s == pytest.approx(1000.0)
+    assert (s0.p50_s, s0.max_s, s0.steps) == (1.0, 1.0, 10)
+    assert s2.tokens_per_s == pytest.approx(10_000 / 11)
+    assert (s2.p50_s, s2.p90_s, s2.max_s) == (1.0, 2.0, 2.0)
+    nodes = tr.node_stats()
+    assert nodes["a"].ranks == (0, 1)
+    assert nodes["a"].tokens_per_s == pytest.approx(2000.0)
+    assert nodes["b"].tokens_per_s == pytest.approx(1000.0 + 10_000 / 11)
+
+
+@pytest.mark.parametrize("slow_steps,factor,expected", [
+    (range(1, 21), 1.5, [3]),          # always slow
+    (range(1, 21, 2), 1.5, [3]),       # slow in 10 of 20: persistent
+    ({3, 9, 15}, 1.5, []),             # 3 hiccups are not a straggler
+    (range(1, 21), 1.1, []),           # within the margin
+])
+def test_straggler_needs_n_of_m_steps_beyond_the_margin(slow_steps, factor, expected):
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=8))
+    feed(tr, 20, slow={3: set(slow_steps)}, factor=factor)
+    found = tr.stragglers()
+    assert [s.rank for s in found] == expected
+    if expected:
+        (s,) = found
+        assert s.node == "b" and s.ratio == pytest.approx(1.5)
+        assert "rank 3 on b is 1.50x slower than its peers" in s.reason
+
+
+def test_only_the_last_m_steps_count():
+    tr = ThroughputTracker(ThroughputConfig(window=10, margin=1.2, min_slow=5))
+    feed(tr, 30, slow={1: set(range(1, 21))})   # slow early on, recovered for the last 10
+    assert tr.stragglers() == []
+
+
+def test_compute_time_finds_the_straggler_that_wall_time_hides():
+    tr = ThroughputTracker(ThroughputConfig(window=10, margin=1.2, min_slow=5))
+    feed(tr, 10, slow={0: set(range(1, 11))}, compute=True)
+    (s,) = tr.stragglers()
+    assert s.rank == 0 and s.ratio == pytest.approx(1.5)
+    # Every rank's wall step time is the slowest one's: 1.5 s; without the straggler, 1.0 s.
+    assert s.gain_s_per_step == pytest.approx(0.5)
+
+
+def test_reports_without_timing_are_ignored():
+    tr = ThroughputTracker()
+    tr.observe(rank=0, step=1, step_time_s=0.0, tokens=10)
+    assert tr.stragglers() == [] and tr.node_stats() == {}
+
+
+@pytest.mark.parametrize("gain,cost,remaining,worth", [
+    (0.5, 60.0, 1000, True),     # saves 500 s for 60 s (x2 margin: 120)
+    (0.5, 60.0, 200, False),     # saves 100 s: less than the cost with its margin
+    (0.0, 1.0, 10**6, False),    # nothing to gain
+    (0.1, 30.0, 600, False),     # saves 60 s = exactly 2 x cost: not strictly better
+])
+def test_swap_worth_it(gain, cost, remaining, worth):
+    ok, reason = swap_worth_it(gain, cost, remaining)
+    assert ok is worth
+    assert ("pays" if worth else "does not pay") in reason
