@@ -24,11 +24,12 @@ from typing import Protocol
 
 import pynvml
 
+from lazarus.records import H_DEGRADED, H_FAILED, H_HEALTHY
 from lazarus.errors import UserError
 
 log = logging.getLogger(__name__)
 
-HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
+HEALTHY, DEGRADED, FAILED = H_HEALTHY, H_DEGRADED, H_FAILED
 _SEVERITY = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
 
 

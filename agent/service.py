@@ -27,6 +27,7 @@ from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAI
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, Keys,
                              NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
 from lazarus.agent.channel import Channel
+from lazarus.agent.health import NodeHealth
 from lazarus.agent.workers import Workers
 
 log = logging.getLogger("lazarus.agent")
@@ -44,7 +45,8 @@ class Agent:
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                  workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = 5,
-                 park: bool = True):
+                 park: bool = True, gpu_backend: str = "auto",
+                 gpu_faults: Path | None = None):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -60,6 +62,8 @@ class Agent:
         self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
         env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node}
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
+        self.health = NodeHealth(gpu_backend=gpu_backend, gpus=nproc,
+                                 fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json")
         self.session: E.Session | None = None
         self.wake = threading.Event()
         self._lock = threading.Lock()       # guards the step fields the channel updates
@@ -81,7 +85,7 @@ class Agent:
                                  on_lost=self.wake.set)
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
-                         gpu_backend="none", lease_ttl_s=self.lease_ttl_s)
+                         gpu_backend=self.health.backend_name, lease_ttl_s=self.lease_ttl_s)
         try:
             self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
         except E.LeaseLost:
@@ -221,6 +225,7 @@ class Agent:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
             self._spikes = []
         self._job_id = rec.job_id
+        self.health.watch_checkpoint_dir(rec.train.get("ckpt_dir"))
         self.workers.launch(rec.round, assignments)
         log.info("round %d: started ranks %s%s", rec.round, ranks,
                  f", restoring step {rec.restore_step}" if rec.restore else "")
@@ -246,12 +251,14 @@ class Agent:
             failed_rank=g.failed_rank() if g else None, step=st["step"], loss=st["loss"],
             step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
             pids=g.pids() if g else [], parked=len(self.workers.parked),
-            updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes)
+            updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
+            health=self.health.poll())
 
     def publish(self, *, force: bool = False) -> None:
         """Write node status on a change of worker state at once, else at most once a period."""
         status = self.node_status()
-        state = (status.workers, status.round, status.failed_rank, len(status.spikes))
+        state = (status.workers, status.round, status.failed_rank, len(status.spikes),
+                 status.health.get("state"))
         now = time.time()
         if not force and state == self._published_state and (
                 status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
@@ -307,6 +314,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+        self.health.close()
         self.channel.close()
         if self.session is not None:
             self.session.close()
@@ -325,6 +333,12 @@ def main(argv: list[str]) -> int:
                    help="sockets and worker logs")
     p.add_argument("--lease-ttl", type=int, default=5, help="node lease TTL in seconds")
     p.add_argument("--no-park", action="store_true", help="do not keep warm parked workers")
+    p.add_argument("--gpu-backend", default="auto", choices=("auto", "nvml", "sim"),
+                   help="GPU health source: NVML, the simulated backend, or auto (NVML when "
+                        "it finds a GPU)")
+    p.add_argument("--gpu-faults", type=Path, default=None,
+                   help="fault script of the simulated GPU backend (default: "
+                        "WORKDIR/NODE.gpu-faults.json; `lazarus chaos gpu-xid` writes it)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -338,7 +352,8 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     agent = Agent(etcd, Keys(args.root), node=args.node, nproc=args.nproc, role=args.role,
                   workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
-                  park=not args.no_park)
+                  park=not args.no_park, gpu_backend=args.gpu_backend,
+                  gpu_faults=args.gpu_faults)
     try:
         agent.run(stop)
     finally:

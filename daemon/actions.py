@@ -48,6 +48,13 @@ class Cordon:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestDrain:
+    """Start a planned swap of a node (as `lazarus drain` would): checkpoint, then replace it."""
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ClearCommand:
     """The operator command is done: delete its key ("drain/<node>", "cancel")."""
     name: str

@@ -20,11 +20,12 @@ from lazarus import exitcodes
 from lazarus import jobspec
 from lazarus.errors import UserError
 from lazarus.jobspec import JobSpec
-from lazarus.records import (FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
+from lazarus.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import commands, spikes
-from lazarus.daemon.actions import AcceptJob, Decision, Emit, RejectJob, SetStatus
+from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, RejectJob, RequestDrain,
+                                    SetStatus)
 from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
 
@@ -102,11 +103,31 @@ def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], re
     return Decision([SetStatus(status), Emit("fault_detected", reason, incident)], reason)
 
 
+def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str]]:
+    """(state, reasons) a node's agent reports for one monitor; garbage reads as healthy."""
+    ns = view.node_status.get(node)
+    report = ns.health.get(monitor) if ns is not None and isinstance(ns.health, dict) else None
+    if not isinstance(report, dict) or report.get("state") not in (H_DEGRADED, H_FAILED):
+        return H_HEALTHY, []
+    reasons = report.get("reasons")
+    if not isinstance(reasons, list):  # the GPU monitor nests its reasons per GPU
+        gpus = report.get("gpus") if isinstance(report.get("gpus"), list) else []
+        reasons = [f"gpu{g.get('index')}: {r}" for g in gpus if isinstance(g, dict)
+                   for r in (g.get("reasons") or []) if g.get("state") == report["state"]]
+    return report["state"], [str(r) for r in reasons][:6]
+
+
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     lost = _lost(view, st)
     if lost:
         return _to_recovering(now, st, "node_lost", lost,
                               f"node(s) {', '.join(lost)} lost (agent lease expired)", now)
+    sick = {n: health_of(view, n, "gpu") for n in st.members}
+    sick = {n: why for n, (state, why) in sick.items() if state == H_FAILED}
+    if sick:
+        reason = "GPU failed on " + "; ".join(f"{n} ({', '.join(why)})" for n, why in sick.items())
+        d = _to_recovering(now, st, "gpu_failed", list(sick), reason, now)
+        return Decision([*(Cordon(n) for n in sick), *d.actions], d.reason)
     failed = _failed(view, st)
     if not failed:
         return None
@@ -125,6 +146,26 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
                f"{view.node_status[n].exit_codes}" for n in culprits]
     return _to_recovering(now, st, "worker_crash", culprits,
                           f"worker crash on {'; '.join(details)}", fault_at)
+
+
+def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    """A degraded GPU (rising ECC, throttling) or a failing host (checkpoint dir full or
+    unwritable): swap the node out at a checkpoint, before it fails -- if a spare can take
+    its place (else a shrink would cost more than the risk)."""
+    spares = [n for n in usable(view, job) if n not in st.members]
+    if not spares:
+        return None
+    for node in st.members:
+        if node in view.drains:
+            continue
+        gpu, gpu_why = health_of(view, node, "gpu")
+        host, host_why = health_of(view, node, "host")
+        if gpu == H_DEGRADED or host == H_FAILED:
+            kind = "gpu_degraded" if gpu == H_DEGRADED else "host_failed"
+            msg = (f"{kind.replace('_', ' ')} on {node} ({', '.join(gpu_why + host_why)}): "
+                   f"checkpoint, then swap in {spares[0]}")
+            return Decision([RequestDrain(node, msg), Emit(kind, msg, {"node": node})], msg)
+    return None
 
 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
@@ -178,6 +219,9 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    f"{fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+    swap = _planned_swap(view, job, st)
+    if swap is not None:
+        return swap
     rolled_back = spikes.rollback(now, view, job, st)
     if rolled_back is not None:
         return rolled_back

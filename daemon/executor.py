@@ -12,7 +12,8 @@ import dataclasses
 from lazarus import etcd as E
 from lazarus.records import EventRecord, Keys, dumps
 from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
-                                    MarkCheckpoint, RejectJob, RequestCheckpoint, SetStatus,
+                                    MarkCheckpoint, RejectJob, RequestCheckpoint, RequestDrain,
+                                    SetStatus,
                                     StartRound)
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.view import ClusterView
@@ -44,6 +45,9 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
         elif isinstance(action, MarkCheckpoint):
             rec = dataclasses.replace(action.checkpoint, good=action.good)
             ops.append(E.put_op(keys.checkpoint_key(rec.step), rec.to_json()))
+        elif isinstance(action, RequestDrain):
+            ops.append(E.put_op(keys.drain_key(action.node),
+                                dumps({"requested_at": now, "reason": action.reason})))
         elif isinstance(action, Cordon):
             ops.append(E.put_op(keys.cordon_key(action.node), b"drained"))
         elif isinstance(action, ClearCommand):

@@ -6,6 +6,10 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     kill-daemon@STEP          SIGKILL the leading daemon; a standby must take over
     revive-node@STEP[:NODE]   start a killed node's agent again (default: the last one
                               killed); it joins the run at the next checkpoint boundary
+    gpu-xid@STEP[:NODE]       the node's (simulated) GPU 0 reports Xid 79, fell off the bus:
+                              the node is cordoned and a spare takes its place at once
+    gpu-ecc@STEP[:NODE]       correctable ECC errors start rising on GPU 0 (degraded): a
+                              proactive checkpoint, then a planned swap at a step boundary
     loss-spike@STEP           a poisoned batch at STEP: the trainer guard skips it
     diverge@STEP              a poisoned data window from STEP: spikes repeat, the daemon
                               rolls back to the last good checkpoint and skips the window
@@ -17,10 +21,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from lazarus.errors import UserError
 
-KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "loss-spike", "diverge")
+KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
+         "loss-spike", "diverge")
+# What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
+GPU_FAULTS = {"gpu-xid": {"gpu": 0, "fault": "xid", "code": 79},
+              "gpu-ecc": {"gpu": 0, "fault": "ecc-sbe-rising", "count": 10}}
 # Faults the trainer injects itself (through the job's [train] inject list), keyed on the
 # data it reads, so that they are reproducible and a rollback's skip really removes them.
 TRAINER_KINDS = ("loss-spike", "diverge")
@@ -57,3 +66,64 @@ def parse_schedule(spec: str) -> list[Fault]:
             raise UserError(f"--chaos {item!r}: the step must be at least 1")
         faults.append(Fault(kind=m["kind"], step=step, target=m["target"]))
     return sorted(faults, key=lambda f: f.step)
+
+
+def gpu_fault_script(workdir: Path, node: str) -> Path:
+    """Where an agent started with --workdir WORKDIR reads its simulated GPU faults."""
+    return Path(workdir) / f"{node}.gpu-faults.json"
+
+
+def inject_gpu_fault(workdir: Path, node: str, kind: str) -> Path:
+    from lazarus.agent.gpu_sim import add_fault
+    path = gpu_fault_script(workdir, node)
+    add_fault(path, dict(GPU_FAULTS[kind]))
+    return path
+
+
+def main(argv: list[str]) -> int:
+    """`lazarus chaos KIND --node NODE`: inject one fault into a running cluster on this host."""
+    import argparse
+    import json
+    import os
+    import signal
+
+    from lazarus import etcd as E
+    from lazarus.records import Keys, NodeRecord, NodeStatus
+
+    p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("kind", choices=("kill-worker", "kill-node", "kill-daemon", "gpu-xid",
+                                    "gpu-ecc"))
+    p.add_argument("--node", help="target node (not for kill-daemon)")
+    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
+    p.add_argument("--root", default="/lazarus/v1/")
+    p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
+                   help="the agents' --workdir (GPU faults are written there)")
+    args = p.parse_args(argv)
+    if args.kind != "kill-daemon" and not args.node:
+        raise UserError(f"{args.kind} needs --node")
+    if args.kind in GPU_FAULTS:
+        path = inject_gpu_fault(Path(args.workdir), args.node, args.kind)
+        print(f"{args.kind} on {args.node}: written to {path}")
+        return 0
+    keys, etcd = Keys(args.root), E.Etcd(args.etcd)
+    try:
+        if args.kind == "kill-daemon":
+            kv = etcd.get(keys.leader)
+            pid = json.loads(kv.value)["pid"] if kv else None
+        elif args.kind == "kill-node":
+            kv = etcd.get(keys.node_key(args.node))
+            pid = NodeRecord.from_json(kv.value).pid if kv else None
+        else:
+            kv = etcd.get(keys.nodestatus_key(args.node))
+            pids = NodeStatus.from_json(kv.value).pids if kv else []
+            pid = pids[-1] if pids else None
+    finally:
+        etcd.close()
+    if not pid:
+        raise UserError(f"{args.kind}: nothing to kill ({args.node or 'no leader'} not found)")
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        raise UserError(f"{args.kind}: pid {pid} is not running on this host") from None
+    print(f"{args.kind}: killed pid {pid}")
+    return 0

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "submit": ("lazarus.submit", "main", "submit a job file to the daemon"),
+    "chaos": ("lazarus.chaos", "main", "inject a fault into a running cluster on this host"),
     "status": ("lazarus.client", "status_main", "the run's health (asks the daemon's API)"),
     "nodes": ("lazarus.client", "nodes_main", "nodes: role, state, ranks, progress"),
     "events": ("lazarus.client", "events_main", "the run's events; --follow to keep watching"),

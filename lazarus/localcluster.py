@@ -103,6 +103,7 @@ class LocalCluster:
         proc = self._spawn(f"agent-{node}",
                            ["agent", "--etcd", self.endpoint, "--node", node, "--nproc",
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
+                            "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level])
         self.agents[node] = proc
@@ -171,6 +172,11 @@ class LocalCluster:
         proc.popen.send_signal(signal.SIGKILL)
         proc.popen.wait()
         return node
+
+    def gpu_fault(self, node: str, kind: str) -> str:
+        from lazarus.chaos import inject_gpu_fault
+        inject_gpu_fault(self.workdir / "nodes", node, kind)
+        return f"{node} gpu0"
 
     def kill_daemon(self) -> str:
         pid = self.state().leader_pid

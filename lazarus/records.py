@@ -57,6 +57,9 @@ WORKER_STATES = (W_IDLE, W_STARTING, W_RUNNING, W_FAILED, W_SUCCEEDED)
 
 ROLE_ACTIVE, ROLE_SPARE = "active", "spare"
 
+# Monitor verdicts in an agent's health report (lazarus.agent.health).
+H_HEALTHY, H_DEGRADED, H_FAILED = "healthy", "degraded", "failed"
+
 
 class RecordError(ValueError):
     """A value under our keys that is not a record we understand."""
@@ -231,6 +234,7 @@ class NodeStatus(_Record):
     updated_at: float = 0.0
     fault_at: float = 0.0       # wall time the agent saw the failure
     spikes: list = field(default_factory=list)  # recent skipped steps: {"step", "window", ...}
+    health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

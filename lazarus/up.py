@@ -135,6 +135,8 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
         fault.hit = cluster.kill_worker(node)
     elif fault.kind == "kill-node":
         fault.hit = cluster.kill_node(node)
+    elif fault.kind in chaos.GPU_FAULTS:
+        fault.hit = cluster.gpu_fault(node, fault.kind)
     elif fault.kind == "revive-node":
         fault.hit = cluster.revive_node(node)
     else:
@@ -167,12 +169,13 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
                 rec["culprit"] = f.hit
         else:
-            det = next((e for e in events if e.kind == "fault_detected"
+            seen_as = "gpu_degraded" if f.kind == "gpu-ecc" else "fault_detected"
+            det = next((e for e in events if e.kind == seen_as
                         and e.time >= f.fired_at - 0.5), None)
             if det is not None:
                 rec["detected_after_s"] = round(max(0.0, det.time - f.fired_at), 3)
-                rec["culprit"] = det.fields.get("culprit")
-                rec["detected_as"] = det.fields.get("kind")
+                rec["culprit"] = det.fields.get("culprit", det.fields.get("node"))
+                rec["detected_as"] = det.fields.get("kind", det.kind)
                 restart = next((e for e in events if e.kind == "round_started"
                                 and e.time >= det.time), None)
                 nxt = tail.first_step_after(restart.time) if restart is not None else None

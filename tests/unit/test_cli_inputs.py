@@ -103,3 +103,15 @@ def test_missing_etcd_binary_says_how_to_install(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no etcd on this PATH
     line = one_error_line(lazarus("daemon", "--etcd", "embedded", env=env))
     assert "apt-get install -y etcd-server" in line
+
+
+def test_chaos_gpu_fault_is_written_where_the_agent_reads_it(tmp_path):
+    proc = lazarus("chaos", "gpu-xid", "--node", "n1", "--workdir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    from lazarus.agent.gpu_sim import parse_faults
+    (fault,) = parse_faults((tmp_path / "n1.gpu-faults.json").read_text())
+    assert (fault.fault, fault.params["code"]) == ("xid", 79)
+
+
+def test_chaos_needs_a_node():
+    assert "needs --node" in one_error_line(lazarus("chaos", "kill-worker"))

@@ -287,3 +287,36 @@ def test_a_submission_with_impossible_sizes_is_rejected_not_accepted():
     d = decide(NOW, view(status=None, submitted=bad))
     assert kinds(d.actions) == ["RejectJob", "Emit:job_rejected"]
     assert "global" in d.reason or "batch" in d.reason
+
+
+def _gpu(state, reasons=("Xid 79: GPU fell off the bus",)):
+    return {"state": state, "gpu": {"backend": "sim", "state": state,
+                                    "gpus": [{"index": 0, "state": state,
+                                              "reasons": list(reasons)}]}}
+
+
+def test_failed_gpu_cordons_the_node_and_swaps_in_a_spare():
+    v = view(status=status(RUNNING), spares=("s",),
+             node_status=[ns("a", "running", step=5), ns("b", "running", step=5,
+                                                         health=_gpu("failed"))])
+    d = decide(NOW, v)
+    from lazarus.daemon.actions import Cordon
+    assert Cordon("b") in d.actions
+    st = only(d.actions, SetStatus).status
+    assert st.incident["kind"] == "gpu_failed" and "Xid 79" in st.reason
+    v2 = view(status=st, spares=("s",), cordoned=("b",))
+    assert only(decide(NOW, v2).actions, StartRound).record.members == ["a", "s"]
+
+
+def test_degraded_gpu_asks_for_a_planned_swap_only_when_a_spare_is_idle():
+    from lazarus.daemon.actions import RequestDrain
+    sick = ns("b", "running", step=5, health=_gpu("degraded", ["correctable ECC rising"]))
+    d = decide(NOW, view(status=status(RUNNING), spares=("s",), node_status=[sick]))
+    assert only(d.actions, RequestDrain).node == "b"
+    assert decide(NOW, view(status=status(RUNNING), node_status=[sick])).actions == []
+
+
+def test_garbage_health_reads_as_healthy():
+    junk = ns("b", "running", step=5, health={"gpu": "on fire", "host": [1, 2]})
+    assert decide(NOW, view(status=status(RUNNING), spares=("s",), node_status=[junk])
+                  ).actions == []
