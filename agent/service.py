@@ -27,7 +27,9 @@ from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAI
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, Keys,
                              NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
 from lazarus.agent.channel import Channel
+from lazarus.agent.hang import HangConfig, HangDetector, Progress
 from lazarus.agent.health import NodeHealth
+from lazarus.agent.stacks import capture
 from lazarus.agent.workers import Workers
 
 log = logging.getLogger("lazarus.agent")
@@ -35,6 +37,8 @@ log = logging.getLogger("lazarus.agent")
 # Node status carries the latest step; writing it more often than this would make every
 # node an etcd writer per step, which the design forbids at scale.
 STATUS_PERIOD_S = 1.0
+# Workers dump their stacks (faulthandler, on SIGUSR1) into the directory this names.
+STACKS_ENV = "LAZARUS_STACKS_DIR"
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
 
@@ -46,7 +50,7 @@ class Agent:
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                  workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = 5,
                  park: bool = True, gpu_backend: str = "auto",
-                 gpu_faults: Path | None = None):
+                 gpu_faults: Path | None = None, hang_config: HangConfig | None = None):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -60,7 +64,8 @@ class Agent:
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
-        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node}
+        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node,
+               STACKS_ENV: str(workdir / "stacks" / node)}
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
         self.health = NodeHealth(gpu_backend=gpu_backend, gpus=nproc,
                                  fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json")
@@ -70,6 +75,9 @@ class Agent:
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
         self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
         self._job_id = ""                   # job of the round our workers run
+        self.hangs = HangDetector(hang_config or HangConfig())
+        self._hang: dict | None = None      # this round's hang report, once made
+        self.stacks_dir = workdir / "stacks" / node
         self._checkpoint_request: bytes | None = None
         self._published_state: tuple | None = None
         self._published_step = -1
@@ -117,6 +125,15 @@ class Agent:
                         dt = float(msg.get("step_time_s", 0.0))
                         st["step_time_s"] = dt
                         st["tokens_per_s"] = float(msg.get("tokens", 0)) / dt if dt > 0 else 0.0
+            return None
+        if kind == "progress":
+            try:
+                progress = Progress.from_message(msg)
+            except (KeyError, TypeError, ValueError):
+                return None
+            with self._lock:
+                if msg.get("round") == self._group_round() and self._hang is None:
+                    self.hangs.observe(int(msg.get("rank", -1)), progress)
             return None
         if kind == "may_commit":
             return {"type": "may_commit", "ok": self._round_is_current(msg.get("round"))}
@@ -224,11 +241,32 @@ class Agent:
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
             self._spikes = []
+            self.hangs.reset()
+            self._hang = None
         self._job_id = rec.job_id
         self.health.watch_checkpoint_dir(rec.train.get("ckpt_dir"))
         self.workers.launch(rec.round, assignments)
         log.info("round %d: started ranks %s%s", rec.round, ranks,
                  f", restoring step {rec.restore_step}" if rec.restore else "")
+
+    def _check_hang(self, now: float) -> None:
+        """A hang is reported once per round, with the stacks of every local rank taken
+        before anything is killed; the daemon names the culprit across nodes and restarts."""
+        g = self.workers.group
+        if g is None or not g.alive or self._hang is not None:
+            return
+        with self._lock:
+            verdict = self.hangs.check(now)
+        if verdict is None:
+            return
+        dump = capture(g.pids(), self.stacks_dir, timeout_s=3.0)
+        saved = self.workdir / "hangs" / f"round{g.round}-{self.node}.txt"
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text("".join(f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
+                                 f"{dump.get(p.pid, '(no stack: the process did not answer)')}\n"
+                                 for lr, p in sorted(g.procs.items())))
+        self._hang = {**verdict.to_dict(), "stacks": str(saved), "at": time.time()}
+        log.warning("hang in round %d: %s; stacks in %s", g.round, verdict.reason, saved)
 
     # -- status ------------------------------------------------------------------------------
     def node_status(self) -> NodeStatus:
@@ -252,13 +290,13 @@ class Agent:
             step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
             pids=g.pids() if g else [], parked=len(self.workers.parked),
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
-            health=self.health.poll())
+            health=self.health.poll(), hang=self._hang)
 
     def publish(self, *, force: bool = False) -> None:
         """Write node status on a change of worker state at once, else at most once a period."""
         status = self.node_status()
         state = (status.workers, status.round, status.failed_rank, len(status.spikes),
-                 status.health.get("state"))
+                 status.health.get("state"), status.hang is not None)
         now = time.time()
         if not force and state == self._published_state and (
                 status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
@@ -295,6 +333,7 @@ class Agent:
             self.wake.clear()
             exited = self.workers.poll()
             now = time.monotonic()
+            self._check_hang(now)
             try:
                 if woke or exited or now >= next_reconcile:
                     self.reconcile()
@@ -336,6 +375,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-backend", default="auto", choices=("auto", "nvml", "sim"),
                    help="GPU health source: NVML, the simulated backend, or auto (NVML when "
                         "it finds a GPU)")
+    p.add_argument("--hang-k", type=float, default=3.0,
+                   help="a rank hangs after k x the median step time without progress")
+    p.add_argument("--hang-floor", type=float, default=10.0,
+                   help="... and never before this many seconds")
     p.add_argument("--gpu-faults", type=Path, default=None,
                    help="fault script of the simulated GPU backend (default: "
                         "WORKDIR/NODE.gpu-faults.json; `lazarus chaos gpu-xid` writes it)")
@@ -346,6 +389,8 @@ def main(argv: list[str]) -> int:
         raise UserError("--nproc must be at least 1")
     if args.lease_ttl < 2:
         raise UserError("--lease-ttl must be at least 2 seconds")
+    if args.hang_k <= 1 or args.hang_floor <= 0:
+        raise UserError("--hang-k must be above 1 and --hang-floor positive")
     etcd = E.Etcd(args.etcd)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -353,7 +398,8 @@ def main(argv: list[str]) -> int:
     agent = Agent(etcd, Keys(args.root), node=args.node, nproc=args.nproc, role=args.role,
                   workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
                   park=not args.no_park, gpu_backend=args.gpu_backend,
-                  gpu_faults=args.gpu_faults)
+                  gpu_faults=args.gpu_faults,
+                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor))
     try:
         agent.run(stop)
     finally:

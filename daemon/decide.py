@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from lazarus import exitcodes
+from lazarus.agent.hang import HangVerdict, combine
 from lazarus import jobspec
 from lazarus.errors import UserError
 from lazarus.jobspec import JobSpec
@@ -117,6 +118,36 @@ def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str
     return report["state"], [str(r) for r in reasons][:6]
 
 
+# How long the first hang report of a round waits for the other members' reports (their
+# ranks stall too), so that the culprit is named from every rank's position.
+HANG_REPORT_WAIT_S = 3.0
+
+
+def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
+    reports: dict[str, HangVerdict] = {}
+    started: list[float] = []
+    for node in st.members:
+        ns = view.node_status.get(node)
+        if ns is None or ns.round != st.round or not isinstance(ns.hang, dict):
+            continue
+        try:
+            reports[node] = HangVerdict.from_dict(ns.hang)
+            started.append(float(ns.hang["at"]) - reports[node].stalled_s)
+        except (KeyError, TypeError, ValueError):
+            continue  # a report we cannot read is no evidence either way
+    if not reports:
+        return None
+    first_report = min(float(view.node_status[n].hang["at"]) for n in reports)
+    if len(reports) < len(st.members) and now - first_report < HANG_REPORT_WAIT_S:
+        return Decision([], f"hang reported by {', '.join(reports)}; waiting for the others")
+    verdict = combine(reports)
+    culprits = list(verdict.culprit_nodes) or sorted(reports)
+    stacks = [view.node_status[n].hang.get("stacks") for n in reports]
+    return _to_recovering(now, st, "hang", culprits,
+                          f"hang: {verdict.reason} (stacks: {', '.join(map(str, stacks))})",
+                          min(started))
+
+
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     lost = _lost(view, st)
     if lost:
@@ -128,6 +159,9 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         reason = "GPU failed on " + "; ".join(f"{n} ({', '.join(why)})" for n, why in sick.items())
         d = _to_recovering(now, st, "gpu_failed", list(sick), reason, now)
         return Decision([*(Cordon(n) for n in sick), *d.actions], d.reason)
+    hang = _hang(now, view, st)
+    if hang is not None:
+        return hang
     failed = _failed(view, st)
     if not failed:
         return None

@@ -235,6 +235,7 @@ class NodeStatus(_Record):
     fault_at: float = 0.0       # wall time the agent saw the failure
     spikes: list = field(default_factory=list)  # recent skipped steps: {"step", "window", ...}
     health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
+    hang: dict | None = None    # the round's hang report (lazarus.agent.hang.HangVerdict + stacks)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

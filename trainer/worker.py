@@ -20,6 +20,7 @@ from lazarus import exitcodes
 from lazarus.errors import UserError
 
 ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
+STACKS_ENV = "LAZARUS_STACKS_DIR"
 # Fault injection for tests: "STEP" or "STEP:RANK" (rank 0 if omitted) kills that rank at the
 # start of that step.
 FAIL_AT_ENV = "LAZARUS_FAIL_AT"
@@ -78,6 +79,10 @@ def run(assignment: WorkerAssignment) -> int:
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     a = assignment
+    if os.environ.get(STACKS_ENV):
+        # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
+        from lazarus.agent.stacks import enable_stack_dumps
+        enable_stack_dumps(os.environ[STACKS_ENV])
     cfg = TrainConfig.from_dict(a.train)
     if cfg.dp * cfg.tp != a.world_size:
         raise UserError(f"mesh dp {cfg.dp} x tp {cfg.tp} = {cfg.dp * cfg.tp} ranks, but the "

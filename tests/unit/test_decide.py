@@ -320,3 +320,34 @@ def test_garbage_health_reads_as_healthy():
     junk = ns("b", "running", step=5, health={"gpu": "on fire", "host": [1, 2]})
     assert decide(NOW, view(status=status(RUNNING), spares=("s",), node_status=[junk])
                   ).actions == []
+
+
+def _hang_report(at, positions):
+    return {"culprits": [], "reason": "stalled", "stalled_s": 12.0, "timeout_s": 10.0,
+            "at": at, "stacks": "/w/hangs/x.txt",
+            "positions": {str(r): {"step": st, "phase": ph, "seq": seq, "stalled_s": 12.0,
+                                   "op": ""} for r, (st, ph, seq) in positions.items()}}
+
+
+def test_hang_waits_for_all_reports_then_names_the_rank_behind():
+    a = ns("a", "running", step=9, hang=_hang_report(NOW - 1, {0: (9, "collective", 40)}))
+    v = view(status=status(RUNNING), node_status=[a, ns("b", "running", step=9)])
+    d = decide(NOW, v)
+    assert d.actions == [] and "waiting for the others" in d.reason
+    v.node_status["b"] = ns("b", "running", step=9,
+                            hang=_hang_report(NOW - 0.5, {1: (9, "optimizer", 38)}))
+    st = only(decide(NOW, v).actions, SetStatus).status
+    assert st.incident["kind"] == "hang" and st.incident["culprit"] == "b"
+    assert st.incident["fault_at"] == NOW - 1 - 12.0
+
+
+def test_a_lone_hang_report_acts_after_the_wait():
+    a = ns("a", "running", step=9, hang=_hang_report(NOW - 4, {0: (9, "collective", 40)}))
+    st = only(decide(NOW, view(status=status(RUNNING), node_status=[a])).actions,
+              SetStatus).status
+    assert st.incident["kind"] == "hang"
+
+
+def test_unreadable_hang_report_is_ignored():
+    a = ns("a", "running", step=9, hang={"culprits": "x"})
+    assert decide(NOW, view(status=status(RUNNING), node_status=[a])).actions == []
