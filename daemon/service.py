@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lazarus import etcd as E
@@ -31,12 +32,15 @@ log = logging.getLogger("lazarus.daemon")
 
 class Daemon:
     """`tick_s` bounds how late a timeout is noticed; `lease_ttl_s` is how long a dead leader
-    blocks its standbys (the failover time)."""
+    blocks its standbys (the failover time). `on_pass(is_leader)` runs after every pass of the
+    loop (telemetry); etcd being unreachable there is retried like in the pass itself."""
 
-    def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = 5, tick_s: float = 0.5):
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = 5, tick_s: float = 0.5,
+                 on_pass: Callable[[bool], None] | None = None):
         self.etcd = etcd
         self.keys = keys
         self.tick_s = tick_s
+        self.on_pass = on_pass
         self.writer = writer_id()
         self.leadership = Leadership(etcd, keys, ttl_s=lease_ttl_s, identity={
             "id": self.writer, "pid": os.getpid(), "host": socket.gethostname()})
@@ -95,6 +99,8 @@ class Daemon:
             self.wake.clear()
             try:
                 self.step()
+                if self.on_pass is not None:
+                    self.on_pass(self.leadership.is_leader)
                 if self._etcd_down_since is not None:
                     log.info("etcd is back after %.1f s", time.time() - self._etcd_down_since)
                     self._etcd_down_since = None
@@ -130,10 +136,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--endpoint-file", default=None,
                    help="where to leave the API address and token for the CLI (default "
                         "$LAZARUS_HOME/endpoint.json or ~/.lazarus/endpoint.json; '' for none)")
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                   help="export traces and metrics over OTLP/HTTP to this collector base URL, "
+                        "e.g. http://collector:4318 (default: env OTEL_EXPORTER_OTLP_ENDPOINT, "
+                        "else none)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any "
+                        "free port; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the Prometheus endpoint; 0.0.0.0 for a remote scraper "
+                        "(default %(default)s)")
     args = p.parse_args(argv)
     logs.setup(args.log_level, "daemon")
-    from lazarus import jobspec
+    from lazarus import jobspec, telemetry
     from lazarus.errors import UserError
+    from lazarus.telemetry import TelemetryConfig
     if args.lease_ttl < 2:
         raise UserError("--lease-ttl must be at least 2 seconds")
     job = jobspec.load(args.job) if args.job else None
@@ -160,11 +177,22 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server = None
+    tel = None
     try:
         if job is not None:
             E.retry(lambda: etcd.put(keys.job, job.to_json()), deadline_s=30)
             log.info("submitted job %s (%s)", job.name, job.id)
         daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl)
+        tel_cfg = TelemetryConfig(otlp_endpoint=args.otlp_endpoint or None,
+                                  metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+        if tel_cfg.enabled:
+            tel = telemetry.start(tel_cfg, etcd, keys, served_by=daemon.writer)
+            daemon.on_pass = tel.on_pass
+            if tel.metrics_port is not None:
+                log.info("Prometheus metrics on http://%s:%d/metrics", args.metrics_host,
+                         tel.metrics_port)
+            if tel_cfg.otlp_endpoint:
+                log.info("OTLP export to %s", tel_cfg.otlp_endpoint)
         if args.api != "off":
             from lazarus.daemon import api
             server, port = api.serve(etcd, keys, address=args.api, token=token,
@@ -179,6 +207,8 @@ def main(argv: list[str]) -> int:
                     tls_ca=str(Path(args.tls_cert).resolve()) if args.tls_cert else None))
         daemon.run(stop)
     finally:
+        if tel is not None:
+            tel.shutdown()
         if server is not None:
             server.stop(grace=1.0).wait()
             if ep_path is not None:

@@ -12,6 +12,13 @@ if ! command -v etcd >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
 fi
 # Debian's package starts a system etcd on 2379; Lazarus starts its own on free ports.
+if ! command -v chromium >/dev/null 2>&1; then
+    # headless browser for `lazarus report --png` and the report's rendering test
+    echo "installing chromium (apt)..."
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "corpus": ("lazarus.trainer.data", "main", "build a token corpus from local text"),
     "export": ("lazarus.trainer.export", "main", "export a checkpoint's weights as safetensors"),
     "up": ("lazarus.up", "main", "run a whole local cluster (etcd, daemon, agents) with faults"),
+    "report": ("lazarus.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "submit": ("lazarus.submit", "main", "submit a job file to the daemon"),

@@ -261,6 +261,17 @@ def run(args: argparse.Namespace) -> dict:
             events.append(ev)
             say(f"  [{ev.kind}] {ev.message}")
         tail.poll()
+        checkpoints = cluster.state().checkpoints
+    # The run's story outlives the cluster: `lazarus report WORKDIR` reads these files.
+    (workdir / "events.jsonl").write_text("".join(ev.to_json().decode() + "\n" for ev in events))
+    (workdir / "checkpoints.jsonl").write_text("".join(
+        c.to_json().decode() + "\n" for c in sorted(checkpoints, key=lambda c: c.step)))
+    page = None
+    if metrics.exists():
+        from lazarus import report
+        page = report.write(metrics, events=workdir / "events.jsonl",
+                            out=workdir / "report.html")
+        say(f"report: {page}")
     steps = max((rec["step"] for _, rec in tail.seen), default=0)
     summary = {
         "final_state": state,
@@ -272,6 +283,7 @@ def run(args: argparse.Namespace) -> dict:
         "skipped_steps": sorted({rec["step"] for _, rec in tail.seen if rec.get("skipped")}),
         "workdir": str(workdir),
         "metrics": str(metrics),
+        "report": str(page) if page else None,
     }
     return summary
 
