@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.errors import UserError
 from lazarus.trainer.batching import plan_batches
+from lazarus.trainer.guard import GuardConfig
 from lazarus.trainer.models import get_model_config
 from lazarus.trainer.optim import SCHEDULES, ScheduleConfig
 from lazarus.trainer.parallelize import check_tp_fits
+from lazarus.trainer.windows import check_skip_window, parse_injection
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,6 +48,21 @@ class TrainConfig:
     fused_kernels: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    # Step guard (trainer/guard.py: GuardConfig documents each).
+    guard_window: int = 50
+    guard_threshold: float = 6.0
+    guard_min_history: int = 25
+    # Data windows (trainer/windows.py): [first, last] sequence cursors, inclusive, never
+    # trained; the daemon adds the spiking ones when it rolls back.
+    skip_windows: list[list[int]] = field(default_factory=list)
+    # The lr is multiplied by lr_scale for lr_scale_steps optimizer steps after the step the
+    # run starts from (its restore step, 0 for a fresh run). The checkpoints taken meanwhile
+    # record that span, so resuming one with the same two settings continues it rather than
+    # starting a new one; other settings start a new span at the new restore step.
+    lr_scale: float = 1.0
+    lr_scale_steps: int = 0
+    # Fault injection, keyed on data windows: "loss-spike@STEP", "diverge@STEP".
+    inject: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -88,27 +105,51 @@ class TrainConfig:
         plan_batches(self.global_batch, self.dp, self.micro_batch)
         if self.resume is not None and self.resume == "latest" and self.ckpt_dir is None:
             raise UserError("resume = 'latest' needs ckpt_dir")
+        self.guard_config()
+        for i, window in enumerate(self.skip_windows):
+            check_skip_window(i, window)
+        if not self.lr_scale > 0:
+            raise UserError(f"lr_scale must be positive, got {self.lr_scale}")
+        if self.lr_scale_steps < 0:
+            raise UserError(f"lr_scale_steps must not be negative, got {self.lr_scale_steps}")
+        for spec in self.inject:
+            parse_injection(spec)
 
     def schedule_config(self) -> ScheduleConfig:
         return ScheduleConfig(schedule=self.schedule, lr=self.lr, min_lr=self.min_lr,
                               warmup_steps=self.warmup_steps, total_steps=self.steps,
                               decay_fraction=self.wsd_decay_fraction)
 
+    def guard_config(self) -> GuardConfig:
+        return GuardConfig(window=self.guard_window, threshold=self.guard_threshold,
+                           min_history=self.guard_min_history)
+
 
 def _check_type(key: str, value, hint) -> None:
+    if not _fits(value, hint):
+        raise UserError(f"train setting {key!r} must be {_type_name(hint)}, got {value!r}")
+
+
+def _fits(value, hint) -> bool:
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
     allowed = typing.get_args(hint) or (hint,)
-    if value is None and type(None) in allowed:
-        return
     # bool is an int to Python; `steps = true` is still a mistake.
-    ok = any(
-        (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+    return any(
+        (t is type(None) and value is None)
+        or (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
         or (t is int and isinstance(value, int) and not isinstance(value, bool))
         or (t in (str, bool) and isinstance(value, t))
         for t in allowed
     )
-    if not ok:
-        want = " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
-        raise UserError(f"train setting {key!r} must be {want}, got {value!r}")
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is list:
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
+    allowed = typing.get_args(hint) or (hint,)
+    return " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
 
 
 def load_toml(path: str | Path) -> dict:

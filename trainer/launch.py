@@ -55,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false",
                    help="block training while a checkpoint is written")
+    p.add_argument("--guard-window", type=int, help="accepted steps the spike statistics cover (default 50)")
+    p.add_argument("--guard-threshold", type=float,
+                   help="robust z-score (median/MAD) above which a loss or grad norm is a spike (default 6)")
+    p.add_argument("--guard-min-history", type=int, help="accepted steps before any spike verdict (default 25)")
+    p.add_argument("--skip-window", dest="skip_windows", action="append", metavar="FIRST:LAST",
+                   help="never train on data cursors FIRST..LAST (inclusive; a spike's window); repeatable")
+    p.add_argument("--lr-scale", type=float, help="multiply the lr by this for --lr-scale-steps steps")
+    p.add_argument("--lr-scale-steps", type=int, help="steps after the start (or restore) step that --lr-scale covers")
+    p.add_argument("--inject", action="append", metavar="KIND@STEP",
+                   help="fault injection: loss-spike@STEP (a poisoned batch) or diverge@STEP (poisoned data for "
+                        "several steps); repeatable")
     return p
 
 
@@ -63,6 +74,8 @@ def job_from_args(argv: list[str]) -> tuple[TrainConfig, int]:
     args = vars(_parser().parse_args(argv))
     settings = load_toml(args.pop("config")) if "config" in args else {}
     nproc = args.pop("nproc", None)
+    if "skip_windows" in args:
+        args["skip_windows"] = [_cursor_span(text) for text in args["skip_windows"]]
     settings.update(args)
     if nproc is not None and "dp" not in settings:
         tp = settings.get("tp", 1)
@@ -73,6 +86,14 @@ def job_from_args(argv: list[str]) -> tuple[TrainConfig, int]:
     if cfg.dp * cfg.tp != nproc:
         raise UserError(f"mesh dp={cfg.dp} x tp={cfg.tp} = {cfg.dp * cfg.tp} ranks does not match --nproc {nproc}")
     return cfg, nproc
+
+
+def _cursor_span(text: str) -> list[int]:
+    first, _, last = text.partition(":")
+    try:
+        return [int(first), int(last)]
+    except ValueError:
+        raise UserError(f"--skip-window {text!r} must be FIRST:LAST (two data cursors)") from None
 
 
 def check_inputs(cfg: TrainConfig) -> str | None:

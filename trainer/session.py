@@ -99,7 +99,12 @@ class Session:
 
     def report(self, *, step: int, loss: float, grad_norm: float = float("nan"),
                lr: float = 0.0, tokens: int = 0, step_time_s: float = 0.0, **extra) -> None:
-        """Tell the agent a step finished. Cheap: one small write on a local socket."""
+        """Tell the agent a step finished. Cheap: one small write on a local socket.
+
+        The trainer adds `skipped` (bool) and, on a step whose batch its guard rejected,
+        `spike`: {"reason", "loss", "grad_norm", "window": [first, last]}, the data cursors of
+        that batch (lazarus.trainer.train describes it; the agent passes it to the daemon).
+        """
         self._send({"type": "step", "step": int(step), "loss": float(loss),
                     "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),
                     "step_time_s": float(step_time_s), **extra})

@@ -1,7 +1,17 @@
 """The training loop of one rank: build the sharded model, restore, and step.
 
-Each step reads top to bottom: lr -> micro-steps -> clip -> step -> log -> checkpoint. The
-process group is already initialised by the caller (lazarus.trainer.worker).
+Each step reads top to bottom: data window -> lr -> micro-steps -> guard -> clip -> step ->
+log -> checkpoint. The process group is already initialised by the caller
+(lazarus.trainer.worker).
+
+A step whose batch the guard rejects (trainer/guard.py) updates nothing; its metrics line
+(and session report) carries ``"skipped": true`` and a ``"spike"`` record::
+
+    {"step": 12, "loss": 9.81, ..., "skipped": true,
+     "spike": {"reason": "loss_spike", "loss": 9.81, "grad_norm": 41.2,
+               "window": [88, 95]}}       # data cursors of the rejected batch (inclusive)
+
+`window` is what a rollback puts in `skip_windows` to leave that data out for good.
 """
 
 from __future__ import annotations
@@ -20,10 +30,12 @@ from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer.batching import plan_batches
 from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
+from lazarus.trainer.guard import Guard
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer, lr_at, set_lr
 from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model, device_type
 from lazarus.trainer.session import Session
+from lazarus.trainer.windows import DataWindows
 
 # Exit code of a rank killed by fault injection (LAZARUS_FAIL_AT): tests tell it apart from a
 # real failure.
@@ -49,8 +61,21 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
                grad_clip: float, loss_group: dist.ProcessGroup | None) -> tuple[float, float, bool]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm, applied).
 
-    The loss is averaged over the data-parallel group, so every rank returns the loss of the
-    whole global batch. A non-finite loss skips the update on every rank alike.
+    Without a guard: only a non-finite loss or gradient norm skips the update.
+    """
+    loss, grad_norm = forward_backward(model, micro_batches, device=device, loss_group=loss_group)
+    applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    finish_step(model, optimizer, grad_norm, grad_clip=grad_clip, apply=applied)
+    return loss.item(), grad_norm.item(), applied
+
+
+def forward_backward(model: Transformer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                     device: torch.device, loss_group: dist.ProcessGroup | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of this rank's micro-batches; returns (loss, grad norm) of the global batch.
+
+    The loss is averaged over the data-parallel group, so every rank holds the loss of the
+    whole global batch; the norm is that of the whole model's gradient.
     """
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
@@ -62,17 +87,31 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum, group=loss_group)  # gloo has no AVG
     loss_sum /= dist.get_world_size(loss_group)
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
+                                              foreach=True)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
-    loss_value = loss_sum.item()
-    applied = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
-    if applied:
+    return loss_sum, grad_norm
+
+
+def finish_step(model: Transformer, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, *,
+                grad_clip: float, apply: bool) -> None:
+    """Clip and step if `apply`; drop the gradients either way."""
+    if apply:
+        params = [p for p in model.parameters() if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm, foreach=True)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, grad_norm.item(), applied
+
+
+def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+    """Rank 0's (loss, grad norm) on every rank. The values are global already; taking one
+    rank's copy makes every rank's guard see the same numbers, so all hold the same history
+    and reach the same verdict by construction, not by bit-identical reductions."""
+    stats = torch.stack([loss.double(), grad_norm.double()])
+    dist.broadcast(stats, src=0)
+    loss_value, norm_value = stats.tolist()
+    return loss_value, norm_value
 
 
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
@@ -88,7 +127,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     mesh = build_mesh(kind, dp=cfg.dp, tp=cfg.tp)
     torch.manual_seed(cfg.seed)
 
-    model = build_model(get_model_config(cfg.model), mesh,
+    model_cfg = get_model_config(cfg.model)
+    model = build_model(model_cfg, mesh,
                         ParallelConfig(dp=cfg.dp, tp=cfg.tp, activation_checkpointing=cfg.activation_checkpointing,
                                        compile=cfg.compile),
                         seed=cfg.seed, fused_kernels=cfg.fused_kernels)
@@ -100,12 +140,18 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     schedule = cfg.schedule_config()
 
     step = 0
+    extra: dict = {}
+    guard = Guard(cfg.guard_config())
     if restore is not None:
         extra = ckpt.load_checkpoint(Path(restore), model, optimizer)
         step = int(extra["step"])
         loader.load_state_dict(extra["loader"])
+        if "guard" in extra:  # checkpoints written before the guard existed have none
+            guard.load_state_dict(extra["guard"])
         if rank == 0:
             print(f"resumed from {restore} at step {step}", flush=True)
+    windows = DataWindows(loader, skip=cfg.skip_windows, inject=cfg.inject, vocab_size=model_cfg.vocab_size)
+    lr_scaled = lr_scale_span(cfg, step, extra)
 
     checkpointer = (ckpt.Checkpointer(Path(cfg.ckpt_dir), keep_last=cfg.keep_last)
                     if cfg.ckpt_dir is not None else None)
@@ -120,24 +166,43 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 os._exit(FAULT_EXIT_CODE)
             t0 = time.perf_counter()
 
+            window, left_out = windows.next_window()
+            if rank == 0:
+                for w in left_out:
+                    print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
             lr = lr_at(step, schedule)
+            if lr_scaled is not None and lr_scaled[0] <= step <= lr_scaled[1]:
+                lr *= cfg.lr_scale
             set_lr(optimizer, lr)
-            loss, grad_norm, applied = train_step(model, optimizer, loader.next_step(), device=device,
-                                                  grad_clip=cfg.grad_clip, loss_group=dp_group)
+            loss_t, norm_t = forward_backward(model, windows.poison(window, loader.next_step()),
+                                              device=device, loss_group=dp_group)
+            loss, grad_norm = agreed(loss_t, norm_t)
+            reason = guard.observe(loss, grad_norm)
+            finish_step(model, optimizer, norm_t, grad_clip=cfg.grad_clip, apply=reason is None)
 
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens=cfg.global_batch * cfg.seq_len, step_time_s=time.perf_counter() - t0)
-            session.report(**_fields(result), skipped=not applied)
-            if metrics is not None:
-                metrics.write(json.dumps(_fields(result)) + "\n")
-                metrics.flush()
-            if rank == 0:
-                print(result.line(cfg.steps) + ("" if applied else " | skipped: non-finite loss"), flush=True)
+            if reason is None:
+                session.report(**_fields(result), skipped=False)
+                _log(metrics, _fields(result))
+                if rank == 0:
+                    print(result.line(cfg.steps), flush=True)
+            else:
+                spike = {"reason": reason, "loss": loss, "grad_norm": grad_norm,
+                         "window": [window["first"], window["last"]]}
+                session.report(**_fields(result), skipped=True, spike=spike)
+                _log(metrics, {**_fields(result), "skipped": True, "spike": spike})
+                if rank == 0:
+                    print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",
+                          flush=True)
 
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 checkpointer.save(step, model, optimizer,
                                   {"step": step, "loader": loader.state_dict(),
-                                   "schedule": _fields(schedule), "global_batch": cfg.global_batch},
+                                   "schedule": _fields(schedule), "global_batch": cfg.global_batch,
+                                   "guard": guard.state_dict(),
+                                   **({"lr_scale": {"scale": cfg.lr_scale, "first": lr_scaled[0],
+                                                    "last": lr_scaled[1]}} if lr_scaled else {})},
                                   async_save=cfg.async_checkpoint, commit_gate=session.may_commit,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)))
     finally:
@@ -145,6 +210,27 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             checkpointer.close()
         if metrics is not None:
             metrics.close()
+
+
+def lr_scale_span(cfg: TrainConfig, start_step: int, extra: dict) -> tuple[int, int] | None:
+    """The optimizer steps (first, last) that run at lr x cfg.lr_scale (see TrainConfig).
+
+    A checkpoint records its run's span; resuming it under the same order continues that span,
+    so a restart in the middle of it changes nothing. A new order starts after `start_step`.
+    """
+    if cfg.lr_scale_steps == 0 or cfg.lr_scale == 1.0:
+        return None
+    recorded = extra.get("lr_scale")
+    if (recorded is not None and recorded["scale"] == cfg.lr_scale
+            and recorded["last"] - recorded["first"] + 1 == cfg.lr_scale_steps):
+        return recorded["first"], recorded["last"]
+    return start_step + 1, start_step + cfg.lr_scale_steps
+
+
+def _log(metrics, row: dict) -> None:
+    if metrics is not None:
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
 
 
 def _checkpoint_now(session: Session, step: int, cfg: TrainConfig, device: torch.device) -> bool:

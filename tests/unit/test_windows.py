@@ -13,7 +13,7 @@ from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
 from lazarus.trainer.launch import job_from_args
 from lazarus.trainer.train import lr_scale_span
-from lazarus.trainer.windows import DIVERGE_LR_FACTOR, DataWindows, parse_injection, window_of_step
+from lazarus.trainer.windows import DIVERGE_STEPS, DataWindows, parse_injection, window_of_step
 
 SEQ = 8
 BATCH = 8
@@ -78,10 +78,16 @@ def test_poison_is_garbage_keyed_on_the_window_and_the_same_on_any_mesh(dataset)
         assert max(int(x.max()) for x, _ in batch) < 128
 
 
-def test_diverge_raises_the_lr_of_its_window_only(dataset):
-    windows = DataWindows(loader(dataset), skip=[], inject=["diverge@3"], vocab_size=256)
-    assert windows.lr_factor({"first": 16, "last": 23}) == DIVERGE_LR_FACTOR
-    assert windows.lr_factor({"first": 24, "last": 31}) == 1.0
+def test_diverge_poisons_consecutive_windows_until_they_are_skipped(dataset):
+    def poisoned_steps(skip: list[list[int]]) -> list[int]:
+        one = loader(dataset)
+        windows = DataWindows(one, skip=skip, inject=["diverge@3"], vocab_size=256)
+        return [step for step in range(1, 12)
+                if min(int(x.min()) for x, _ in windows.poison(windows.next_window()[0], one.next_step())) >= 128]
+
+    assert poisoned_steps([]) == list(range(3, 3 + DIVERGE_STEPS))
+    assert poisoned_steps([[16, 23]]) == list(range(3, 2 + DIVERGE_STEPS))  # one window fewer
+    assert poisoned_steps([[16, 8 * (2 + DIVERGE_STEPS) - 1]]) == []
 
 
 def test_lr_scale_span_starts_at_the_restore_step_and_survives_a_restart():
