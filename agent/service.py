@@ -121,6 +121,8 @@ class Agent:
                         del self._spikes[:-MAX_SPIKES]
                         self.wake.set()
                     if msg.get("rank") == min(self._local_ranks(), default=0):
+                        if isinstance(msg.get("window"), list):
+                            st["window"] = msg["window"]
                         st["loss"] = float(msg.get("loss", 0.0))
                         dt = float(msg.get("step_time_s", 0.0))
                         st["step_time_s"] = dt
@@ -290,6 +292,7 @@ class Agent:
             step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
             pids=g.pids() if g else [], parked=len(self.workers.parked),
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
+            window=st.get("window") or [],
             health=self.health.poll(), hang=self._hang)
 
     def publish(self, *, force: bool = False) -> None:

@@ -25,7 +25,8 @@ from lazarus.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PE
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import commands, spikes
-from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, RejectJob, RequestDrain,
+from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
+                                    RequestDrain,
                                     SetStatus)
 from lazarus.daemon.rounds import choose, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
@@ -176,6 +177,14 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         return _to_recovering(now, st, "peer_lost", failed,
                               f"ranks on {', '.join(failed)} lost a peer and no root cause "
                               "showed up", fault_at)
+    codes = {c for n in failed for c in view.node_status[n].exit_codes.values()}
+    if exitcodes.BAD_CHECKPOINT in codes and st.restore:
+        # Not a node's fault: the checkpoint cannot be restored (deleted, corrupt). Mark it
+        # so the next round goes back to the one before, instead of failing the same way.
+        bad = [c for c in view.checkpoints if c.path == st.restore]
+        d = _to_recovering(now, st, "bad_checkpoint", [st.restore],
+                           f"checkpoint {st.restore} cannot be restored; falling back", fault_at)
+        return Decision([*(MarkCheckpoint(c, good=False) for c in bad), *d.actions], d.reason)
     details = [f"{n} rank {view.node_status[n].failed_rank} exit "
                f"{view.node_status[n].exit_codes}" for n in culprits]
     return _to_recovering(now, st, "worker_crash", culprits,

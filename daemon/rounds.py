@@ -40,6 +40,7 @@ def round_train_config(job: JobSpec, st: RunStatus, n_nodes: int, restore_step: 
     """The trainer config of a round: the job's [train] with dp for `n_nodes`, plus what
     earlier rollbacks ordered (data windows to skip, a lowered LR for a while)."""
     train = job.train_config_for(n_nodes)
+    train["good_after_steps"] = job.spike_policy.good_after_steps  # retention keeps a good one
     if st.skip_windows:
         train["skip_windows"] = [list(w) for w in st.skip_windows]
     if st.lr_scale < 1.0 and st.lr_scale_until > restore_step:

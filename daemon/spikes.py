@@ -57,7 +57,13 @@ def rollback(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
     if len(recent) < policy.max_spikes:
         return None
     good = good_checkpoint(view, job, sorted(spikes), policy)
-    window = [min(spikes[s][0] for s in recent), max(spikes[s][1] for s in recent)]
+    # From the first spike's data to what the run has read since: a poisoned stretch keeps
+    # going past the spikes seen so far, and skipping only those would spike again.
+    read = [w[1] for n in st.members if (ns := view.node_status.get(n)) is not None
+            and ns.round == st.round and isinstance(w := ns.window, list) and len(w) == 2
+            and all(isinstance(x, int) for x in w)]
+    window = [min(spikes[s][0] for s in recent),
+              max([spikes[s][1] for s in recent] + read)]
     restore_step = good.step if good else 0
     lowered = policy.lr_scale < 1.0 and policy.lr_scale_steps > 0
     incident = {"kind": "loss_spike", "culprit": f"data {window[0]}..{window[1]}",

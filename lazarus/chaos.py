@@ -10,6 +10,9 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
                               the node is cordoned and a spare takes its place at once
     gpu-ecc@STEP[:NODE]       correctable ECC errors start rising on GPU 0 (degraded): a
                               proactive checkpoint, then a planned swap at a step boundary
+    hang@STEP                 the last rank stops forever at STEP, before its forward pass
+                              (once per run): the agents see no progress, take every rank's
+                              stacks, and the daemon names that rank's node and restarts
     loss-spike@STEP           a poisoned batch at STEP: the trainer guard skips it
     diverge@STEP              a poisoned data window from STEP: spikes repeat, the daemon
                               rolls back to the last good checkpoint and skips the window
@@ -26,13 +29,13 @@ from pathlib import Path
 from lazarus.errors import UserError
 
 KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
-         "loss-spike", "diverge")
+         "hang", "loss-spike", "diverge")
 # What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
 GPU_FAULTS = {"gpu-xid": {"gpu": 0, "fault": "xid", "code": 79},
               "gpu-ecc": {"gpu": 0, "fault": "ecc-sbe-rising", "count": 10}}
 # Faults the trainer injects itself (through the job's [train] inject list), keyed on the
 # data it reads, so that they are reproducible and a rollback's skip really removes them.
-TRAINER_KINDS = ("loss-spike", "diverge")
+TRAINER_KINDS = ("hang", "loss-spike", "diverge")
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
 
 

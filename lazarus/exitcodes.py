@@ -9,6 +9,7 @@ it names a culprit.
 from __future__ import annotations
 
 PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
+BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or corrupt
 INJECTED_FAULT = 43     # test fault injection (LAZARUS_FAIL_AT)
 
 # Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.

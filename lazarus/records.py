@@ -234,6 +234,7 @@ class NodeStatus(_Record):
     updated_at: float = 0.0
     fault_at: float = 0.0       # wall time the agent saw the failure
     spikes: list = field(default_factory=list)  # recent skipped steps: {"step", "window", ...}
+    window: list = field(default_factory=list)  # data cursors [first, last] of the last step
     health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
     hang: dict | None = None    # the round's hang report (lazarus.agent.hang.HangVerdict + stacks)
 

@@ -105,9 +105,16 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
            "train": {"model": args.model, "tp": args.tp, "steps": args.steps,
                      "global_batch": args.global_batch, "seq_len": args.seq_len,
                      "ckpt_dir": str(workdir / "checkpoints"), "ckpt_every": args.ckpt_every,
-                     "metrics": str(metrics), "warmup_steps": min(10, args.steps)}}
-    if inject:
-        doc["train"]["inject"] = inject
+                     "metrics": str(metrics), "warmup_steps": min(10, args.steps),
+                     # a short demo run: let the spike guard judge from step 8 on
+                     "guard_min_history": 8}}
+    data_faults = [f for f in inject if not f.startswith("hang@")]
+    if data_faults:
+        doc["train"]["inject"] = data_faults
+    for f in inject:
+        if f.startswith("hang@"):
+            doc["train"]["hang_at_step"] = int(f.split("@")[1])
+            doc["train"]["hang_rank"] = world - 1
     return jobspec.from_dict(doc, source="lazarus up")
 
 
@@ -237,7 +244,8 @@ def run(args: argparse.Namespace) -> dict:
             step = tail.latest["step"] if tail.latest else 0
             state = st.status.state if st.status else "PENDING"
             for fault in trainer_faults:
-                if fault.fired_at is None and step >= fault.step:
+                # it strikes as step `fault.step` starts, i.e. once the step before is done
+                if fault.fired_at is None and step >= fault.step - 1:
                     # the trainer injected it itself, at the data that step reads
                     fault.fired_at, fault.fired_step, fault.hit = time.time(), step, "data"
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")

@@ -313,8 +313,13 @@ class Checkpointer:
     directories left by crashed saves, are deleted when a newer one commits.
     """
 
-    def __init__(self, root: Path, *, keep_last: int, process_group=None):
+    def __init__(self, root: Path, *, keep_last: int, process_group=None,
+                 is_good: Callable[[int], bool] | None = None):
+        """`is_good(step)`: whether a committed checkpoint is known good (no loss spike in
+        the steps after it). Retention never deletes the newest good one, however old, so a
+        rollback always has somewhere to go."""
         assert keep_last >= 1
+        self.is_good = is_good
         self.root = Path(root)
         self.keep_last = keep_last
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -438,7 +443,11 @@ class Checkpointer:
         for f in committed.iterdir():
             if f.name not in listed and f.name != MANIFEST:
                 f.unlink()
-        keep = {p for p, _ in committed_checkpoints(self.root)[-self.keep_last:]}
+        committed_list = committed_checkpoints(self.root)
+        keep = {p for p, _ in committed_list[-self.keep_last:]}
+        if self.is_good is not None:
+            good = [p for p, m in committed_list if self.is_good(int(m["step"]))]
+            keep.update(good[-1:])
         for d in self.root.iterdir():
             # Only one save is in flight (this one), so any other directory without a
             # manifest is a crashed save's remains.

@@ -63,6 +63,12 @@ class TrainConfig:
     lr_scale_steps: int = 0
     # Fault injection, keyed on data windows: "loss-spike@STEP", "diverge@STEP".
     inject: list[str] = field(default_factory=list)
+    # Fault injection: rank `hang_rank` stops forever at step `hang_at_step` (0: never), once
+    # per run (a marker file in ckpt_dir remembers it).
+    hang_at_step: int = 0
+    hang_rank: int = 0
+    # Retention keeps the newest checkpoint with no skipped step in this many steps after it.
+    good_after_steps: int = 10
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -84,7 +90,8 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
-        for key in ("warmup_steps", "ckpt_every", "seed"):
+        for key in ("warmup_steps", "ckpt_every", "seed", "hang_at_step", "hang_rank",
+                    "good_after_steps"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must not be negative, got {getattr(self, key)}")
         if self.micro_batch is not None and self.micro_batch < 1:

@@ -23,6 +23,7 @@ import os
 import queue
 import socket
 import threading
+import time
 
 SOCKET_ENV = "LAZARUS_AGENT_SOCKET"
 ROUND_ENV = "LAZARUS_ROUND"
@@ -108,6 +109,13 @@ class Session:
         self._send({"type": "step", "step": int(step), "loss": float(loss),
                     "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),
                     "step_time_s": float(step_time_s), **extra})
+
+    def progress(self, step: int, phase: str, seq: int, op: str = "") -> None:
+        """Where this rank is now (lazarus.agent.hang): the agent notices a rank that stops
+        moving, and which rank the others wait for. One small write per phase change."""
+        if self._sock is not None:
+            self._send({"type": "progress", "step": int(step), "phase": phase, "seq": int(seq),
+                        "since": time.monotonic(), "op": op})
 
     def should_checkpoint(self, step: int, every: int) -> bool:
         """True every `every` steps, or when the daemon asked for one since the last call.

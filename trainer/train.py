@@ -153,7 +153,32 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     windows = DataWindows(loader, skip=cfg.skip_windows, inject=cfg.inject, vocab_size=model_cfg.vocab_size)
     lr_scaled = lr_scale_span(cfg, step, extra)
 
-    checkpointer = (ckpt.Checkpointer(Path(cfg.ckpt_dir), keep_last=cfg.keep_last)
+    groups = [dist.group.WORLD] + [mesh.get_group(d) for d in mesh.mesh_dim_names]
+
+    def _collectives() -> int:
+        # Collectives this rank has issued: equal on every rank at the same point of the
+        # program, so the agent can tell which rank the others wait for.
+        return sum(g._get_sequence_number_for_group() for g in groups)
+
+    hang_at_step = (cfg.hang_at_step if cfg.hang_at_step and rank == cfg.hang_rank
+                    and not _hang_marker(cfg).exists() else None)
+    skipped_steps: list[int] = []  # this process's rejected steps: they make a checkpoint bad
+
+    restored_step = step
+    judged = [step]  # the last step whose guard verdict is in: retention runs in the background
+
+    def is_good(ckpt_step: int) -> bool:
+        # DESIGN.md: good = committed, and no spike in the steps after it (here seen to the
+        # end of that span: a checkpoint too recent to judge is not good yet). The one this
+        # process restored from was judged good by whoever chose it.
+        if ckpt_step == restored_step and restore is not None:
+            return True
+        return (ckpt_step + cfg.good_after_steps <= judged[0]
+                and not any(ckpt_step < s <= ckpt_step + cfg.good_after_steps
+                            for s in skipped_steps))
+
+    checkpointer = (ckpt.Checkpointer(Path(cfg.ckpt_dir), keep_last=cfg.keep_last,
+                                      is_good=is_good)
                     if cfg.ckpt_dir is not None else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
@@ -166,6 +191,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 os._exit(FAULT_EXIT_CODE)
             t0 = time.perf_counter()
 
+            session.progress(step, "data", _collectives())
             window, left_out = windows.next_window()
             if rank == 0:
                 for w in left_out:
@@ -174,20 +200,27 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             if lr_scaled is not None and lr_scaled[0] <= step <= lr_scaled[1]:
                 lr *= cfg.lr_scale
             set_lr(optimizer, lr)
-            loss_t, norm_t = forward_backward(model, windows.poison(window, loader.next_step()),
-                                              device=device, loss_group=dp_group)
+            batch = windows.poison(window, loader.next_step())
+            if hang_at_step == step:
+                _hang_here(cfg, step)  # before "forward": the peers then wait on this rank
+            session.progress(step, "forward", _collectives())
+            loss_t, norm_t = forward_backward(model, batch, device=device, loss_group=dp_group)
+            session.progress(step, "collective", _collectives(), op="all_reduce")
             loss, grad_norm = agreed(loss_t, norm_t)
+            session.progress(step, "optimizer", _collectives())
             reason = guard.observe(loss, grad_norm)
             finish_step(model, optimizer, norm_t, grad_clip=cfg.grad_clip, apply=reason is None)
 
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens=cfg.global_batch * cfg.seq_len, step_time_s=time.perf_counter() - t0)
             if reason is None:
-                session.report(**_fields(result), skipped=False)
+                session.report(**_fields(result), skipped=False,
+                               window=[window["first"], window["last"]])
                 _log(metrics, _fields(result))
                 if rank == 0:
                     print(result.line(cfg.steps), flush=True)
             else:
+                skipped_steps.append(step)
                 spike = {"reason": reason, "loss": loss, "grad_norm": grad_norm,
                          "window": [window["first"], window["last"]]}
                 session.report(**_fields(result), skipped=True, spike=spike)
@@ -196,7 +229,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                     print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",
                           flush=True)
 
+            judged[0] = step
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
+                session.progress(step, "checkpoint", _collectives())
                 checkpointer.save(step, model, optimizer,
                                   {"step": step, "loader": loader.state_dict(),
                                    "schedule": _fields(schedule), "global_batch": cfg.global_batch,
@@ -210,6 +245,21 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             checkpointer.close()
         if metrics is not None:
             metrics.close()
+
+
+def _hang_marker(cfg: TrainConfig) -> Path:
+    return Path(cfg.ckpt_dir or ".") / f".hang-injected-{cfg.hang_at_step}"
+
+
+def _hang_here(cfg: TrainConfig, step: int) -> None:
+    """Fault injection (hang_at_step): stop forever, as a rank stuck in a driver call would.
+    Once per run: a marker next to the checkpoints keeps the restarted round from hanging
+    again at the same step."""
+    _hang_marker(cfg).parent.mkdir(parents=True, exist_ok=True)
+    _hang_marker(cfg).touch()
+    print(f"injected hang at step {step}", flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def lr_scale_span(cfg: TrainConfig, start_step: int, extra: dict) -> tuple[int, int] | None:

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import timedelta
 
 from lazarus import exitcodes
-from lazarus.errors import UserError
+from lazarus.errors import CheckpointError, UserError
 
 ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
 STACKS_ENV = "LAZARUS_STACKS_DIR"
@@ -97,6 +97,10 @@ def run(assignment: WorkerAssignment) -> int:
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
     try:
         train(cfg, session=session, restore=a.restore, fail_at_step=_fail_at_step(a.rank))
+    except CheckpointError as e:
+        # The daemon marks this checkpoint bad and restores an older one.
+        print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)
+        os._exit(exitcodes.BAD_CHECKPOINT)
     except Exception as e:
         if not exitcodes.is_peer_failure(e):
             raise

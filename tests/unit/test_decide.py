@@ -351,3 +351,20 @@ def test_a_lone_hang_report_acts_after_the_wait():
 def test_unreadable_hang_report_is_ignored():
     a = ns("a", "running", step=9, hang={"culprits": "x"})
     assert decide(NOW, view(status=status(RUNNING), node_status=[a])).actions == []
+
+
+def test_a_checkpoint_that_cannot_be_restored_is_marked_bad_and_an_older_one_used():
+    from lazarus.daemon.actions import MarkCheckpoint
+    ck = [CheckpointRecord(step=5, path="/c/5", round=1, job_id="J"),
+          CheckpointRecord(step=10, path="/c/10", round=1, job_id="J")]
+    st = status(RENDEZVOUS, round=2, restore="/c/10", restore_step=10)
+    v = view(status=st, ckpts=ck, node_status=[
+        ns("a", "failed", round=2, exit_codes={"0": 76}, failed_rank=0, fault_at=NOW),
+        ns("b", "failed", round=2, exit_codes={"0": 76}, failed_rank=1, fault_at=NOW)])
+    d = decide(NOW, v)
+    (mark,) = [a for a in d.actions if isinstance(a, MarkCheckpoint)]
+    assert mark.checkpoint.step == 10 and mark.good is False
+    st2 = only(d.actions, SetStatus).status
+    ck[1] = dataclasses.replace(ck[1], good=False)
+    rec = only(decide(NOW, view(status=st2, ckpts=ck)).actions, StartRound).record
+    assert rec.restore_step == 5
