@@ -19,7 +19,6 @@ import pytest
 from lazarus import client
 from lazarus import etcd as E
 from lazarus.daemon import api
-from lazarus.embedded_etcd import EmbeddedEtcd
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
 from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
@@ -29,17 +28,6 @@ TOKEN = "s3cret-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as server:
-        c = E.Etcd(server.endpoint)
-        yield c
-        c.close()
-
-
-@pytest.fixture
-def keys(request):
-    return Keys(f"/test-api/{request.node.name}/")
 
 
 @pytest.fixture

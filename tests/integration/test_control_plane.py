@@ -13,22 +13,10 @@ from lazarus import etcd as E
 from lazarus import jobspec
 from lazarus.agent.service import Agent
 from lazarus.daemon.service import Daemon
-from lazarus.embedded_etcd import EmbeddedEtcd
-from lazarus.records import Keys, NodeRecord, RunStatus
+from lazarus.records import NodeRecord, RunStatus
 from lazarus.trainer.session import Session
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as server:
-        client = E.Etcd(server.endpoint)
-        yield client
-        client.close()
-
-
-@pytest.fixture
-def keys(request):
-    return Keys(f"/test/{request.node.name}/")
 
 
 def _job() -> jobspec.JobSpec:

@@ -13,24 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lazarus import etcd as E
 from lazarus import telemetry
-from lazarus.embedded_etcd import EmbeddedEtcd
-from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
+from lazarus.records import (CheckpointRecord, EventRecord, NodeRecord, NodeStatus,
                              RoundRecord, RunStatus, dumps)
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EmbeddedEtcd() as server:
-        c = E.Etcd(server.endpoint)
-        yield c
-        c.close()
-
-
-@pytest.fixture
-def keys(request):
-    return Keys(f"/test-telemetry/{request.node.name}/")
 
 
 @pytest.fixture

@@ -282,7 +282,6 @@ def test_peer_lost_with_no_root_cause_recovers_after_the_grace():
 
 
 def test_a_submission_with_impossible_sizes_is_rejected_not_accepted():
-    from lazarus.daemon.actions import RejectJob
     bad = dataclasses.replace(job(), id="BAD", train={"model": "tiny", "global_batch": 3})
     d = decide(NOW, view(status=None, submitted=bad))
     assert kinds(d.actions) == ["RejectJob", "Emit:job_rejected"]

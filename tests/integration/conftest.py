@@ -1,0 +1,22 @@
+"""A real etcd server per test module, and a key root of its own per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazarus import etcd as E
+from lazarus.embedded_etcd import EmbeddedEtcd
+from lazarus.records import Keys
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as server:
+        client = E.Etcd(server.endpoint)
+        yield client
+        client.close()
+
+
+@pytest.fixture
+def keys(request):
+    return Keys(f"/test/{request.module.__name__}/{request.node.name}/")
