@@ -12,6 +12,7 @@ import json
 from google.protobuf import struct_pb2
 
 from lazarus import etcd as E
+from lazarus.daemon.decide import health_of
 from lazarus.daemon.view import ClusterView, parse
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, Keys,
@@ -215,6 +216,15 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float) -> pb.Node
         node.step_rate = 1.0 / ns.step_time_s if ns.step_time_s > 0 else 0.0
         if ns.updated_at:
             node.last_report_age_s = max(0.0, now - ns.updated_at)
+        for monitor in ("gpu", "host"):
+            state, reasons = health_of(view, name, monitor)
+            if monitor in (ns.health if isinstance(ns.health, dict) else {}):
+                node.health.add(monitor=monitor, state=state, reasons=reasons)
+        if isinstance(ns.hang, dict) and ns.round == (view.status.round if view.status else -1):
+            node.health.add(monitor="hang", state="failed",
+                            reasons=[str(ns.hang.get("reason", ""))[:500]])
+    if rec is not None:
+        node.gpu_backend = rec.gpu_backend
     return node
 
 

@@ -529,3 +529,18 @@ def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
                                address, "--token-file", str(cluster.token_file)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "api-e2e" in proc.stdout, proc.stderr
+
+
+def test_list_nodes_carries_each_monitors_verdict(etcd, keys, stub):
+    _populate(etcd, keys, t0=time.time() - 100)
+    sick = {"state": "failed",
+            "gpu": {"backend": "sim", "state": "failed",
+                    "gpus": [{"index": 0, "state": "failed",
+                              "reasons": ["Xid 79: GPU fell off the bus"]}]},
+            "host": {"state": "healthy", "reasons": []}}
+    etcd.put(keys.nodestatus_key("n0"), dumps({"node": "n0", "round": 2, "workers": "running",
+                                               "step": 30, "health": sick}))
+    nodes = {n.node: n for n in stub.ListNodes(pb.ListNodesRequest(), metadata=AUTH).nodes}
+    verdicts = {v.monitor: (v.state, list(v.reasons)) for v in nodes["n0"].health}
+    assert verdicts == {"gpu": ("failed", ["gpu0: Xid 79: GPU fell off the bus"]),
+                        "host": ("healthy", [])}

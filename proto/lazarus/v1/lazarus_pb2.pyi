@@ -123,7 +123,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node", "host", "role", "state", "cordoned", "draining", "ranks", "round", "step", "step_rate", "step_time_s", "loss", "tokens_per_s", "nproc", "parked", "pid", "last_report_age_s", "lease_ttl_s", "registered_for_s", "registered")
+    __slots__ = ("node", "host", "role", "state", "cordoned", "draining", "ranks", "round", "step", "step_rate", "step_time_s", "loss", "tokens_per_s", "nproc", "parked", "pid", "last_report_age_s", "lease_ttl_s", "registered_for_s", "registered", "health", "gpu_backend")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class Node(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FOR_S_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    GPU_BACKEND_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     role: str
@@ -164,7 +166,19 @@ class Node(_message.Message):
     lease_ttl_s: int
     registered_for_s: float
     registered: bool
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_rate: _Optional[float] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., nproc: _Optional[int] = ..., parked: _Optional[int] = ..., pid: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., lease_ttl_s: _Optional[int] = ..., registered_for_s: _Optional[float] = ..., registered: _Optional[bool] = ...) -> None: ...
+    health: _containers.RepeatedCompositeFieldContainer[MonitorVerdict]
+    gpu_backend: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_rate: _Optional[float] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., nproc: _Optional[int] = ..., parked: _Optional[int] = ..., pid: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., lease_ttl_s: _Optional[int] = ..., registered_for_s: _Optional[float] = ..., registered: _Optional[bool] = ..., health: _Optional[_Iterable[_Union[MonitorVerdict, _Mapping]]] = ..., gpu_backend: _Optional[str] = ...) -> None: ...
+
+class MonitorVerdict(_message.Message):
+    __slots__ = ("monitor", "state", "reasons")
+    MONITOR_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    monitor: str
+    state: str
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, monitor: _Optional[str] = ..., state: _Optional[str] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes", "revision")
