@@ -83,7 +83,12 @@ def test_capture_shows_which_gloo_rank_waits_and_which_lags(tmp_path):
     try:
         for p in ranks:
             assert p.stdout.readline().strip() == "ready"
-        stacks = capture([p.pid for p in ranks], tmp_path, timeout_s=10)
+        # "ready" is printed just before the call: capture again (bounded) until rank 0 is in
+        # it, rather than guessing how long that takes on a loaded machine.
+        for _ in range(50):
+            stacks = capture([p.pid for p in ranks], tmp_path, timeout_s=10)
+            if "in all_reduce" in stacks[ranks[0].pid]:
+                break
         waiting, lagging = stacks[ranks[0].pid], stacks[ranks[1].pid]
         assert "in waits_in_all_reduce" in waiting and "in all_reduce" in waiting
         assert "in lagging_rank" in lagging and "all_reduce" not in lagging
