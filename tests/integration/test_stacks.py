@@ -129,5 +129,7 @@ def test_flight_recorder_env_files_and_dump_requests(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _no_leftover_children():
+    before = {c.pid for c in psutil.Process().children()}
     yield
-    assert not [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+    assert not [c for c in psutil.Process().children()
+                if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
