@@ -53,16 +53,6 @@ class Leadership:
             return True
         return False
 
-    def current_leader(self) -> dict | None:
-        kv = self.etcd.get(self.keys.leader)
-        if kv is None:
-            return None
-        try:
-            doc = json.loads(kv.value)
-        except ValueError:
-            return {"unreadable": kv.value[:80].decode(errors="replace")}
-        return doc if isinstance(doc, dict) else None
-
     def fence(self):
         assert self.epoch is not None, "fence() without leadership"
         return E.create_revision_is(self.keys.leader, self.epoch)

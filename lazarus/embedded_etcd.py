@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import shutil
 import signal
 import socket
@@ -103,11 +102,6 @@ class EmbeddedEtcd:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self) -> None:
-        """Stop and start again on the same ports and data (tests of an etcd outage)."""
-        self.stop()
-        self.start()
-
     def cleanup(self) -> None:
         self.stop()
         if self._own_dir:
@@ -119,10 +113,3 @@ class EmbeddedEtcd:
     def __exit__(self, *exc) -> None:
         self.cleanup()
 
-
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False

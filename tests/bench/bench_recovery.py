@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from lazarus import up
+from lazarus.up import MetricsTail
 
 pytestmark = pytest.mark.bench
 
@@ -31,26 +32,6 @@ TRAIN = {"model": "tiny", "tp": 1, "global_batch": 8, "seq_len": 64, "ckpt_every
          "warmup_steps": 10}
 KILL_AT = 14
 STEPS = 40
-
-
-class Tail:
-    def __init__(self, path: Path):
-        self.path, self.offset, self.lines = path, 0, []
-
-    def poll(self) -> list[tuple[float, dict]]:
-        if not self.path.exists():
-            return []
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        done, _, _ = chunk.rpartition("\n")
-        if not done:
-            return []
-        self.offset += len(done) + 1
-        now = time.time()
-        new = [(now, json.loads(line)) for line in done.splitlines()]
-        self.lines += new
-        return new
 
 
 def _torchrun_recovery(tmp: Path) -> float:
@@ -66,18 +47,19 @@ def _torchrun_recovery(tmp: Path) -> float:
                              "--monitor-interval", "0.1", str(script), str(tmp / "train.json")],
                             stdout=subprocess.DEVNULL, stderr=(tmp / "torchrun.log").open("w"),
                             env=env)
-    tail = Tail(metrics)
+    tail = MetricsTail(metrics)
     killed_at = None
     try:
         while proc.poll() is None:
             time.sleep(0.02)
-            for at, rec in tail.poll():
-                if killed_at is None and rec["step"] >= KILL_AT:
+            tail.poll()
+            if killed_at is None:
+                if tail.latest and tail.latest["step"] >= KILL_AT:
                     victim = psutil.Process(proc.pid).children(recursive=True)[-1]
                     killed_at = time.time()
                     victim.send_signal(signal.SIGKILL)
-                elif killed_at is not None and at > killed_at + 0.05:
-                    return at - killed_at
+            elif (after := tail.first_step_after(killed_at + 0.05)) is not None:
+                return after[0] - killed_at
         raise AssertionError(f"torchrun did not recover (exit {proc.returncode}); see {tmp}")
     finally:
         if proc.poll() is None:
