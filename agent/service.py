@@ -28,6 +28,8 @@ from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAI
                              NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
 from lazarus.agent.channel import Channel
 from lazarus.agent.hang import HangConfig, HangDetector, Progress
+from lazarus.agent.throughput import ThroughputTracker
+from lazarus import chaos
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.stacks import capture
 from lazarus.agent.workers import Workers
@@ -64,11 +66,14 @@ class Agent:
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
-        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node,
-               STACKS_ENV: str(workdir / "stacks" / node)}
-        self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
         self.health = NodeHealth(gpu_backend=gpu_backend, gpus=nproc,
                                  fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json")
+        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node,
+               STACKS_ENV: str(workdir / "stacks" / node)}
+        if self.health.backend_name == "sim":
+            # A rig without GPUs is a test rig: let `lazarus chaos slow-rank` slow this node.
+            env[chaos.SLOWDOWN_ENV] = str(chaos.slowdown_script(workdir, node))
+        self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
         self.session: E.Session | None = None
         self.wake = threading.Event()
         self._lock = threading.Lock()       # guards the step fields the channel updates
@@ -76,6 +81,8 @@ class Agent:
         self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
         self._job_id = ""                   # job of the round our workers run
         self.hangs = HangDetector(hang_config or HangConfig())
+        self.throughput = ThroughputTracker()
+        self._world_size = 1
         self._hang: dict | None = None      # this round's hang report, once made
         self.stacks_dir = workdir / "stacks" / node
         self._checkpoint_request: bytes | None = None
@@ -120,6 +127,7 @@ class Agent:
                                              "reason": spike.get("reason")})
                         del self._spikes[:-MAX_SPIKES]
                         self.wake.set()
+                    self._observe_step(msg)
                     if msg.get("rank") == min(self._local_ranks(), default=0):
                         if isinstance(msg.get("window"), list):
                             st["window"] = msg["window"]
@@ -147,6 +155,19 @@ class Agent:
     def _group_round(self) -> int | None:
         g = self.workers.group
         return g.round if g is not None else None
+
+    def _observe_step(self, msg: dict) -> None:
+        """Feed the throughput tracker (lock held). Tokens in a report are the global batch's;
+        a rank's share is its 1/world of them."""
+        try:
+            compute = msg.get("compute_s")
+            self.throughput.observe(
+                rank=int(msg["rank"]), step=int(msg["step"]), node=self.node,
+                step_time_s=float(msg.get("step_time_s", 0.0)),
+                tokens=int(msg.get("tokens", 0)) // max(1, self._world_size),
+                compute_s=float(compute) if compute is not None else None)
+        except (KeyError, TypeError, ValueError):
+            pass  # a malformed report costs its sample, nothing else
 
     def _local_ranks(self) -> list[int]:
         g = self.workers.group
@@ -244,6 +265,8 @@ class Agent:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
             self._spikes = []
             self.hangs.reset()
+            self.throughput.reset()
+            self._world_size = rec.world_size
             self._hang = None
         self._job_id = rec.job_id
         self.health.watch_checkpoint_dir(rec.train.get("ckpt_dir"))
@@ -276,6 +299,7 @@ class Agent:
         with self._lock:
             st = dict(self._step)
             spikes = list(self._spikes)
+            throughput = self.throughput.summary()
         if g is None:
             state = W_IDLE
         elif g.failed:
@@ -293,7 +317,7 @@ class Agent:
             pids=g.pids() if g else [], parked=len(self.workers.parked),
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
             window=st.get("window") or [],
-            health=self.health.poll(), hang=self._hang)
+            health=self.health.poll(), hang=self._hang, throughput=throughput)
 
     def publish(self, *, force: bool = False) -> None:
         """Write node status on a change of worker state at once, else at most once a period."""

@@ -2,10 +2,13 @@
 
 In synchronous training every rank finishes a step at about the same moment (collectives
 wait for the slowest), so the wall step time barely tells a slow rank from its peers. A rank's
-own work is what differs: reports may carry `compute_s`, the time the rank worked in the step
-before it first waited on a peer, and the straggler test uses it when present. Without it the
-test falls back to the wall step time, which only separates ranks that do not wait for each
-other every step.
+own work is what differs: reports carry `compute_s` (lazarus.trainer.steptime), and the
+straggler test uses it when present. Without it the test falls back to the wall step time,
+which only separates ranks that do not wait for each other every step.
+
+Each agent tracks its own ranks and publishes `summary()` in its node status; the daemon
+rebuilds one tracker from every member's summary (lazarus.daemon.stragglers), so a rank is
+judged against its peers on all nodes, step by step.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from lazarus.policy import WINDOW
+
 
 @dataclass(kw_only=True, slots=True)
 class ThroughputConfig:
-    window: int = 20         # M: the last steps judged
+    window: int = WINDOW     # M: the last steps judged
     margin: float = 1.2      # slower than the median of its peers by this factor ...
     min_slow: int = 8        # ... in at least N of the last M steps: a straggler
 
@@ -114,6 +119,22 @@ class ThroughputTracker:
                                   p50_s=statistics.median(times))
         return out
 
+    def summary(self) -> dict:
+        """What a node status carries: per rank its last steps as [step, step_time_s,
+        compute_s] and its throughput; the node's tokens/s and median step time."""
+        ranks = {}
+        for rank in sorted(self._ranks):
+            st = self.rank_stats(rank)
+            ranks[str(rank)] = {
+                "steps": [[step, round(rec.step_time_s, 6), round(rec.work_s, 6)]
+                          for step, rec in self._ranks[rank]],
+                "tokens_per_s": round(st.tokens_per_s, 1), "p50_s": round(st.p50_s, 6),
+                "p90_s": round(st.p90_s, 6)}
+        nodes = list(self.node_stats().values())
+        return {"ranks": ranks,
+                "tokens_per_s": round(sum(n.tokens_per_s for n in nodes), 1),
+                "p50_s": round(statistics.median([n.p50_s for n in nodes]), 6) if nodes else 0.0}
+
     def stragglers(self) -> list[Straggler]:
         c = self.config
         out = []
@@ -133,16 +154,3 @@ class ThroughputTracker:
                                      slow_steps=len(ratios), of_steps=judged,
                                      gain_s_per_step=step_s * (1 - 1 / ratio)))
         return out
-
-
-def swap_worth_it(expected_gain_s: float, swap_cost_s: float, remaining_steps: int, *,
-                  margin: float = 2.0) -> tuple[bool, str]:
-    """Whether replacing a straggler pays: the time it saves over the rest of the run
-    (`expected_gain_s` per step, e.g. Straggler.gain_s_per_step) against what the swap
-    costs (checkpoint, rendezvous, restore: measured recovery time), with a `margin` because
-    the gain is an estimate and the spare may be slow too.
-    """
-    saved = expected_gain_s * remaining_steps
-    worth = saved > margin * swap_cost_s
-    return worth, (f"swap {'pays' if worth else 'does not pay'}: saves {saved:.0f} s over "
-                   f"{remaining_steps} steps vs {swap_cost_s:.0f} s cost x{margin:g}")

@@ -10,6 +10,7 @@ Failure classes handled here (DESIGN.md's table):
   node lost       -> evict, promote a spare (else shrink to >= min_nodes), new round
   rendezvous stuck-> members that did not join are treated as lost
   node back/idle  -> joins at the next checkpoint committed in the current round (grow)
+  straggler       -> flagged; swapped out at a checkpoint when a spare is idle and it pays
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lazarus.jobspec import JobSpec
 from lazarus.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, spikes
+from lazarus.daemon import commands, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -262,7 +263,7 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    f"{fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
-    swap = _planned_swap(view, job, st)
+    swap = _planned_swap(view, job, st) or stragglers.respond(view, job, st)
     if swap is not None:
         return swap
     rolled_back = spikes.rollback(now, view, job, st)

@@ -13,6 +13,10 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     hang@STEP                 the last rank stops forever at STEP, before its forward pass
                               (once per run): the agents see no progress, take every rank's
                               stacks, and the daemon names that rank's node and restarts
+    slow-rank@STEP[:NODE]     every rank of NODE (default: the last member) computes twice
+                              as slowly from STEP on, as a slower machine would: the daemon
+                              flags the straggler and, with a spare idle and a swap that pays
+                              ([policy] swap_cost_s), swaps the node out at a checkpoint
     loss-spike@STEP           a poisoned batch at STEP: the trainer guard skips it
     diverge@STEP              a poisoned data window from STEP: spikes repeat, the daemon
                               rolls back to the last good checkpoint and skips the window
@@ -29,13 +33,17 @@ from pathlib import Path
 from lazarus.errors import UserError
 
 KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
-         "hang", "loss-spike", "diverge")
+         "hang", "slow-rank", "loss-spike", "diverge")
 # What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
 GPU_FAULTS = {"gpu-xid": {"gpu": 0, "fault": "xid", "code": 79},
               "gpu-ecc": {"gpu": 0, "fault": "ecc-sbe-rising", "count": 10}}
 # Faults the trainer injects itself (through the job's [train] inject list), keyed on the
 # data it reads, so that they are reproducible and a rollback's skip really removes them.
 TRAINER_KINDS = ("hang", "loss-spike", "diverge")
+# Names the slowdown script in the environment of a test rig's workers.
+SLOWDOWN_ENV = "LAZARUS_SLOWDOWN_FILE"
+# How much slower slow-rank makes a node: plainly a straggler at any sane margin.
+SLOW_FACTOR = 2.0
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
 
 
@@ -71,6 +79,26 @@ def parse_schedule(spec: str) -> list[Fault]:
     return sorted(faults, key=lambda f: f.step)
 
 
+def slowdown_script(workdir: Path, node: str) -> Path:
+    """Where the workers of an agent started with --workdir WORKDIR (and the simulated GPU
+    backend) read their slowdown: {"factor": F} makes every rank of the node compute F times
+    slower (lazarus.trainer.steptime.Slowdown) until the file goes."""
+    return Path(workdir) / f"{node}.slowdown.json"
+
+
+def inject_slowdown(workdir: Path, node: str, factor: float = SLOW_FACTOR) -> Path:
+    """Slow every rank of `node` down by `factor` (1 ends the slowdown)."""
+    import json
+    import os
+
+    path = slowdown_script(workdir, node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"factor": factor}))
+    os.replace(tmp, path)  # the workers never read half a script
+    return path
+
+
 def gpu_fault_script(workdir: Path, node: str) -> Path:
     """Where an agent started with --workdir WORKDIR reads its simulated GPU faults."""
     return Path(workdir) / f"{node}.gpu-faults.json"
@@ -95,7 +123,9 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=("kill-worker", "kill-node", "kill-daemon", "gpu-xid",
-                                    "gpu-ecc"))
+                                    "gpu-ecc", "slow-rank"))
+    p.add_argument("--factor", type=float, default=SLOW_FACTOR,
+                   help="slow-rank: how many times slower the node computes (1: back to normal)")
     p.add_argument("--node", help="target node (not for kill-daemon)")
     p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
     p.add_argument("--root", default="/lazarus/v1/")
@@ -104,6 +134,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.kind != "kill-daemon" and not args.node:
         raise UserError(f"{args.kind} needs --node")
+    if args.kind == "slow-rank":
+        if not args.factor >= 1:
+            raise UserError(f"--factor must be at least 1 (1 ends a slowdown), got {args.factor}")
+        path = inject_slowdown(Path(args.workdir), args.node, args.factor)
+        print(f"slow-rank on {args.node}: x{args.factor:g}, written to {path}")
+        return 0
     if args.kind in GPU_FAULTS:
         path = inject_gpu_fault(Path(args.workdir), args.node, args.kind)
         print(f"{args.kind} on {args.node}: written to {path}")

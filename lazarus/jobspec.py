@@ -8,7 +8,7 @@
     max_restarts = 20      # recoveries before the run is declared FAILED
     rendezvous_timeout_s = 60
 
-    [policy]               # loss spikes: lazarus.policy.SpikePolicy (optional)
+    [policy]               # loss spikes, stragglers: lazarus.policy (optional)
     max_spikes = 3
 
     [train]                # lazarus.trainer.config.TrainConfig; dp is derived from the nodes
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.errors import UserError
-from lazarus.policy import SpikePolicy
+from lazarus import policy as policies
+from lazarus.policy import SpikePolicy, StragglerPolicy
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
              "rendezvous_timeout_s", "id"}
@@ -52,6 +53,10 @@ class JobSpec:
     @property
     def spike_policy(self) -> "SpikePolicy":
         return SpikePolicy.from_dict(self.policy, source=f"job {self.name}")
+
+    @property
+    def straggler_policy(self) -> "StragglerPolicy":
+        return StragglerPolicy.from_dict(self.policy, source=f"job {self.name}")
 
     def world_size(self, n_nodes: int) -> int:
         return n_nodes * self.nproc_per_node
@@ -97,7 +102,7 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     train = doc.get("train", {})
     if not isinstance(job, dict) or not isinstance(train, dict):
         raise UserError(f"{source}: [job] and [train] must be tables")
-    policy = SpikePolicy.from_dict(doc.get("policy", {}), source=source)
+    policy = policies.parse(doc.get("policy", {}), source=source)
     unknown = set(job) - _JOB_KEYS
     if unknown:
         raise UserError(f"{source}: unknown key(s) in [job]: {sorted(unknown)}")
@@ -115,7 +120,7 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
         name=name, nodes=nodes, min_nodes=min_nodes,
         nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source),
         max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
-        rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy.as_dict(),
+        rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy,
         id=str(job.get("id") or uuid.uuid4().hex[:12]))
     if check_sizes:
         validate_sizes(spec, source=source)

@@ -178,6 +178,11 @@ class LocalCluster:
         inject_gpu_fault(self.workdir / "nodes", node, kind)
         return f"{node} gpu0"
 
+    def slow_node(self, node: str, factor: float) -> str:
+        from lazarus.chaos import inject_slowdown
+        inject_slowdown(self.workdir / "nodes", node, factor)
+        return node
+
     def kill_daemon(self) -> str:
         pid = self.state().leader_pid
         for proc in self.daemons:

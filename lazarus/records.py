@@ -173,6 +173,8 @@ class RunStatus(_Record):
     skip_windows: list = field(default_factory=list)
     lr_scale: float = 1.0
     lr_scale_until: int = 0
+    # Stragglers reported in this run: node -> {"round", "reason"}; reported once a round.
+    stragglers: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -237,6 +239,7 @@ class NodeStatus(_Record):
     window: list = field(default_factory=list)  # data cursors [first, last] of the last step
     health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
     hang: dict | None = None    # the round's hang report (lazarus.agent.hang.HangVerdict + stacks)
+    throughput: dict = field(default_factory=dict)  # lazarus.agent.throughput summary()
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -77,6 +77,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chaos", default=None,
                    help=f"fault schedule, e.g. {DEMO_CHAOS!r}; 'none' for no faults "
                         f"(default: the demo's {DEMO_CHAOS!r})")
+    p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [policy] setting of the job, e.g. swap_cost_s=5 (repeatable)")
     p.add_argument("--metrics", type=Path, help="per-step JSON lines (rank 0)")
     p.add_argument("--summary", type=Path, help="write the summary JSON here")
     p.add_argument("--workdir", type=Path, help="logs, checkpoints, etcd data (default: a temp dir)")
@@ -108,6 +110,8 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
                      "metrics": str(metrics), "warmup_steps": min(10, args.steps),
                      # a short demo run: let the spike guard judge from step 8 on
                      "guard_min_history": 8}}
+    if args.policy:
+        doc["policy"] = _policy_args(args.policy)
     data_faults = [f for f in inject if not f.startswith("hang@")]
     if data_faults:
         doc["train"]["inject"] = data_faults
@@ -116,6 +120,23 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
             doc["train"]["hang_at_step"] = int(f.split("@")[1])
             doc["train"]["hang_rank"] = world - 1
     return jobspec.from_dict(doc, source="lazarus up")
+
+
+def _policy_args(items: list[str]) -> dict:
+    """--policy KEY=VALUE as a [policy] table; values are TOML literals (the job file's)."""
+    import tomllib
+
+    table = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--policy {item!r} is not KEY=VALUE")
+        try:
+            table.update(tomllib.loads(f"{key.strip()} = {value.strip()}"))
+        except tomllib.TOMLDecodeError:
+            raise UserError(f"--policy {item!r}: {value.strip()!r} is not a number, "
+                            "boolean or quoted string") from None
+    return table
 
 
 def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
@@ -144,6 +165,8 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
         fault.hit = cluster.kill_node(node)
     elif fault.kind in chaos.GPU_FAULTS:
         fault.hit = cluster.gpu_fault(node, fault.kind)
+    elif fault.kind == "slow-rank":
+        fault.hit = cluster.slow_node(node, chaos.SLOW_FACTOR)
     elif fault.kind == "revive-node":
         fault.hit = cluster.revive_node(node)
     else:
@@ -176,7 +199,8 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
                 rec["culprit"] = f.hit
         else:
-            seen_as = "gpu_degraded" if f.kind == "gpu-ecc" else "fault_detected"
+            seen_as = {"gpu-ecc": "gpu_degraded", "slow-rank": "straggler"}.get(
+                f.kind, "fault_detected")
             det = next((e for e in events if e.kind == seen_as
                         and e.time >= f.fired_at - 0.5), None)
             if det is not None:

@@ -104,7 +104,9 @@ class Session:
 
         The trainer adds `skipped` (bool) and, on a step whose batch its guard rejected,
         `spike`: {"reason", "loss", "grad_norm", "window": [first, last]}, the data cursors of
-        that batch (lazarus.trainer.train describes it; the agent passes it to the daemon).
+        that batch (lazarus.trainer.train describes it; the agent passes it to the daemon),
+        and `compute_s`, the rank's own work in the step (lazarus.trainer.steptime), which
+        the straggler test compares across ranks.
         """
         self._send({"type": "step", "step": int(step), "loss": float(loss),
                     "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),

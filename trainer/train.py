@@ -35,6 +35,7 @@ from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer, lr_at, set_lr
 from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model, device_type
 from lazarus.trainer.session import Session
+from lazarus.trainer.steptime import ComputeClock, Slowdown
 from lazarus.trainer.windows import DataWindows
 
 # Exit code of a rank killed by fault injection (LAZARUS_FAIL_AT): tests tell it apart from a
@@ -182,6 +183,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                     if cfg.ckpt_dir is not None else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
+    clock, slowdown = ComputeClock(device), Slowdown.from_env()
     try:
         while step < cfg.steps:
             step += 1
@@ -190,6 +192,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                     checkpointer.wait()
                 os._exit(FAULT_EXIT_CODE)
             t0 = time.perf_counter()
+            clock.start()
+            slowdown.refresh()
 
             session.progress(step, "data", _collectives())
             window, left_out = windows.next_window()
@@ -205,6 +209,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 _hang_here(cfg, step)  # before "forward": the peers then wait on this rank
             session.progress(step, "forward", _collectives())
             loss_t, norm_t = forward_backward(model, batch, device=device, loss_group=dp_group)
+            slowdown.apply(clock)
             session.progress(step, "collective", _collectives(), op="all_reduce")
             loss, grad_norm = agreed(loss_t, norm_t)
             session.progress(step, "optimizer", _collectives())
@@ -213,8 +218,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
 
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens=cfg.global_batch * cfg.seq_len, step_time_s=time.perf_counter() - t0)
+            compute_s = clock.stop()
             if reason is None:
-                session.report(**_fields(result), skipped=False,
+                session.report(**_fields(result), skipped=False, compute_s=compute_s,
                                window=[window["first"], window["last"]])
                 _log(metrics, _fields(result))
                 if rank == 0:
@@ -223,7 +229,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 skipped_steps.append(step)
                 spike = {"reason": reason, "loss": loss, "grad_norm": grad_norm,
                          "window": [window["first"], window["last"]]}
-                session.report(**_fields(result), skipped=True, spike=spike)
+                session.report(**_fields(result), skipped=True, spike=spike, compute_s=compute_s)
                 _log(metrics, {**_fields(result), "skipped": True, "spike": spike})
                 if rank == 0:
                     print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",

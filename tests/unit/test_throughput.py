@@ -1,8 +1,8 @@
-"""Throughput per rank and node, straggler detection, and the swap cost model."""
+"""Throughput per rank and node, and straggler detection within one tracker."""
 
 import pytest
 
-from lazarus.agent.throughput import (ThroughputConfig, ThroughputTracker, swap_worth_it)
+from lazarus.agent.throughput import ThroughputConfig, ThroughputTracker
 
 NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
 
@@ -72,13 +72,11 @@ def test_reports_without_timing_are_ignored():
     assert tr.stragglers() == [] and tr.node_stats() == {}
 
 
-@pytest.mark.parametrize("gain,cost,remaining,worth", [
-    (0.5, 60.0, 1000, True),     # saves 500 s for 60 s (x2 margin: 120)
-    (0.5, 60.0, 200, False),     # saves 100 s: less than the cost with its margin
-    (0.0, 1.0, 10**6, False),    # nothing to gain
-    (0.1, 30.0, 600, False),     # saves 60 s = exactly 2 x cost: not strictly better
-])
-def test_swap_worth_it(gain, cost, remaining, worth):
-    ok, reason = swap_worth_it(gain, cost, remaining)
-    assert ok is worth
-    assert ("pays" if worth else "does not pay") in reason
+def test_summary_round_trips_the_window_a_daemon_judges():
+    tr = ThroughputTracker(ThroughputConfig(window=5))
+    feed(tr, 8, slow={3: set(range(1, 9))}, compute=True)
+    doc = tr.summary()
+    assert sorted(doc["ranks"]) == ["0", "1", "2", "3"]
+    assert [row[0] for row in doc["ranks"]["3"]["steps"]] == [4, 5, 6, 7, 8]
+    assert doc["ranks"]["3"]["steps"][-1][2] == 1.5 and doc["ranks"]["0"]["steps"][-1][2] == 1.0
+    assert doc["tokens_per_s"] == pytest.approx(4 * 1000 / 1.5, rel=1e-3)

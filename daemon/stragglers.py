@@ -1,0 +1,87 @@
+"""Stragglers across the nodes of a run, as pure policy (DESIGN.md: flag; evict and swap when
+a spare is idle and the cost model says so).
+
+Every agent publishes its ranks' last steps (lazarus.agent.throughput summary()); one tracker
+rebuilt from all members' summaries judges each rank step by step against its peers on every
+node, so a node whose ranks are all slow is caught as well as one slow rank among fast ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lazarus.agent.throughput import Straggler, ThroughputConfig, ThroughputTracker
+from lazarus.jobspec import JobSpec
+from lazarus.records import W_RUNNING, RunStatus
+from lazarus.daemon.actions import Decision, Emit, RequestDrain, SetStatus
+from lazarus.daemon.rounds import usable
+from lazarus.daemon.view import ClusterView
+
+# The gain is an estimate and the spare may be no faster: a swap must pay this many times over.
+SWAP_MARGIN = 2.0
+
+
+def find(view: ClusterView, job: JobSpec, st: RunStatus) -> list[Straggler]:
+    pol = job.straggler_policy
+    tracker = ThroughputTracker(ThroughputConfig(margin=pol.straggler_margin,
+                                                 min_slow=pol.straggler_steps))
+    for node in st.members:
+        ns = view.node_status.get(node)
+        if ns is None or ns.round != st.round or ns.workers != W_RUNNING:
+            continue
+        ranks = ns.throughput.get("ranks") if isinstance(ns.throughput, dict) else None
+        for rank, doc in (ranks.items() if isinstance(ranks, dict) else ()):
+            try:
+                for step, step_time_s, compute_s in doc["steps"]:
+                    tracker.observe(rank=int(rank), step=int(step), node=node, tokens=0,
+                                    step_time_s=float(step_time_s), compute_s=float(compute_s))
+            except (KeyError, TypeError, ValueError):
+                continue  # garbage from one agent is no evidence against it
+    return tracker.stragglers()
+
+
+def swap_pays(gain_s_per_step: float, swap_cost_s: float,
+              remaining_steps: int) -> tuple[bool, str]:
+    """Whether replacing a straggler pays: the time it saves over the rest of the run against
+    what the swap costs (checkpoint, rendezvous, restore), with SWAP_MARGIN to spare."""
+    saved = gain_s_per_step * remaining_steps
+    worth = saved > SWAP_MARGIN * swap_cost_s
+    return worth, (f"a swap {'pays' if worth else 'does not pay'}: it saves ~{saved:.0f} s over "
+                   f"{remaining_steps} steps against {swap_cost_s:g} s x{SWAP_MARGIN:g}")
+
+
+def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    found = find(view, job, st)
+    if not found:
+        return None
+    by_node: dict[str, Straggler] = {}
+    for s in found:  # a node is as slow as its slowest rank
+        if s.node not in by_node or s.ratio > by_node[s.node].ratio:
+            by_node[s.node] = s
+    step = max((view.node_status[n].step for n in st.members if n in view.node_status),
+               default=0)
+    remaining = max(0, int(job.train.get("steps", 0)) - step)
+    spares = [n for n in usable(view, job) if n not in st.members]
+    cost = job.straggler_policy.swap_cost_s
+    for node, s in sorted(by_node.items()):
+        if node in view.drains:
+            continue
+        pays, why = swap_pays(s.gain_s_per_step, cost, remaining)
+        if pays and spares:
+            msg = f"straggler: {s.reason}; {why}: checkpoint, then swap in {spares[0]}"
+            return Decision([RequestDrain(node, msg),
+                             Emit("straggler", msg, _fields(s, node, swap=spares[0]))], msg)
+        if st.stragglers.get(node, {}).get("round") == st.round:
+            continue  # already reported in this round
+        msg = (f"straggler: {s.reason}; " + (f"{why}: kept" if spares else
+                                               "no spare idle: kept"))
+        flagged = {**st.stragglers, node: {"round": st.round, "reason": s.reason}}
+        return Decision([SetStatus(dataclasses.replace(st, stragglers=flagged)),
+                         Emit("straggler", msg, _fields(s, node, swap=None))], msg)
+    return None
+
+
+def _fields(s: Straggler, node: str, *, swap: str | None) -> dict:
+    return {"node": node, "culprit": node, "rank": s.rank, "ratio": round(s.ratio, 3),
+            "slow_steps": s.slow_steps, "of_steps": s.of_steps,
+            "gain_s_per_step": round(s.gain_s_per_step, 4), "swap_to": swap}

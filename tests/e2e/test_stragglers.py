@@ -1,0 +1,35 @@
+"""A slow node end to end: the daemon names the straggler from the ranks' own compute time
+(every rank's wall step time is the same in synchronous training), swaps it for the idle
+spare at a checkpoint because the swap pays, and the loss curve stays on the reference bit for
+bit (same mesh throughout; a slower machine computes the same numbers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.helpers import reference
+from tests.e2e.test_recovery import TRAIN, run_up
+
+pytestmark = pytest.mark.e2e
+
+
+def test_slow_node_is_flagged_and_swapped_for_the_spare(tmp_path):
+    steps = 40
+    summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "1", "--steps", str(steps),
+                          "--chaos", "slow-rank@6:n1", "--policy", "swap_cost_s=0.5")
+    assert summary["final_state"] == "SUCCEEDED", summary
+    (slow,) = summary["recoveries"]
+    assert (slow["detected_as"], slow["culprit"]) == ("straggler", "n1")
+    events = [json.loads(line) for line in (tmp_path / "up" / "events.jsonl").open()]
+    flagged = [e for e in events if e["kind"] == "straggler"]
+    assert [e["fields"]["culprit"] for e in flagged] == ["n1"]   # n0 and the spare: never
+    assert flagged[0]["fields"]["swap_to"] == "n2" and flagged[0]["fields"]["ratio"] > 1.5
+    rounds = [e["fields"]["members"] for e in events if e["kind"] == "round_started"]
+    assert rounds == [["n0", "n1"], ["n0", "n2"]]
+    log = "".join((tmp_path / "up" / f"daemon-{i}.log").read_text() for i in (0, 1))
+    assert "drain n1 after checkpoint step" in log        # planned: through a checkpoint
+    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
+                    nproc=2, dp=2, tp=1)
+    assert got == ref

@@ -1,0 +1,116 @@
+"""The daemon's straggler policy across nodes (table tests of decide()) and its config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazarus import jobspec
+from lazarus.agent.throughput import ThroughputConfig, ThroughputTracker
+from lazarus.daemon.actions import Emit, RequestDrain, SetStatus
+from lazarus.daemon.decide import decide
+from lazarus.daemon.stragglers import swap_pays
+from lazarus.errors import UserError
+from lazarus.records import RUNNING
+from tests.unit.test_decide import NOW, job, ns, only, status, view
+
+
+def summary(node_ranks: dict[int, float], *, steps=20, step_s=1.0) -> dict:
+    """A node's throughput summary: each rank computes `compute_s` every step."""
+    tr = ThroughputTracker()
+    for step in range(1, steps + 1):
+        for rank, compute_s in node_ranks.items():
+            tr.observe(rank=rank, step=step, step_time_s=step_s, tokens=100,
+                       compute_s=compute_s)
+    return tr.summary()
+
+
+def with_policy(steps=1000, **policy):
+    j = job()
+    return jobspec.from_dict({"job": {"name": "t", "nodes": 2, "min_nodes": 1,
+                                      "nproc_per_node": 2, "id": "J"},
+                              "train": {**j.train, "steps": steps}, "policy": policy},
+                             source="test")
+
+
+def running(b_compute, *, a_compute=0.5, step=100, **st):
+    return (status(RUNNING, **st),
+            [ns("a", "running", step=step, throughput=summary({0: a_compute, 1: a_compute})),
+             ns("b", "running", step=step, throughput=summary({2: b_compute, 3: b_compute}))])
+
+
+def test_slow_node_is_swapped_when_a_spare_is_idle_and_the_swap_pays():
+    st, statuses = running(1.0)
+    j = with_policy(swap_cost_s=10)
+    d = decide(NOW, view(status=st, spares=("s",), node_status=statuses, j=j))
+    assert only(d.actions, RequestDrain).node == "b"
+    ev = only(d.actions, Emit)
+    assert ev.kind == "straggler" and ev.fields["culprit"] == "b"
+    assert ev.fields["ratio"] == pytest.approx(2.0) and ev.fields["swap_to"] == "s"
+    assert "swap in s" in d.reason
+
+
+def test_straggler_without_a_spare_is_reported_once_per_round_and_kept():
+    st, statuses = running(1.0)
+    d = decide(NOW, view(status=st, node_status=statuses, j=with_policy(swap_cost_s=10)))
+    flagged = only(d.actions, SetStatus).status
+    assert flagged.stragglers == {"b": {"round": 1, "reason": flagged.stragglers["b"]["reason"]}}
+    assert "no spare idle: kept" in only(d.actions, Emit).message
+    again = decide(NOW, view(status=flagged, node_status=statuses, j=with_policy(swap_cost_s=10)))
+    assert not any(isinstance(a, Emit) and a.kind == "straggler" for a in again.actions)
+
+
+def test_a_swap_that_does_not_pay_keeps_the_node_and_says_why():
+    st, statuses = running(1.0, step=990)   # 10 steps left: saves ~5 s, costs 60 s
+    d = decide(NOW, view(status=st, spares=("s",), node_status=statuses, j=with_policy()))
+    assert not any(isinstance(a, RequestDrain) for a in d.actions)
+    assert "does not pay" in only(d.actions, Emit).message
+
+
+def test_peers_within_the_margin_and_other_rounds_are_no_stragglers():
+    st, statuses = running(0.55)            # 1.1x: inside the default 1.2 margin
+    assert decide(NOW, view(status=st, spares=("s",), node_status=statuses)).actions == []
+    st, statuses = running(1.0)
+    stale = [dataclasses.replace(s, round=0) for s in statuses]  # a previous round's numbers
+    assert decide(NOW, view(status=st, spares=("s",), node_status=stale)).actions == []
+
+
+def test_garbage_throughput_is_no_evidence():
+    st, statuses = running(1.0)
+    junk = dataclasses.replace(statuses[1], throughput={"ranks": {"2": {"steps": "fast"},
+                                                                  "x": 7}})
+    assert decide(NOW, view(status=st, spares=("s",), node_status=[statuses[0], junk],
+                            j=with_policy(swap_cost_s=10))).actions == []
+
+
+@pytest.mark.parametrize("gain,cost,remaining,pays", [
+    (0.5, 60.0, 1000, True),     # saves 500 s for 60 s (x2 margin: 120)
+    (0.5, 60.0, 200, False),     # saves 100 s: less than the cost with its margin
+    (0.0, 1.0, 10**6, False),    # nothing to gain
+    (0.1, 30.0, 600, False),     # saves 60 s = exactly 2 x cost: not strictly better
+])
+def test_swap_pays(gain, cost, remaining, pays):
+    ok, reason = swap_pays(gain, cost, remaining)
+    assert ok is pays
+    assert ("pays" if pays else "does not pay") in reason
+
+
+@pytest.mark.parametrize("policy,problem", [
+    ({"straggler_margin": 1.0}, "straggler_margin must be a number above 1"),
+    ({"straggler_margin": "big"}, "straggler_margin"),
+    ({"straggler_steps": 0}, "straggler_steps must be an integer in [1, 20]"),
+    ({"straggler_steps": 21}, "straggler_steps"),
+    ({"swap_cost_s": -1}, "swap_cost_s must be a non-negative number"),
+    ({"swap_cost": 5}, "unknown key(s) in [policy]: ['swap_cost']"),
+])
+def test_bad_straggler_policy_is_one_clear_error(policy, problem):
+    with pytest.raises(UserError) as e:
+        with_policy(**policy)
+    assert problem in str(e.value)
+
+
+def test_policy_defaults_are_filled_in():
+    pol = with_policy().straggler_policy
+    assert (pol.straggler_margin, pol.straggler_steps, pol.swap_cost_s) == (1.2, 8, 60.0)
+    assert ThroughputConfig().window == 20

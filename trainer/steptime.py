@@ -1,0 +1,100 @@
+"""A rank's own compute time per step, for the straggler test, and the slow-node fault.
+
+In synchronous training every rank's wall step time is the slowest rank's (the collectives
+wait), so the agents compare what each rank spent working instead:
+
+- on CPU (gloo), the process's CPU time over the step: a rank blocked in a gloo collective
+  sleeps on a socket and burns none, so a slow rank shows and its waiting peers do not;
+- on CUDA, the device time of a fixed probe matmul queued on the compute stream each step
+  (CUDA events, read a step later so nothing synchronizes): a GPU that is throttled, or
+  slower for any reason, runs it slower. Kernel time of the step itself would include NCCL
+  waits, and CPU time is no measure (the host spins in synchronizations).
+
+Values are comparable between the ranks of one job, which is all the straggler test needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from lazarus.chaos import SLOWDOWN_ENV
+
+_PROBE_N = 1024
+
+
+class ComputeClock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._c0 = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._last: float | None = None
+        if self.cuda:
+            self._probe = torch.randn(_PROBE_N, _PROBE_N, device=device, dtype=torch.bfloat16)
+
+    def start(self) -> None:
+        self._c0 = time.process_time()
+        if self.cuda:
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
+            torch.mm(self._probe, self._probe)
+            end.record()
+            self._pending.append((begin, end))
+
+    def elapsed_cpu(self) -> float:
+        return time.process_time() - self._c0
+
+    def stop(self) -> float | None:
+        """This step's compute seconds (CPU), or the newest finished probe's (CUDA)."""
+        if not self.cuda:
+            return self.elapsed_cpu()
+        while self._pending and self._pending[0][1].query():
+            begin, end = self._pending.pop(0)
+            self._last = begin.elapsed_time(end) / 1000.0
+        del self._pending[:-4]  # a probe that never finishes is not worth waiting for
+        return self._last
+
+
+class Slowdown:
+    """Fault injection: burn CPU so that this rank's step work takes `factor` times as long,
+    as a slower machine would. Reads the script named by LAZARUS_SLOWDOWN_FILE, at most once
+    per change (a stat per step)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = Path(path) if path else None
+        self._mtime: float | None = None
+        self.factor = 1.0
+
+    @classmethod
+    def from_env(cls) -> "Slowdown":
+        return cls(os.environ.get(SLOWDOWN_ENV))
+
+    def refresh(self) -> float:
+        if self.path is None:
+            return 1.0
+        try:
+            mtime = self.path.stat().st_mtime
+        except OSError:
+            self._mtime, self.factor = None, 1.0
+            return self.factor
+        if mtime != self._mtime:
+            self._mtime = mtime
+            try:
+                factor = float(json.loads(self.path.read_text())["factor"])
+                self.factor = factor if factor >= 1.0 else 1.0
+            except (OSError, ValueError, KeyError, TypeError):
+                self.factor = 1.0  # a script being rewritten: read it again next step
+                self._mtime = None
+        return self.factor
+
+    def apply(self, clock: ComputeClock) -> None:
+        """Spin until the step's CPU time is `factor` times what it was."""
+        if self.factor <= 1.0:
+            return
+        target = clock.elapsed_cpu() * self.factor
+        while clock.elapsed_cpu() < target:
+            sum(range(2000))
