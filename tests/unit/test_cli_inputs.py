@@ -86,6 +86,9 @@ def test_record_round_trip():
     (["up", "--lease-ttl", "1"], "--lease-ttl must be at least 2"),
     (["up", "--model", "gigantic"], "gigantic"),
     (["up", "--steps", "0"], "--steps must be at least 1"),
+    (["up", "--policy", "swap_cost_s"], "--policy 'swap_cost_s' is not KEY=VALUE"),
+    (["up", "--policy", "straggler_margin=0.5"], "straggler_margin must be a number above 1"),
+    (["up", "--policy", "swap_cost_s=soon"], "'soon' is not a number"),
     (["agent", "--nproc", "0"], "--nproc must be at least 1"),
     (["agent", "--role", "boss"], "--role must be active or spare"),
     (["daemon", "--etcd", "nonsense"], "is not HOST:PORT"),
@@ -115,3 +118,19 @@ def test_chaos_gpu_fault_is_written_where_the_agent_reads_it(tmp_path):
 
 def test_chaos_needs_a_node():
     assert "needs --node" in one_error_line(lazarus("chaos", "kill-worker"))
+
+
+def test_chaos_slow_rank_is_read_by_the_workers_of_that_node(tmp_path):
+    from lazarus.trainer.steptime import Slowdown
+    slow = Slowdown(str(chaos.slowdown_script(tmp_path, "n1")))
+    assert slow.refresh() == 1.0                      # no script yet: full speed
+    proc = lazarus("chaos", "slow-rank", "--node", "n1", "--workdir", str(tmp_path),
+                   "--factor", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert slow.refresh() == 3.0
+    assert lazarus("chaos", "slow-rank", "--node", "n1", "--workdir", str(tmp_path),
+                   "--factor", "1").returncode == 0
+    assert slow.refresh() == 1.0
+    assert "--factor must be at least 1" in one_error_line(
+        lazarus("chaos", "slow-rank", "--node", "n1", "--workdir", str(tmp_path),
+                "--factor", "0.5"))
