@@ -12,6 +12,7 @@ import json
 from google.protobuf import struct_pb2
 
 from lazarus import etcd as E
+from lazarus.daemon import stragglers
 from lazarus.daemon.decide import health_of
 from lazarus.daemon.view import ClusterView, parse
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
@@ -189,16 +190,31 @@ def _node_names(view: ClusterView) -> list[str]:
 def list_nodes(snap: E.Snapshot, keys: Keys, *, now: float) -> list[pb.Node]:
     view = parse(snap, keys)
     drains = set(_drains(snap, keys))
+    slow = _stragglers(view)
     out = []
     for name in _node_names(view):
         try:
-            out.append(_node(name, view, drains, now))
+            out.append(_node(name, view, drains, now, slow))
         except (ValueError, TypeError):  # a number out of the wire's range: a garbage record
             continue
     return out
 
 
-def _node(name: str, view: ClusterView, drains: set[str], now: float) -> pb.Node:
+def _stragglers(view: ClusterView) -> dict[str, str]:
+    """Node -> why it is a straggler now (the throughput monitor's verdict, judged across
+    nodes as the controller judges it)."""
+    st, job = view.status, view.job
+    if st is None or job is None or st.state != RUNNING or job.id != st.job_id:
+        return {}
+    try:
+        found = stragglers.find(view, job, st)
+    except ValueError:  # an accepted job whose [policy] no longer parses: no verdict
+        return {}
+    return {s.node: s.reason for s in sorted(found, key=lambda s: -s.ratio)}
+
+
+def _node(name: str, view: ClusterView, drains: set[str], now: float,
+          slow: dict[str, str]) -> pb.Node:
     node = pb.Node(node=name, state=node_state(name, view), cordoned=name in view.cordoned,
                    draining=name in drains, registered=name in view.nodes,
                    last_report_age_s=-1.0)
@@ -220,6 +236,9 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float) -> pb.Node
             state, reasons = health_of(view, name, monitor)
             if monitor in (ns.health if isinstance(ns.health, dict) else {}):
                 node.health.add(monitor=monitor, state=state, reasons=reasons)
+        if ns.throughput:
+            node.health.add(monitor="throughput", state="degraded" if name in slow else "healthy",
+                            reasons=[slow[name]] if name in slow else [])
         if isinstance(ns.hang, dict) and ns.round == (view.status.round if view.status else -1):
             node.health.add(monitor="hang", state="failed",
                             reasons=[str(ns.hang.get("reason", ""))[:500]])

@@ -544,3 +544,23 @@ def test_list_nodes_carries_each_monitors_verdict(etcd, keys, stub):
     verdicts = {v.monitor: (v.state, list(v.reasons)) for v in nodes["n0"].health}
     assert verdicts == {"gpu": ("failed", ["gpu0: Xid 79: GPU fell off the bus"]),
                         "host": ("healthy", [])}
+
+
+def test_list_nodes_names_a_straggler_across_nodes(etcd, keys, stub):
+    from lazarus.agent.throughput import ThroughputTracker
+    _populate(etcd, keys, t0=time.time() - 100)
+    for i, compute_s in enumerate((0.1, 0.3)):   # n1's ranks work 3x as long as n0's
+        tr = ThroughputTracker()
+        for step in range(11, 31):
+            for rank in (2 * i, 2 * i + 1):
+                tr.observe(rank=rank, step=step, step_time_s=0.35, tokens=256,
+                           compute_s=compute_s)
+        etcd.put(keys.nodestatus_key(f"n{i}"), NodeStatus(
+            node=f"n{i}", round=2, workers="running", step=30, throughput=tr.summary(),
+            updated_at=time.time()).to_json())
+    nodes = {n.node: n for n in stub.ListNodes(pb.ListNodesRequest(), metadata=AUTH).nodes}
+    verdicts = {n: {v.monitor: (v.state, list(v.reasons)) for v in nodes[n].health}
+                for n in ("n0", "n1")}
+    assert verdicts["n0"] == {"throughput": ("healthy", [])}
+    state, (reason,) = verdicts["n1"]["throughput"]
+    assert state == "degraded" and "3.00x slower than its peers in 20 of the last 20" in reason
