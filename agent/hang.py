@@ -154,7 +154,9 @@ class HangDetector:
     """Fed with every rank's progress (`observe`), asked periodically (`check`).
 
     `check` returns a verdict for as long as the hang lasts; the caller acts once (capture
-    stacks, report) and calls `reset()` when the round is replaced. Times are
+    stacks, report), withdraws the report if `check` clears (the ranks moved again: they were
+    waiting for a peer on another node that was checkpointing), and calls `reset()` when the
+    round is replaced. Times are
     time.monotonic(), the clock of the records' `since`.
     """
 
@@ -186,6 +188,13 @@ class HangDetector:
             st.long_phase = False
         st.long_phase |= progress.phase in LONG_PHASES
         st.progress = progress
+
+    def long_phase_since(self) -> float | None:
+        """When the earliest rank now in a checkpoint or an eval entered it; None if none is.
+        Published by the agent: ranks on other nodes wait for such a rank in a collective,
+        and only this agent knows why (lazarus.daemon.decide waits with their reports)."""
+        return min((st.progress.since for st in self._ranks.values()
+                    if st.progress.phase in LONG_PHASES), default=None)
 
     @property
     def median_step_s(self) -> float | None:

@@ -2,8 +2,9 @@
 a machine without GPUs) and the host monitor (checkpoint dir space and writability, memory,
 mounts, I/O errors), polled at most once a period and summarised for the node status.
 
-The daemon reads `state` per monitor: failed -> the node is cordoned and replaced now;
-degraded -> a planned swap through a checkpoint (see lazarus.daemon.decide).
+The daemon reads `state` per monitor: a failed GPU -> the node is cordoned and replaced now;
+a degraded GPU -> a planned swap through a checkpoint; a failed host -> an alert, and the
+planned swap too when the fault is the node's own (see lazarus.daemon.decide).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ log = logging.getLogger(__name__)
 
 class NodeHealth:
     """`period_s`: how often monitors are sampled; NVML queries cost about a millisecond per
-    GPU, so once a second is far below 1% of any step."""
+    GPU, so once a second is far below 1% of any step. `host_limits`: HostConfig fields that
+    replace its defaults (free-space thresholds, for a small checkpoint filesystem)."""
 
     def __init__(self, *, gpu_backend: str, gpus: int, fault_script: Path | None,
-                 period_s: float = 1.0):
+                 period_s: float = 1.0, host_limits: dict | None = None):
         self.gpu = GpuMonitor(open_backend(gpu_backend, gpus=gpus, fault_script=fault_script))
         self.host: HostMonitor | None = None
+        self.host_limits = dict(host_limits or {})
         self.period_s = period_s
         self._next = 0.0
         self._summary: dict = {"state": HEALTHY}
@@ -40,7 +43,7 @@ class NodeHealth:
         if path is None:
             self.host = None
         elif self.host is None or self.host.config.checkpoint_dir != Path(path):
-            self.host = HostMonitor(HostConfig(checkpoint_dir=Path(path)))
+            self.host = HostMonitor(HostConfig(checkpoint_dir=Path(path), **self.host_limits))
 
     def poll(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now

@@ -3,8 +3,9 @@
 `sample_host(config)` reads the host (psutil, a probe file, sysfs); `assess_host(previous,
 sample, config)` is the pure verdict. Failed means the next checkpoint would not be written
 (no space for it, directory unwritable or gone, a required mount missing, memory nearly
-exhausted); the agent alerts, the trainer falls back to the in-memory tier, and a failure that
-persists cordons the node. Degraded means it is getting there.
+exhausted); the daemon alerts (lazarus.daemon.hostalert), the trainer goes on and drops the
+saves the storage refuses, and a node whose own disk fails is swapped for an idle spare at a
+checkpoint. Degraded means it is getting there.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def sample_host(config: HostConfig) -> HostSample:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
+    # A small checkpoint filesystem (a test's tmpfs) would read "0.0 GiB free, needs 0.0 GiB".
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
 def assess_host(previous: HostSample | None, sample: HostSample,

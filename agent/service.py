@@ -24,8 +24,8 @@ from lazarus import etcd as E
 from lazarus import logs
 from lazarus.errors import UserError
 from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
-                             W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, Keys,
-                             NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
+                             W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, EventRecord,
+                             Keys, NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
 from lazarus.agent.channel import Channel
 from lazarus.agent.hang import HangConfig, HangDetector, Progress
 from lazarus.agent.throughput import ThroughputTracker
@@ -33,6 +33,7 @@ from lazarus import chaos
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.stacks import capture
 from lazarus.agent.workers import Workers
+from lazarus.trainer.session import PROGRESS_ENV
 
 log = logging.getLogger("lazarus.agent")
 
@@ -52,7 +53,8 @@ class Agent:
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                  workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = 5,
                  park: bool = True, gpu_backend: str = "auto",
-                 gpu_faults: Path | None = None, hang_config: HangConfig | None = None):
+                 gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
+                 host_limits: dict | None = None, monitors: bool = True):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -61,15 +63,21 @@ class Agent:
         self.node, self.nproc, self.role, self.host = node, nproc, role, host
         self.lease_ttl_s = lease_ttl_s
         self.workdir = workdir
+        # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
+        # or throughput monitoring here, and no progress reports from the workers.
+        self.monitors = monitors
         workdir.mkdir(parents=True, exist_ok=True)
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
         self.health = NodeHealth(gpu_backend=gpu_backend, gpus=nproc,
-                                 fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json")
+                                 fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json",
+                                 host_limits=host_limits)
         env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node)}
+        if not monitors:
+            env[PROGRESS_ENV] = "off"
         if self.health.backend_name == "sim":
             # A rig without GPUs is a test rig: let `lazarus chaos slow-rank` slow this node.
             env[chaos.SLOWDOWN_ENV] = str(chaos.slowdown_script(workdir, node))
@@ -83,6 +91,7 @@ class Agent:
         self.hangs = HangDetector(hang_config or HangConfig())
         self.throughput = ThroughputTracker()
         self._world_size = 1
+        self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
         self._hang: dict | None = None      # this round's hang report, once made
         self.stacks_dir = workdir / "stacks" / node
         self._checkpoint_request: bytes | None = None
@@ -127,7 +136,8 @@ class Agent:
                                              "reason": spike.get("reason")})
                         del self._spikes[:-MAX_SPIKES]
                         self.wake.set()
-                    self._observe_step(msg)
+                    if self.monitors:
+                        self._observe_step(msg)
                     if msg.get("rank") == min(self._local_ranks(), default=0):
                         if isinstance(msg.get("window"), list):
                             st["window"] = msg["window"]
@@ -142,13 +152,17 @@ class Agent:
             except (KeyError, TypeError, ValueError):
                 return None
             with self._lock:
-                if msg.get("round") == self._group_round() and self._hang is None:
+                if msg.get("round") == self._group_round():
                     self.hangs.observe(int(msg.get("rank", -1)), progress)
+                    self._track_long_phase()
             return None
         if kind == "may_commit":
             return {"type": "may_commit", "ok": self._round_is_current(msg.get("round"))}
         if kind == "committed":
             self._register_checkpoint(msg)
+            return None
+        if kind == "checkpoint_failed":
+            self._report_checkpoint_failure(msg)
             return None
         return None
 
@@ -168,6 +182,18 @@ class Agent:
                 compute_s=float(compute) if compute is not None else None)
         except (KeyError, TypeError, ValueError):
             pass  # a malformed report costs its sample, nothing else
+
+    def _track_long_phase(self) -> None:
+        """Note when a local rank enters or leaves a checkpoint/eval (lock held); a change is
+        published at once, because the daemon holds other nodes' hang reports meanwhile."""
+        since = self.hangs.long_phase_since()
+        if since is not None and not self._long_phase["since"]:
+            self._long_phase = {"since": time.time() - (time.monotonic() - since),
+                                "until": self._long_phase["until"]}
+            self.wake.set()
+        elif since is None and self._long_phase["since"]:
+            self._long_phase = {"since": 0.0, "until": time.time()}
+            self.wake.set()
 
     def _local_ranks(self) -> list[int]:
         g = self.workers.group
@@ -200,6 +226,26 @@ class Agent:
         else:
             log.warning("checkpoint step %d of round %d not registered: round is stale or "
                         "etcd is away", rec.step, rec.round)
+
+    def _report_checkpoint_failure(self, msg: dict) -> None:
+        """A save the storage refused (rank 0 tells, once per save): an event for the
+        operator, fenced on the round like a commit, so a stale worker's report is dropped.
+        Training goes on; what to do about the disk is the host monitor's and the daemon's."""
+        try:
+            step, round_, error = int(msg["step"]), int(msg["round"]), str(msg["error"])[:500]
+        except (KeyError, TypeError, ValueError):
+            log.warning("dropping malformed checkpoint failure report %r", msg)
+            return
+        text = (f"checkpoint step {step} not written: {error}; training goes on, the last "
+                "committed checkpoint stays the restore point")
+        log.warning("%s", text)
+        ev = EventRecord(time=time.time(), kind="checkpoint_failed", message=text, round=round_,
+                         fields={"step": step, "error": error, "reported_by": self.node})
+        try:
+            self.etcd.txn([E.value_is(self.keys.round, str(round_).encode())],
+                          [E.put_op(self.keys.event_key(self.node), ev.to_json())])
+        except E.EtcdUnavailable:
+            pass  # the worker log and ours still say it
 
     # -- reconcile ---------------------------------------------------------------------------
     def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
@@ -268,6 +314,7 @@ class Agent:
             self.throughput.reset()
             self._world_size = rec.world_size
             self._hang = None
+            self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
         self.health.watch_checkpoint_dir(rec.train.get("ckpt_dir"))
         self.workers.launch(rec.round, assignments)
@@ -275,13 +322,20 @@ class Agent:
                  f", restoring step {rec.restore_step}" if rec.restore else "")
 
     def _check_hang(self, now: float) -> None:
-        """A hang is reported once per round, with the stacks of every local rank taken
-        before anything is killed; the daemon names the culprit across nodes and restarts."""
+        """A hang is reported with the stacks of every local rank taken before anything is
+        killed; the daemon names the culprit across nodes and restarts. A report is withdrawn
+        if the ranks move again: they were waiting for a peer on another node that was in a
+        checkpoint or an eval, which that node's status says (the daemon waits with it)."""
         g = self.workers.group
-        if g is None or not g.alive or self._hang is not None:
+        if g is None or not g.alive:
             return
         with self._lock:
             verdict = self.hangs.check(now)
+        if self._hang is not None:
+            if verdict is None:
+                log.info("hang report of round %d withdrawn: the ranks moved again", g.round)
+                self._hang = None
+            return
         if verdict is None:
             return
         dump = capture(g.pids(), self.stacks_dir, timeout_s=3.0)
@@ -300,6 +354,7 @@ class Agent:
             st = dict(self._step)
             spikes = list(self._spikes)
             throughput = self.throughput.summary()
+            long_phase = dict(self._long_phase)
         if g is None:
             state = W_IDLE
         elif g.failed:
@@ -317,13 +372,15 @@ class Agent:
             pids=g.pids() if g else [], parked=len(self.workers.parked),
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
             window=st.get("window") or [],
-            health=self.health.poll(), hang=self._hang, throughput=throughput)
+            health=self.health.poll() if self.monitors else {}, hang=self._hang,
+            throughput=throughput, long_phase=long_phase)
 
     def publish(self, *, force: bool = False) -> None:
         """Write node status on a change of worker state at once, else at most once a period."""
         status = self.node_status()
         state = (status.workers, status.round, status.failed_rank, len(status.spikes),
-                 status.health.get("state"), status.hang is not None)
+                 status.health.get("state"), status.hang is not None,
+                 bool(status.long_phase.get("since")))
         now = time.time()
         if not force and state == self._published_state and (
                 status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
@@ -360,7 +417,8 @@ class Agent:
             self.wake.clear()
             exited = self.workers.poll()
             now = time.monotonic()
-            self._check_hang(now)
+            if self.monitors:
+                self._check_hang(now)
             try:
                 if woke or exited or now >= next_reconcile:
                     self.reconcile()
@@ -409,6 +467,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-faults", type=Path, default=None,
                    help="fault script of the simulated GPU backend (default: "
                         "WORKDIR/NODE.gpu-faults.json; `lazarus chaos gpu-xid` writes it)")
+    p.add_argument("--min-free-mb", type=float, default=None,
+                   help="host monitor: the checkpoint dir fails below this much free space "
+                        "(default 1024)")
+    p.add_argument("--low-free-mb", type=float, default=None,
+                   help="... and is degraded below this much (default 10240)")
+    p.add_argument("--monitors", choices=("on", "off"), default="on",
+                   help="GPU, host, hang and throughput monitors and the workers' progress "
+                        "reports; 'off' exists to measure what they cost")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -418,6 +484,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--lease-ttl must be at least 2 seconds")
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
+    host_limits = _host_limits(args)
     etcd = E.Etcd(args.etcd)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -426,9 +493,21 @@ def main(argv: list[str]) -> int:
                   workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
                   park=not args.no_park, gpu_backend=args.gpu_backend,
                   gpu_faults=args.gpu_faults,
-                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor))
+                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor),
+                  host_limits=host_limits, monitors=args.monitors == "on")
     try:
         agent.run(stop)
     finally:
         etcd.close()
     return 0
+
+
+def _host_limits(args: argparse.Namespace) -> dict:
+    limits = {}
+    for flag, name in (("min_free_mb", "min_free_bytes"), ("low_free_mb", "low_free_bytes")):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < 0:
+                raise UserError(f"--{flag.replace('_', '-')} must not be negative")
+            limits[name] = int(value * (1 << 20))
+    return limits

@@ -11,6 +11,8 @@ Failure classes handled here (DESIGN.md's table):
   rendezvous stuck-> members that did not join are treated as lost
   node back/idle  -> joins at the next checkpoint committed in the current round (grow)
   straggler       -> flagged; swapped out at a checkpoint when a spare is idle and it pays
+  host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
+                     out at a checkpoint when a spare is idle
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from lazarus.jobspec import JobSpec
 from lazarus.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, spikes, stragglers
+from lazarus.daemon import commands, hostalert, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -139,6 +141,10 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
             continue  # a report we cannot read is no evidence either way
     if not reports:
         return None
+    busy = _peer_in_long_phase(now, view, st, set(reports), min(started))
+    if busy is not None:
+        return Decision([], f"hang reported by {', '.join(sorted(reports))}, but {busy}: "
+                            "its peers wait for it; holding the report")
     first_report = min(float(view.node_status[n].hang["at"]) for n in reports)
     if len(reports) < len(st.members) and now - first_report < HANG_REPORT_WAIT_S:
         return Decision([], f"hang reported by {', '.join(reports)}; waiting for the others")
@@ -148,6 +154,27 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     return _to_recovering(now, st, "hang", culprits,
                           f"hang: {verdict.reason} (stacks: {', '.join(map(str, stacks))})",
                           min(started))
+
+
+def _peer_in_long_phase(now: float, view: ClusterView, st: RunStatus, reporting: set[str],
+                        stall_began: float) -> str | None:
+    """Why a member that made no hang report may be what the reporters wait for: it is in a
+    checkpoint or an eval (long by design; its own agent bounds those), or it left one after
+    the stall began, and the reporters' agents withdraw their reports when their ranks move
+    (HANG_REPORT_WAIT_S for that). Clocks of different hosts are compared here: NTP-close
+    is close enough against allowances of seconds."""
+    for node in st.members:
+        ns = view.node_status.get(node)
+        if node in reporting or ns is None or ns.round != st.round:
+            continue
+        lp = ns.long_phase if isinstance(ns.long_phase, dict) else {}
+        since, until = lp.get("since"), lp.get("until")
+        if isinstance(since, (int, float)) and since > 0:
+            return f"{node} is in a checkpoint or an eval since {now - since:.1f} s"
+        if (isinstance(until, (int, float)) and until > stall_began
+                and now - until < HANG_REPORT_WAIT_S):
+            return f"{node} left a checkpoint or an eval {now - until:.1f} s ago"
+    return None
 
 
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
@@ -199,12 +226,13 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
     spares = [n for n in usable(view, job) if n not in st.members]
     if not spares:
         return None
+    shared = hostalert.shared_fault({n: health_of(view, n, "host") for n in st.members})
     for node in st.members:
         if node in view.drains:
             continue
         gpu, gpu_why = health_of(view, node, "gpu")
         host, host_why = health_of(view, node, "host")
-        if gpu == H_DEGRADED or host == H_FAILED:
+        if gpu == H_DEGRADED or (host == H_FAILED and not shared):
             kind = "gpu_degraded" if gpu == H_DEGRADED else "host_failed"
             msg = (f"{kind.replace('_', ' ')} on {node} ({', '.join(gpu_why + host_why)}): "
                    f"checkpoint, then swap in {spares[0]}")
@@ -263,6 +291,9 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    f"{fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+    alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})
+    if alert is not None:
+        return alert
     swap = _planned_swap(view, job, st) or stragglers.respond(view, job, st)
     if swap is not None:
         return swap

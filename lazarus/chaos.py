@@ -20,6 +20,15 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     loss-spike@STEP           a poisoned batch at STEP: the trainer guard skips it
     diverge@STEP              a poisoned data window from STEP: spikes repeat, the daemon
                               rolls back to the last good checkpoint and skips the window
+    disk-full@STEP            the checkpoint dir's filesystem (a small tmpfs of its own, in a
+                              private mount namespace) fills up: host monitors alert, saves
+                              fail and are dropped, training goes on without checkpoints
+    disk-free@STEP            the space comes back: checkpoints are committed again
+    slow-step@STEP            every rank pauses 4 s in STEP's forward pass (once per run). At
+                              a round's first step that is a slow warm-up, which the hang
+                              detector must sit out; later it is a stall of all ranks
+    slow-checkpoint@STEP      every rank pauses 4 s inside the first checkpoint save at or
+                              after STEP (a slow filesystem): no hang may be reported
 
 A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1".
 """
@@ -33,13 +42,16 @@ from pathlib import Path
 from lazarus.errors import UserError
 
 KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
-         "hang", "slow-rank", "loss-spike", "diverge")
+         "hang", "slow-rank", "loss-spike", "diverge", "disk-full", "disk-free", "slow-step",
+         "slow-checkpoint")
 # What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
 GPU_FAULTS = {"gpu-xid": {"gpu": 0, "fault": "xid", "code": 79},
               "gpu-ecc": {"gpu": 0, "fault": "ecc-sbe-rising", "count": 10}}
 # Faults the trainer injects itself (through the job's [train] inject list), keyed on the
 # data it reads, so that they are reproducible and a rollback's skip really removes them.
-TRAINER_KINDS = ("hang", "loss-spike", "diverge")
+TRAINER_KINDS = ("hang", "loss-spike", "diverge", "slow-step", "slow-checkpoint")
+# Faults of the checkpoint filesystem, which every node of a local cluster shares: no target.
+DISK_KINDS = ("disk-full", "disk-free")
 # Names the slowdown script in the environment of a test rig's workers.
 SLOWDOWN_ENV = "LAZARUS_SLOWDOWN_FILE"
 # How much slower slow-rank makes a node: plainly a straggler at any sane margin.
@@ -70,13 +82,21 @@ def parse_schedule(spec: str) -> list[Fault]:
                             f"(kinds: {', '.join(KINDS)})")
         if m["kind"] not in KINDS:
             raise UserError(f"--chaos: unknown fault {m['kind']!r} (kinds: {', '.join(KINDS)})")
-        if m["kind"] in ("kill-daemon", *TRAINER_KINDS) and m["target"]:
+        if m["kind"] in ("kill-daemon", *TRAINER_KINDS, *DISK_KINDS) and m["target"]:
             raise UserError(f"--chaos {item!r}: {m['kind']} takes no target")
         step = int(m["step"])
         if step < 1:
             raise UserError(f"--chaos {item!r}: the step must be at least 1")
         faults.append(Fault(kind=m["kind"], step=step, target=m["target"]))
-    return sorted(faults, key=lambda f: f.step)
+    faults.sort(key=lambda f: f.step)
+    full = False
+    for f in faults:
+        if f.kind in DISK_KINDS:
+            if (f.kind == "disk-full") == full:
+                raise UserError(f"--chaos {f.kind}@{f.step}: the disk is "
+                                f"{'full already' if full else 'not full'} by then")
+            full = not full
+    return faults
 
 
 def slowdown_script(workdir: Path, node: str) -> Path:
@@ -123,15 +143,23 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=("kill-worker", "kill-node", "kill-daemon", "gpu-xid",
-                                    "gpu-ecc", "slow-rank"))
+                                    "gpu-ecc", "slow-rank", *DISK_KINDS))
     p.add_argument("--factor", type=float, default=SLOW_FACTOR,
                    help="slow-rank: how many times slower the node computes (1: back to normal)")
     p.add_argument("--node", help="target node (not for kill-daemon)")
+    p.add_argument("--dir", type=Path,
+                   help="disk-full/disk-free: the checkpoint dir, on a small filesystem of its own")
     p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
     p.add_argument("--root", default="/lazarus/v1/")
     p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
                    help="the agents' --workdir (GPU faults are written there)")
     args = p.parse_args(argv)
+    if args.kind in DISK_KINDS:
+        if args.dir is None:
+            raise UserError(f"{args.kind} needs --dir (the run's checkpoint dir)")
+        from lazarus.diskfault import chaos_cli
+        print(chaos_cli(args.kind, args.dir))
+        return 0
     if args.kind != "kill-daemon" and not args.node:
         raise UserError(f"{args.kind} needs --node")
     if args.kind == "slow-rank":

@@ -62,6 +62,8 @@ class LocalCluster:
         self.agents: dict[str, Proc] = {}
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
+        self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
+        self.ballast = None                # diskfault.Ballast, once small_checkpoint_fs ran
         workdir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -105,7 +107,7 @@ class LocalCluster:
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
-                            self.log_level])
+                            self.log_level, *self.agent_args])
         self.agents[node] = proc
         self._agent_spec[node] = (nproc, role)
         return proc
@@ -177,6 +179,28 @@ class LocalCluster:
         from lazarus.chaos import inject_gpu_fault
         inject_gpu_fault(self.workdir / "nodes", node, kind)
         return f"{node} gpu0"
+
+    def small_checkpoint_fs(self, path: Path, size_bytes: int) -> None:
+        """Put the checkpoint dir on a tmpfs of its own, so that disk-full fills that and
+        nothing else (lazarus.diskfault: only inside a private mount namespace)."""
+        from lazarus.diskfault import Ballast, mount_small
+        mount_small(path, size_bytes)
+        self.ballast = Ballast(path)
+
+    def fill_disk(self) -> str:
+        assert self.ballast is not None, "small_checkpoint_fs first"
+        size = self.ballast.fill()
+        return f"{self.ballast.path.parent} ({size >> 20} MiB ballast)"
+
+    def free_disk(self) -> str:
+        assert self.ballast is not None, "small_checkpoint_fs first"
+        return f"{self.ballast.path.parent} ({self.ballast.free() >> 20} MiB freed)"
+
+    def keep_disk_full(self) -> None:
+        """Take back what a failed save's clean-up freed, as the other writers of a really
+        full disk would: without this the next save could fit in its predecessor's room."""
+        if self.ballast is not None:
+            self.ballast.top_up()
 
     def slow_node(self, node: str, factor: float) -> str:
         from lazarus.chaos import inject_slowdown

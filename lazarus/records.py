@@ -175,6 +175,9 @@ class RunStatus(_Record):
     lr_scale_until: int = 0
     # Stragglers reported in this run: node -> {"round", "reason"}; reported once a round.
     stragglers: dict = field(default_factory=dict)
+    # Members whose host monitor fails (checkpoint dir full or unwritable, ...): node ->
+    # reasons; alerted once when a node enters, once when it leaves (lazarus.daemon.hostalert).
+    host_alerts: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -240,6 +243,9 @@ class NodeStatus(_Record):
     health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
     hang: dict | None = None    # the round's hang report (lazarus.agent.hang.HangVerdict + stacks)
     throughput: dict = field(default_factory=dict)  # lazarus.agent.throughput summary()
+    # A local rank in a checkpoint or an eval: {"since": wall time it entered (0: none now),
+    # "until": wall time the last such phase ended}. Peers elsewhere wait for it meanwhile.
+    long_phase: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lazarus import chaos, endpoint_file, jobspec
+from lazarus import chaos, diskfault, endpoint_file, jobspec
 from lazarus.errors import UserError
 from lazarus.localcluster import LocalCluster
 from lazarus.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
@@ -83,6 +83,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--summary", type=Path, help="write the summary JSON here")
     p.add_argument("--workdir", type=Path, help="logs, checkpoints, etcd data (default: a temp dir)")
     p.add_argument("--lease-ttl", type=int, default=3, help="agent and daemon lease TTL, s")
+    p.add_argument("--hang-k", type=float, default=None,
+                   help="agents: a rank hangs after k x the median step time without progress "
+                        "(default: the agent's, 3)")
+    p.add_argument("--hang-floor", type=float, default=None,
+                   help="agents: ... and never before this many seconds (default: the agent's, 10)")
+    p.add_argument("--monitors", choices=("on", "off"), default="on",
+                   help="agents' GPU, host, hang and throughput monitors and the workers' "
+                        "progress reports; 'off' exists to measure what they cost")
     p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     p.add_argument("--quiet", action="store_true", help="only events and the summary")
     return p.parse_args(argv)
@@ -112,14 +120,32 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
                      "guard_min_history": 8}}
     if args.policy:
         doc["policy"] = _policy_args(args.policy)
-    data_faults = [f for f in inject if not f.startswith("hang@")]
+    stalls = {"slow-step": "step", "slow-checkpoint": "checkpoint"}
+    data_faults = [f for f in inject if not f.startswith(("hang@", *stalls))]
     if data_faults:
         doc["train"]["inject"] = data_faults
     for f in inject:
+        kind, _, step = f.partition("@")
+        if kind in stalls:
+            doc["train"].setdefault("stalls", []).append(f"{stalls[kind]}@{step}")
         if f.startswith("hang@"):
             doc["train"]["hang_at_step"] = int(f.split("@")[1])
             doc["train"]["hang_rank"] = world - 1
     return jobspec.from_dict(doc, source="lazarus up")
+
+
+def _agent_args(args: argparse.Namespace) -> list[str]:
+    """The `lazarus agent` flags every node gets from these options."""
+    out = ["--monitors", args.monitors]
+    if args.hang_k is not None:
+        if not args.hang_k > 1:
+            raise UserError(f"--hang-k must be above 1, got {args.hang_k:g}")
+        out += ["--hang-k", repr(args.hang_k)]
+    if args.hang_floor is not None:
+        if not args.hang_floor > 0:
+            raise UserError(f"--hang-floor must be positive, got {args.hang_floor:g}")
+        out += ["--hang-floor", repr(args.hang_floor)]
+    return out
 
 
 def _policy_args(items: list[str]) -> dict:
@@ -142,7 +168,7 @@ def _policy_args(items: list[str]) -> dict:
 def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
     st = cluster.state()
     members = st.status.members if st.status else []
-    if fault.kind == "kill-daemon":
+    if fault.kind in ("kill-daemon", *chaos.DISK_KINDS):
         return None
     if fault.kind == "revive-node":
         dead = [n for n, proc in cluster.agents.items() if not proc.alive]
@@ -169,10 +195,31 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
         fault.hit = cluster.slow_node(node, chaos.SLOW_FACTOR)
     elif fault.kind == "revive-node":
         fault.hit = cluster.revive_node(node)
+    elif fault.kind == "disk-full":
+        fault.hit = cluster.fill_disk()
+    elif fault.kind == "disk-free":
+        fault.hit = cluster.free_disk()
     else:
         fault.hit = cluster.kill_daemon()
         cluster.start_daemon()  # a new standby, so the next leader death is covered too
         _publish_api(cluster)
+
+
+def _small_checkpoint_fs(cluster: LocalCluster, job: jobspec.JobSpec,
+                         args: argparse.Namespace) -> str:
+    """disk-full's filesystem: room for the retained checkpoints and one in flight, and host
+    monitors that fail once the next checkpoint no longer fits (their defaults, in GiB, are
+    for real disks)."""
+    from lazarus.trainer.config import TrainConfig
+
+    one = diskfault.checkpoint_bytes(args.model)
+    keep = TrainConfig.from_dict(job.train_config_for(args.nodes)).keep_last
+    size = diskfault.checkpoint_fs_bytes(one, keep)
+    cluster.small_checkpoint_fs(Path(job.train["ckpt_dir"]), size)
+    cluster.agent_args += ["--min-free-mb", f"{one / diskfault.MiB:.2f}",
+                           "--low-free-mb", f"{2 * one / diskfault.MiB:.2f}"]
+    return (f"checkpoint dir on a {size // diskfault.MiB} MiB tmpfs of its own (disk-full); "
+            "its checkpoints go when this command ends")
 
 
 def _publish_api(cluster: LocalCluster) -> None:
@@ -189,7 +236,7 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 leader_changes: list[tuple[float, int]]) -> list[dict]:
     out = []
     for f in faults:
-        if f.fired_at is None or f.kind in ("revive-node", "loss-spike"):
+        if f.fired_at is None or f.kind in ("revive-node", "loss-spike", "disk-free"):
             continue  # a revival is no fault; a single spike is skipped by the trainer
         rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
                "detected_after_s": None, "recovered_after_s": None, "culprit": None}
@@ -199,16 +246,21 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
                 rec["culprit"] = f.hit
         else:
-            seen_as = {"gpu-ecc": "gpu_degraded", "slow-rank": "straggler"}.get(
-                f.kind, "fault_detected")
+            seen_as = {"gpu-ecc": "gpu_degraded", "slow-rank": "straggler",
+                       "disk-full": "host_alert"}.get(f.kind, "fault_detected")
+            # A detection belongs to this fault if it comes before the next fault struck (a
+            # stall that raised nothing must not take a later hang's detection as its own).
+            until = min((g.fired_at for g in faults if g.fired_at is not None
+                         and g.fired_at > f.fired_at and g.kind != "revive-node"),
+                        default=float("inf"))
             det = next((e for e in events if e.kind == seen_as
-                        and e.time >= f.fired_at - 0.5), None)
+                        and f.fired_at - 0.5 <= e.time < until), None)
             if det is not None:
                 rec["detected_after_s"] = round(max(0.0, det.time - f.fired_at), 3)
                 rec["culprit"] = det.fields.get("culprit", det.fields.get("node"))
                 rec["detected_as"] = det.fields.get("kind", det.kind)
-                restart = next((e for e in events if e.kind == "round_started"
-                                and e.time >= det.time), None)
+                restart = None if f.kind == "disk-full" else next(  # the run goes on
+                    (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
                 nxt = tail.first_step_after(restart.time) if restart is not None else None
                 if nxt is not None:
                     rec["recovered_after_s"] = round(nxt[0] - f.fired_at, 3)
@@ -227,6 +279,7 @@ def run(args: argparse.Namespace) -> dict:
         metrics.unlink()  # this run's story only
     trainer_faults = [f for f in schedule if f.kind in chaos.TRAINER_KINDS]
     job = _job(args, workdir, metrics, [f"{f.kind}@{f.step}" for f in trainer_faults])
+    agent_args = _agent_args(args)
     say = print
     say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
         f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
@@ -241,6 +294,9 @@ def run(args: argparse.Namespace) -> dict:
     leader_changes: list[tuple[float, int]] = []
     started = time.time()
     with LocalCluster(workdir, lease_ttl_s=args.lease_ttl) as cluster:
+        if any(f.kind in chaos.DISK_KINDS for f in schedule):
+            say(_small_checkpoint_fs(cluster, job, args))
+        cluster.agent_args += agent_args
         cluster.start_etcd()
         cluster.start_daemon()
         cluster.start_daemon()
@@ -255,6 +311,7 @@ def run(args: argparse.Namespace) -> dict:
         state = None
         while time.time() - started < args.timeout:
             time.sleep(0.05)
+            cluster.keep_disk_full()
             tail.poll()
             st = cluster.state()
             if st.leader_pid and st.leader_pid != leader:
@@ -271,7 +328,8 @@ def run(args: argparse.Namespace) -> dict:
                 # it strikes as step `fault.step` starts, i.e. once the step before is done
                 if fault.fired_at is None and step >= fault.step - 1:
                     # the trainer injected it itself, at the data that step reads
-                    fault.fired_at, fault.fired_step, fault.hit = time.time(), step, "data"
+                    fault.fired_at, fault.fired_step = time.time(), step
+                    fault.hit = "all ranks" if fault.kind.startswith("slow-") else "data"
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
             if (pending and step >= pending[0].step and state == "RUNNING"
                     and (st.status.incident is None)):
@@ -334,6 +392,9 @@ def print_summary(summary: dict) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    disk = chaos.parse_schedule("" if args.chaos in (None, "none") else args.chaos)
+    if any(f.kind in chaos.DISK_KINDS for f in disk) and not diskfault.in_private_namespace():
+        diskfault.rerun_in_namespace(["up", *argv])  # does not return
     summary = run(args)
     print_summary(summary)
     if args.summary:

@@ -15,6 +15,10 @@ only after every rank's files are on disk and only if `commit_gate(step)` still 
 crash, a full disk or a fenced-off (stale) round leaves a directory that is never listed or
 loaded. Because the layout is DCP's, a checkpoint taken at one (dp, tp) mesh loads into another.
 
+A save the storage refuses (disk full, read-only, gone: any OSError, on any rank) is not fatal:
+every rank learns of it at the same point, rank 0 removes the directory and reports it
+(`on_fail`), and training goes on; the last committed checkpoint stays the one to restore.
+
 Nothing read from disk is unpickled without restriction: DCP's `.metadata` is a pickle, so it
 is read with an unpickler that only builds DCP's own metadata classes (plus torch.Size,
 dtypes and pathlib paths); tensors and the optimizer's small non-tensor values are read with
@@ -295,6 +299,16 @@ def _verify_collectively(path: Path) -> dict:
 # Saving
 
 
+def _storage_problem(e: CheckpointException) -> str | None:
+    """'rank R: the OS error' when the storage refused a rank's part of a DCP save (a full
+    disk, a read-only or vanished mount); None when something else failed (a bug to raise)."""
+    for rank, failure in sorted(e.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, OSError):
+            return f"rank {rank}: {exc}"
+    return None
+
+
 def _mesh_of(model: torch.nn.Module) -> dict | None:
     meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
     if not meshes:
@@ -339,23 +353,32 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict, *, async_save: bool = True,
              commit_gate: Callable[[int], bool] | None = None,
-             on_commit: Callable[[int, Path], None] | None = None) -> None:
+             on_commit: Callable[[int, Path], None] | None = None,
+             on_fail: Callable[[int, str], None] | None = None) -> None:
         """Checkpoint model + optimizer + `extra` + RNG at `step` (collective: every rank).
 
         Waits for the previous save first. With `async_save` it returns once the state is
         copied off the live tensors; the write, checksums and commit happen in the background
         (`wait()` to finish). On rank 0, just before committing, `commit_gate(step)` is asked
         (from the background thread) whether this process may still commit; `on_commit(step,
-        path)` is then called there, on rank 0 only, once the manifest is durable.
+        path)` is then called there, on rank 0 only, once the manifest is durable. If the
+        storage refused the save, `on_fail(step, why)` is called there instead, after the
+        directory is removed.
         """
         self.wait()
         extra_json = json.dumps(extra)  # fail now, in the caller, if it is not JSON-able
         directory = checkpoint_dir(self.root, step)
-        directory.mkdir(parents=True, exist_ok=True)
-        if self._rank == 0 and (directory / MANIFEST).exists():
-            # Saving a step again (after a rollback): uncommit before any shard is rewritten.
-            (directory / MANIFEST).unlink()
-            _fsync_dir(directory)
+        refused = None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if self._rank == 0 and (directory / MANIFEST).exists():
+                # Saving a step again (after a rollback): uncommit before any shard is rewritten.
+                (directory / MANIFEST).unlink()
+                _fsync_dir(directory)
+        except OSError as e:
+            # Not raised here: the other ranks are about to enter the save's collectives.
+            # _finish fails the save on every rank alike.
+            refused = f"rank {self._rank}: {e}"
         rng = _rng_state()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -365,29 +388,42 @@ class Checkpointer:
                                      no_dist=not self._distributed)
         else:
             written = Future()
-            written.set_result(dcp.save(state, storage_writer=writer, process_group=self._pg,
-                                        no_dist=not self._distributed))
+            try:
+                written.set_result(dcp.save(state, storage_writer=writer,
+                                            process_group=self._pg,
+                                            no_dist=not self._distributed))
+            except CheckpointException as e:
+                written.set_exception(e)  # judged in _finish, like an async failure
         commit = {"step": step, "extra": json.loads(extra_json), "world_size": self._world,
                   "mesh": _mesh_of(model)}
         self._inflight = self._executor.submit(self._finish, directory, written, rng, commit,
-                                               commit_gate, on_commit)
+                                               commit_gate, on_commit, on_fail, refused)
         if not async_save:
             self.wait()
 
     def _finish(self, directory: Path, written: Future, rng: dict, commit: dict,
                 commit_gate: Callable[[int], bool] | None,
-                on_commit: Callable[[int, Path], None] | None) -> Path | None:
-        metadata = written.result()  # DCP has fsynced every shard and, on rank 0, .metadata
-        shards = {s.relative_path for s in metadata.storage_data.values()}
-        problem, entries = None, []
+                on_commit: Callable[[int, Path], None] | None,
+                on_fail: Callable[[int, str], None] | None, refused: str | None) -> Path | None:
         try:
-            _write_durable(directory / _rng_file(self._rank), json.dumps(rng).encode())
-            # DCP names each rank's shard files __{rank}_*: every rank hashes its own.
-            mine = sorted(n for n in shards if n.startswith(f"__{self._rank}_"))
-            mine.append(_rng_file(self._rank))
-            if self._rank == 0:
-                mine.append(".metadata")
-            entries = [_file_entry(directory, n) for n in mine]
+            metadata = written.result()  # DCP has fsynced every shard and, on rank 0, .metadata
+        except CheckpointException as e:
+            # DCP ends a failed save collectively: every rank holds this same exception.
+            why = _storage_problem(e)
+            if why is None:
+                raise
+            return self._abandon(directory, commit["step"], why, on_fail)
+        shards = {s.relative_path for s in metadata.storage_data.values()}
+        problem, entries = refused, []
+        try:
+            if problem is None:
+                _write_durable(directory / _rng_file(self._rank), json.dumps(rng).encode())
+                # DCP names each rank's shard files __{rank}_*: every rank hashes its own.
+                mine = sorted(n for n in shards if n.startswith(f"__{self._rank}_"))
+                mine.append(_rng_file(self._rank))
+                if self._rank == 0:
+                    mine.append(".metadata")
+                entries = [_file_entry(directory, n) for n in mine]
         except OSError as e:
             problem = f"rank {self._rank}: {e}"
         gathered = [None] * self._world if self._rank == 0 else None
@@ -395,32 +431,57 @@ class Checkpointer:
             dist.gather_object((problem, entries), gathered, dst=0, group=self._pg)
         else:
             gathered = [(problem, entries)]
-        outcome: list = [(None, None)]
+        # (committed path, error, whether the storage refused it)
+        outcome: list = [(None, None, False)]
         failure = None
         if self._rank == 0:
+            problems = [p for p, _ in gathered if p]
             try:
-                committed = self._commit(directory, gathered, shards, commit, commit_gate,
-                                         on_commit)
-                outcome = [(str(committed) if committed else None, None)]
+                if problems:
+                    outcome = [(None, "; ".join(problems), True)]
+                else:
+                    committed = self._commit(directory, gathered, shards, commit, commit_gate,
+                                             on_commit)
+                    outcome = [(str(committed) if committed else None, None, False)]
+            except OSError as e:  # the manifest could not be written: nothing is committed
+                outcome = [(None, f"rank 0: {e}", True)]
             except Exception as e:  # the other ranks must hear of it, not wait forever
                 failure = e
-                outcome = [(None, str(e))]
+                outcome = [(None, str(e), False)]
         if self._distributed:
             # Also keeps every rank from starting the next save before rank 0 has cleaned up.
             dist.broadcast_object_list(outcome, src=0, group=self._pg)
-        committed, error = outcome[0]
+        committed, error, refused_by_storage = outcome[0]
         if failure is not None:
             raise failure
+        if refused_by_storage:
+            return self._abandon(directory, commit["step"], error, on_fail)
         if error:
             raise CheckpointError(error)
         return Path(committed) if committed else None
 
+    def _abandon(self, directory: Path, step: int, why: str,
+                 on_fail: Callable[[int, str], None] | None) -> None:
+        """The storage refused the save (every rank knows): remove what was written, so a
+        partial checkpoint can never be taken for one, and let training go on."""
+        if self._rank != 0:
+            return None
+        if str(directory) not in why:  # ENOSPC, say, comes without a file name
+            why = f"{why} (writing {directory})"
+        try:
+            latest = latest_checkpoint(self.root)
+        except OSError:
+            latest = "unknown (the checkpoint directory cannot be read)"
+        log.error("checkpoint step %d not written, nothing committed: %s. The newest committed "
+                  "checkpoint is still %s", step, why, latest or "none")
+        shutil.rmtree(directory, ignore_errors=True)
+        if on_fail is not None:
+            on_fail(step, why)
+        return None
+
     def _commit(self, directory: Path, gathered: list, shards: set[str], commit: dict,
                 commit_gate: Callable[[int], bool] | None,
                 on_commit: Callable[[int, Path], None] | None) -> Path | None:
-        problems = [p for p, _ in gathered if p]
-        if problems:
-            raise CheckpointError(f"checkpoint {directory} not committed: {'; '.join(problems)}")
         files = sorted((e for _, es in gathered for e in es), key=lambda e: e["name"])
         assert {e["name"] for e in files} >= shards, "a shard file was not hashed by any rank"
         step = commit["step"]
@@ -433,7 +494,11 @@ class Checkpointer:
                     "commit_seq": previous[-1][1]["commit_seq"] + 1 if previous else 1,
                     **commit, "files": files}
         _write_durable(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-        self._clean_up(directory, {e["name"] for e in files})
+        try:
+            self._clean_up(directory, {e["name"] for e in files})
+        except OSError as e:  # committed all the same: old checkpoints merely stay a while
+            log.warning("checkpoint %s committed, but cleaning up older ones failed: %s",
+                        directory, e)
         if on_commit is not None:
             on_commit(step, directory)
         return directory
@@ -456,7 +521,8 @@ class Checkpointer:
 
     def wait(self) -> Path | None:
         """Finish the in-flight save. Returns the checkpoint it committed (on every rank), or
-        None if the gate refused or nothing was in flight; raises if the save failed."""
+        None if the gate refused, the storage refused (see `save`'s on_fail) or nothing was in
+        flight; raises if the save failed otherwise."""
         inflight, self._inflight = self._inflight, None
         return inflight.result() if inflight is not None else None
 

@@ -18,6 +18,7 @@ from lazarus.trainer.guard import GuardConfig
 from lazarus.trainer.models import get_model_config
 from lazarus.trainer.optim import SCHEDULES, ScheduleConfig
 from lazarus.trainer.parallelize import check_tp_fits
+from lazarus.trainer.steptime import parse_stall
 from lazarus.trainer.windows import check_skip_window, parse_injection
 
 
@@ -67,6 +68,11 @@ class TrainConfig:
     # per run (a marker file in ckpt_dir remembers it).
     hang_at_step: int = 0
     hang_rank: int = 0
+    # Fault injection: every rank pauses `stall_s` seconds, once per run, in the forward phase
+    # of step S ("step@S") or in the checkpoint phase of the first save at or after step S
+    # ("checkpoint@S"): a slow first step or a slow filesystem, which must not look like a hang.
+    stalls: list[str] = field(default_factory=list)
+    stall_s: float = 4.0
     # Retention keeps the newest checkpoint with no skipped step in this many steps after it.
     good_after_steps: int = 10
 
@@ -121,6 +127,10 @@ class TrainConfig:
             raise UserError(f"lr_scale_steps must not be negative, got {self.lr_scale_steps}")
         for spec in self.inject:
             parse_injection(spec)
+        for spec in self.stalls:
+            parse_stall(spec)
+        if not self.stall_s > 0:
+            raise UserError(f"stall_s must be positive, got {self.stall_s}")
 
     def schedule_config(self) -> ScheduleConfig:
         return ScheduleConfig(schedule=self.schedule, lr=self.lr, min_lr=self.min_lr,

@@ -28,6 +28,9 @@ import time
 SOCKET_ENV = "LAZARUS_AGENT_SOCKET"
 ROUND_ENV = "LAZARUS_ROUND"
 RANK_ENV = "LAZARUS_RANK"
+# "off": progress() sends nothing. The agent sets it when its monitors are off (`--monitors
+# off`), which exists only to measure what the monitors cost.
+PROGRESS_ENV = "LAZARUS_PROGRESS"
 
 # Requests that wait for the agent's answer. The agent answers from etcd state it already
 # watches, so this is a local round trip; the bound only matters if the agent is wedged.
@@ -41,9 +44,11 @@ class Session:
     before it lets this rank commit a checkpoint. A worker of an old round is refused.
     """
 
-    def __init__(self, *, socket_path: str | None, rank: int, round: int):
+    def __init__(self, *, socket_path: str | None, rank: int, round: int,
+                 publish_progress: bool = True):
         self.rank = rank
         self.round = round
+        self.publish_progress = publish_progress
         self._lock = threading.Lock()
         self._request_lock = threading.Lock()  # one request in flight: replies come in order
         self._checkpoint_requested = threading.Event()
@@ -115,7 +120,7 @@ class Session:
     def progress(self, step: int, phase: str, seq: int, op: str = "") -> None:
         """Where this rank is now (lazarus.agent.hang): the agent notices a rank that stops
         moving, and which rank the others wait for. One small write per phase change."""
-        if self._sock is not None:
+        if self._sock is not None and self.publish_progress:
             self._send({"type": "progress", "step": int(step), "phase": phase, "seq": int(seq),
                         "since": time.monotonic(), "op": op})
 
@@ -145,6 +150,11 @@ class Session:
     def checkpoint_committed(self, step: int, path: str) -> None:
         self._send({"type": "committed", "step": int(step), "path": str(path)})
 
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        """The storage refused the checkpoint of `step` (disk full, read-only, ...): nothing
+        was committed and training goes on; the agent publishes it as an event."""
+        self._send({"type": "checkpoint_failed", "step": int(step), "error": str(error)[:500]})
+
     def guard(self, loss: float) -> bool:
         """False when the loss is not finite: the caller skips this optimizer step."""
         return math.isfinite(loss)
@@ -166,4 +176,5 @@ def connect(*, rank: int | None = None, round: int | None = None,
         socket_path=socket_path if socket_path is not None else env.get(SOCKET_ENV),
         rank=int(env.get(RANK_ENV, env.get("RANK", "0"))) if rank is None else rank,
         round=int(env.get(ROUND_ENV, "0")) if round is None else round,
+        publish_progress=env.get(PROGRESS_ENV, "on") != "off",
     )

@@ -1,4 +1,5 @@
-"""A rank's own compute time per step, for the straggler test, and the slow-node fault.
+"""A rank's own compute time per step, for the straggler test; and the faults that stretch
+step time: a slow node (Slowdown) and stalls that a hang detector must sit out (Stalls).
 
 In synchronous training every rank's wall step time is the slowest rank's (the collectives
 wait), so the agents compare what each rank spent working instead:
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lazarus.chaos import SLOWDOWN_ENV
+from lazarus.errors import UserError
 
 _PROBE_N = 1024
 
@@ -98,3 +100,37 @@ class Slowdown:
         target = clock.elapsed_cpu() * self.factor
         while clock.elapsed_cpu() < target:
             sum(range(2000))
+
+
+STALL_PHASES = ("step", "checkpoint")
+
+
+def parse_stall(spec: str) -> tuple[str, int]:
+    phase, _, step = spec.partition("@")
+    if phase not in STALL_PHASES or not step.isdigit() or int(step) < 1:
+        raise UserError(f"stall {spec!r} is not PHASE@STEP with PHASE one of "
+                        f"{', '.join(STALL_PHASES)} and STEP >= 1")
+    return phase, int(step)
+
+
+class Stalls:
+    """Fault injection (TrainConfig.stalls): pause every rank for `seconds` in a phase, once
+    per run; a marker file beside the checkpoints remembers a stall that happened, so a
+    restarted round does not pause again."""
+
+    def __init__(self, specs: list[str], seconds: float, marker_dir: Path):
+        self.pending = [parse_stall(s) for s in specs]
+        self.seconds, self.marker_dir = seconds, marker_dir
+
+    def maybe(self, phase: str, step: int) -> None:
+        for item in list(self.pending):
+            kind, at = item
+            if kind != phase or step < at or (kind == "step" and step != at):
+                continue
+            self.pending.remove(item)
+            marker = self.marker_dir / f".stall-{kind}-{at}"
+            if marker.exists():
+                continue
+            time.sleep(self.seconds)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()

@@ -35,7 +35,7 @@ from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer, lr_at, set_lr
 from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model, device_type
 from lazarus.trainer.session import Session
-from lazarus.trainer.steptime import ComputeClock, Slowdown
+from lazarus.trainer.steptime import ComputeClock, Slowdown, Stalls
 from lazarus.trainer.windows import DataWindows
 
 # Exit code of a rank killed by fault injection (LAZARUS_FAIL_AT): tests tell it apart from a
@@ -184,6 +184,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
     clock, slowdown = ComputeClock(device), Slowdown.from_env()
+    stalls = Stalls(cfg.stalls, cfg.stall_s, Path(cfg.ckpt_dir or "."))
     try:
         while step < cfg.steps:
             step += 1
@@ -208,6 +209,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             if hang_at_step == step:
                 _hang_here(cfg, step)  # before "forward": the peers then wait on this rank
             session.progress(step, "forward", _collectives())
+            stalls.maybe("step", step)
             loss_t, norm_t = forward_backward(model, batch, device=device, loss_group=dp_group)
             slowdown.apply(clock)
             session.progress(step, "collective", _collectives(), op="all_reduce")
@@ -238,6 +240,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             judged[0] = step
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 session.progress(step, "checkpoint", _collectives())
+                stalls.maybe("checkpoint", step)
                 checkpointer.save(step, model, optimizer,
                                   {"step": step, "loader": loader.state_dict(),
                                    "schedule": _fields(schedule), "global_batch": cfg.global_batch,
@@ -245,7 +248,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                                    **({"lr_scale": {"scale": cfg.lr_scale, "first": lr_scaled[0],
                                                     "last": lr_scaled[1]}} if lr_scaled else {})},
                                   async_save=cfg.async_checkpoint, commit_gate=session.may_commit,
-                                  on_commit=lambda s, path: session.checkpoint_committed(s, str(path)))
+                                  on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
+                                  # a full or read-only disk costs this checkpoint, not the run
+                                  on_fail=session.checkpoint_failed)
     finally:
         if checkpointer is not None:
             checkpointer.close()

@@ -26,6 +26,10 @@ STACKS_ENV = "LAZARUS_STACKS_DIR"
 FAIL_AT_ENV = "LAZARUS_FAIL_AT"
 # How long init waits for the store and for every peer of the round to show up.
 STORE_TIMEOUT = timedelta(seconds=300)
+# Seconds a collective may block before the process group gives up (default: STORE_TIMEOUT).
+# Under an agent the hang detector acts long before; plain torchrun has nothing else
+# (tests/bench/bench_hang.py sets it for its torchrun baseline).
+PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +70,19 @@ def _fail_at_step(rank: int) -> int | None:
     return int(step) if int(target or 0) == rank else None
 
 
+def _pg_timeout() -> timedelta:
+    spec = os.environ.get(PG_TIMEOUT_ENV)
+    if not spec:
+        return STORE_TIMEOUT
+    try:
+        seconds = float(spec)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UserError(f"{PG_TIMEOUT_ENV}={spec!r} is not a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
 def run(assignment: WorkerAssignment) -> int:
     import torch
     import torch.distributed as dist
@@ -93,7 +110,7 @@ def run(assignment: WorkerAssignment) -> int:
     store = dist.TCPStore(a.store_host, a.store_port, world_size=a.world_size, is_master=False,
                           timeout=STORE_TIMEOUT, wait_for_workers=False)
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
-                            rank=a.rank, world_size=a.world_size, timeout=STORE_TIMEOUT)
+                            rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
     try:
         train(cfg, session=session, restore=a.restore, fail_at_step=_fail_at_step(a.rank))

@@ -84,6 +84,8 @@ def test_record_round_trip():
     (["up", "--chaos", "kill-everything@3"], "unknown fault"),
     (["up", "--nproc-per-node", "2", "--tp", "4"], "tp=4 must divide nproc_per_node=2"),
     (["up", "--lease-ttl", "1"], "--lease-ttl must be at least 2"),
+    (["up", "--hang-k", "1"], "--hang-k must be above 1"),
+    (["up", "--hang-floor", "0"], "--hang-floor must be positive"),
     (["up", "--model", "gigantic"], "gigantic"),
     (["up", "--steps", "0"], "--steps must be at least 1"),
     (["up", "--policy", "swap_cost_s"], "--policy 'swap_cost_s' is not KEY=VALUE"),

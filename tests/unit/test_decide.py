@@ -367,3 +367,23 @@ def test_a_checkpoint_that_cannot_be_restored_is_marked_bad_and_an_older_one_use
     ck[1] = dataclasses.replace(ck[1], good=False)
     rec = only(decide(NOW, view(status=st2, ckpts=ck)).actions, StartRound).record
     assert rec.restore_step == 5
+
+
+def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
+    # n0's rank waits in forward for n1's rank, which is still saving a checkpoint (slow
+    # storage): no hang, however long n0's allowance was.
+    a = ns("a", "running", step=21, hang=_hang_report(NOW - 5, {0: (21, "forward", 114)}))
+    b = ns("b", "running", step=20, long_phase={"since": NOW - 20, "until": NOW - 60})
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+    assert d.actions == [] and "b is in a checkpoint or an eval" in d.reason
+    # b's save ended 1 s ago: a's agent gets a moment to withdraw its report ...
+    b = ns("b", "running", step=20, long_phase={"since": 0.0, "until": NOW - 1})
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+    assert d.actions == [] and "left a checkpoint" in d.reason
+    # ... and a report still standing after that is a hang.
+    d = decide(NOW + 5, view(status=status(RUNNING), node_status=[a, b]))
+    assert only(d.actions, SetStatus).status.incident["kind"] == "hang"
+    # A checkpoint that ended before the stall began explains nothing.
+    b = ns("b", "running", step=20, long_phase={"since": 0.0, "until": NOW - 30})
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+    assert only(d.actions, SetStatus).status.incident["kind"] == "hang"

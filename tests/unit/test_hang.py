@@ -224,3 +224,12 @@ def test_combine_without_a_laggard_names_no_node():
     level = Position(step=9, phase="collective", seq=42, stalled_s=30, op="all_reduce")
     hang = combine({"a": verdict({0: level}), "b": verdict({1: level})})
     assert hang.culprit_nodes == () and hang.culprit_ranks == ()
+
+
+def test_long_phase_since_names_the_earliest_rank_in_a_checkpoint():
+    det = HangDetector(HangConfig(floor_s=1.0))
+    det.observe(0, Progress(step=5, phase="checkpoint", seq=10, since=100.0))
+    det.observe(1, Progress(step=6, phase="forward", seq=12, since=101.0))
+    assert det.long_phase_since() == 100.0
+    det.observe(0, Progress(step=6, phase="forward", seq=12, since=103.0))
+    assert det.long_phase_since() is None

@@ -1,0 +1,79 @@
+"""Disk full end to end: the checkpoint dir's filesystem (a small tmpfs in the private mount
+namespace `lazarus up` makes for it) fills up mid-run. The hosts are alerted, training goes on
+without checkpoints, a worker crash meanwhile restores the newest checkpoint committed before
+the disk filled, checkpoints resume once the space is back, and the loss curve stays on the
+uninterrupted reference bit for bit (same mesh throughout)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lazarus.records import CheckpointRecord, EventRecord
+from tests.e2e.helpers import losses, reference
+from tests.e2e.test_recovery import TRAIN
+
+pytestmark = pytest.mark.e2e
+
+
+def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
+    steps = 32
+    work = tmp_path / "up"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(work), "--quiet",
+         "--nodes", "2", "--spares", "0", "--steps", str(steps), "--seq-len", "64",
+         "--global-batch", "8", "--ckpt-every", "4", "--summary", str(tmp_path / "s.json"),
+         "--chaos", "disk-full@7,kill-worker@14,disk-free@22"],
+        capture_output=True, text=True, timeout=300)
+    if proc.returncode == 2 and "private mount namespace" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert (tmp_path / "s.json").exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert proc.returncode == 0 and summary["final_state"] == "SUCCEEDED", proc.stdout[-3000:]
+    assert summary["steps_completed"] == steps
+    fill, kill, free = summary["faults"]
+    assert [f["kind"] for f in (fill, kill, free)] == ["disk-full", "kill-worker", "disk-free"]
+    events = [EventRecord.from_json(line.encode())
+              for line in (work / "events.jsonl").read_text().splitlines()]
+    ckpts = [CheckpointRecord.from_json(line.encode())
+             for line in (work / "checkpoints.jsonl").read_text().splitlines()]
+
+    # Detected: an alert naming the node and the disk problem, per node (they share the disk).
+    alerts = [e for e in events if e.kind == "host_alert"]
+    assert {e.fields["node"] for e in alerts} == {"n0", "n1"}, alerts
+    assert all("No space left on device" in e.message and e.time >= fill["time"]
+               for e in alerts)
+    (disk,) = [r for r in summary["recoveries"] if r["kind"] == "disk-full"]
+    assert disk["detected_as"] == "host_alert" and disk["culprit"] in ("n0", "n1")
+    # The saves the full disk refused were reported, and none of them crashed the run: the
+    # only restart is the worker crash's.
+    refused = [e for e in events if e.kind == "checkpoint_failed"]
+    assert refused and all("No space left on device" in e.fields["error"] for e in refused)
+    assert [e.fields["kind"] for e in events if e.kind == "fault_detected"] == ["worker_crash"]
+    assert len({e.round for e in refused}) == 2     # before and after the crash's restart
+
+    # Nothing saved while the disk was full was committed (a save already in flight when the
+    # disk filled may have finished), ...
+    for c in ckpts:
+        if fill["time"] < c.committed_at < free["time"]:
+            assert c.round == 1 and c.step <= fill["injected_at_step"], c
+    # ... the crash restored the newest checkpoint, one committed before the disk filled, ...
+    newest = max((c for c in ckpts if c.committed_at < kill["time"]),
+                 key=lambda c: c.committed_at)
+    assert 4 <= newest.step <= fill["injected_at_step"]
+    (restart,) = [e for e in events if e.kind == "round_started" and e.time > kill["time"]]
+    assert restart.fields["restore_step"] == newest.step
+    # ... and checkpoints were committed again once the space was back.
+    cleared = [e for e in events if e.kind == "host_alert_cleared"]
+    assert {e.fields["node"] for e in cleared if e.time > free["time"]} == {"n0", "n1"}
+    after = sorted(c.step for c in ckpts if c.committed_at > free["time"])
+    assert after and after[-1] == steps
+
+    got = losses(work / "metrics.jsonl")
+    assert sorted(got) == list(range(1, steps + 1))
+    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
+                    nproc=2, dp=2, tp=1)
+    assert got == ref
