@@ -329,6 +329,30 @@ def summary(story: Story) -> list[tuple[str, str]]:
     return out
 
 
+# Events where a monitor spoke up and the run went on (or was swapped at a checkpoint):
+# no incident, but part of the story.
+ALERT_KINDS = ("straggler", "gpu_degraded", "host_failed", "host_alert", "host_alert_cleared",
+               "checkpoint_failed", "drained")
+
+
+def alerts_table(story: Story) -> str:
+    start = next((ev.time for ev in story.events if ev.kind == "job_accepted"),
+                 story.events[0].time if story.events else 0.0)
+    rows = [ev for ev in story.events if ev.kind in ALERT_KINDS]
+    out = ['<table id="alerts"><thead><tr><th>at</th><th>kind</th><th>node</th><th>what</th>'
+           '</tr></thead><tbody>']
+    for ev in rows:
+        node = ev.fields.get("culprit") or ev.fields.get("node") or ev.fields.get(
+            "reported_by") or "–"
+        cells = [f"+{ev.time - start:.1f} s", ev.kind, str(node), ev.message]
+        out.append(f'<tr class="alert" data-kind="{html.escape(ev.kind)}">'
+                   + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        out.append('<tr><td colspan="4">no alerts</td></tr>')
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
 def render(story: Story) -> str:
     table = ["<table id=\"incidents\"><thead><tr><th>#</th><th>kind</th><th>culprit</th>"
              "<th>after step</th><th>restored step</th><th>detected after</th>"
@@ -372,6 +396,8 @@ th {{ background: #f3f3f3; }}
 {chart(story)}
 <h2 style="font-size:16px;margin:18px 0 0">Incidents</h2>
 {"".join(table)}
+<h2 style="font-size:16px;margin:18px 0 0">Alerts (stragglers, degraded GPUs, disks, planned swaps)</h2>
+{alerts_table(story)}
 </body></html>
 """
 

@@ -57,9 +57,12 @@ def write_run(workdir: Path) -> None:
                                         "fault_at": t0 + 18.0, "detected_at": t0 + 18.0}),
            (18.1, "round_started", 3, {"restore_step": 30}), (20.5, "running", 3, {}),
            (20.6, "recovered", 3, {"recovered_at": t0 + 20.6, "first_step": 31}),
+           (21.0, "straggler", 3, {"culprit": "n0", "ratio": 1.6}),
+           (22.0, "checkpoint_failed", 3, {"step": 35, "reported_by": "n0"}),
            (25.0, "succeeded", 3, {})]
     state = {"job_accepted": "PENDING", "round_started": "RENDEZVOUS", "running": "RUNNING",
-             "fault_detected": "RECOVERING", "recovered": "RUNNING", "succeeded": "SUCCEEDED"}
+             "fault_detected": "RECOVERING", "recovered": "RUNNING", "succeeded": "SUCCEEDED",
+             "straggler": "RUNNING", "checkpoint_failed": "RUNNING"}
     (workdir / "events.jsonl").write_text("".join(
         EventRecord(time=t0 + dt, kind=k, message=k, round=r, state=state[k],
                     fields=f).to_json().decode() + "\n" for dt, k, r, f in evs))
@@ -125,6 +128,9 @@ def test_report_command_marks_faults_recoveries_skips_and_checkpoints(tmp_path, 
     page = out.read_text()
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "<script" not in page  # self-contained: inline SVG only
+    alerts = re.findall(r'<tr class="alert" data-kind="(\w+)"><td>(.*?)</td><td>\w+</td>'
+                        r'<td>(\w+)</td>', page)
+    assert alerts == [("straggler", "+21.0 s", "n0"), ("checkpoint_failed", "+22.0 s", "n0")]
 
 
 def test_report_without_events_names_the_missing_file(tmp_path, capsys):
