@@ -12,42 +12,23 @@ re-does the steps since the checkpoint; both systems pay that equally.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from lazarus import up
-from lazarus.up import MetricsTail
+from tests.bench.runs import TRAIN, lazarus_up, start_torchrun, stop
 
 pytestmark = pytest.mark.bench
 
-TRAIN = {"model": "tiny", "tp": 1, "global_batch": 8, "seq_len": 64, "ckpt_every": 4,
-         "warmup_steps": 10}
 KILL_AT = 14
 STEPS = 40
 
 
 def _torchrun_recovery(tmp: Path) -> float:
-    tmp.mkdir(parents=True)
-    ckpt = tmp / "ckpt"
-    metrics = tmp / "metrics.jsonl"
-    train = {**TRAIN, "dp": 2, "steps": STEPS, "ckpt_dir": str(ckpt), "metrics": str(metrics)}
-    (tmp / "train.json").write_text(json.dumps(train))
-    script = Path(__file__).with_name("torchrun_worker.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", "--max-restarts", "3",
-                             "--monitor-interval", "0.1", str(script), str(tmp / "train.json")],
-                            stdout=subprocess.DEVNULL, stderr=(tmp / "torchrun.log").open("w"),
-                            env=env)
-    tail = MetricsTail(metrics)
+    proc, tail = start_torchrun(tmp, {**TRAIN, "steps": STEPS})
     killed_at = None
     try:
         while proc.poll() is None:
@@ -62,17 +43,11 @@ def _torchrun_recovery(tmp: Path) -> float:
                 return after[0] - killed_at
         raise AssertionError(f"torchrun did not recover (exit {proc.returncode}); see {tmp}")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
+        stop(proc)
 
 
 def _lazarus(tmp: Path, chaos: str, spares: int) -> dict:
-    args = up._parse(["--workdir", str(tmp), "--quiet", "--nodes", "2", "--spares", str(spares),
-                      "--steps", str(STEPS), "--seq-len", "64", "--global-batch", "8",
-                      "--ckpt-every", "4", "--chaos", chaos])
-    summary = up.run(args)
-    assert summary["final_state"] == "SUCCEEDED", summary
+    summary = lazarus_up(tmp, {**TRAIN, "steps": STEPS}, chaos=chaos, spares=spares)
     return summary["recoveries"][0]
 
 

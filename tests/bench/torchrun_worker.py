@@ -1,4 +1,5 @@
-"""The Lazarus trainer run under plain torchrun, as the baseline of bench_recovery.py.
+"""The Lazarus trainer run under plain torchrun, as the baseline of bench_recovery.py and
+bench_hang.py (tests/bench/runs.py starts it).
 
 torchrun restarts every worker of the job after a failure; each restart resumes from the
 newest committed checkpoint, exactly what a Lazarus round does, so the comparison is of the
