@@ -43,6 +43,9 @@ class HostSample:
     memory_available_bytes: int
     missing_mounts: tuple[str, ...] = ()
     io_errors: int | None = None       # the block device's error counter, where it has one
+    # False: the directory is not there yet and was measured through the nearest existing
+    # parent, where the trainer will create it (the first save of a run does).
+    exists: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +103,23 @@ def sample_host(config: HostConfig) -> HostSample:
     directory = Path(config.checkpoint_dir)
     mem = psutil.virtual_memory()
     missing = tuple(m for m in config.required_mounts if not os.path.ismount(m))
-    if not directory.is_dir():
+    where = directory
+    while not where.exists() and where != where.parent:
+        where = where.parent   # a run's directory appears with its first save
+    if not where.is_dir() or (where != directory and not os.access(where, os.W_OK | os.X_OK)):
         return HostSample(checkpoint_dir=str(directory), free_bytes=None, total_bytes=None,
-                          write_error="the directory does not exist",
+                          write_error=f"the directory does not exist and {where} does not "
+                                      "let it be created",
                           memory_used=1 - mem.available / mem.total,
-                          memory_available_bytes=mem.available, missing_mounts=missing)
-    usage = psutil.disk_usage(str(directory))
+                          memory_available_bytes=mem.available, missing_mounts=missing,
+                          exists=False)
+    usage = psutil.disk_usage(str(where))
     return HostSample(checkpoint_dir=str(directory), free_bytes=usage.free,
-                      total_bytes=usage.total, write_error=_probe(directory),
+                      total_bytes=usage.total, write_error=_probe(where),
                       memory_used=1 - mem.available / mem.total,
                       memory_available_bytes=mem.available, missing_mounts=missing,
-                      io_errors=_io_errors(_device_of(directory.resolve())))
+                      io_errors=_io_errors(_device_of(where.resolve())),
+                      exists=where == directory)
 
 
 def _gib(n: int) -> str:
@@ -125,6 +134,9 @@ def assess_host(previous: HostSample | None, sample: HostSample,
     s = sample
     if s.write_error:
         failed.append(f"checkpoint dir {s.checkpoint_dir} is not writable ({s.write_error})")
+    elif previous is not None and previous.exists and not s.exists:
+        failed.append(f"checkpoint dir {s.checkpoint_dir} disappeared (deleted, or its "
+                      "mount is gone)")
     if s.free_bytes is not None:
         need = max(config.min_free_bytes, config.checkpoint_bytes)
         want = max(config.low_free_bytes, 2 * config.checkpoint_bytes)

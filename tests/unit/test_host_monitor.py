@@ -44,12 +44,27 @@ def test_free_space_thresholds(tmp_path):
     assert assess_host(None, sample_host(big), big).state == FAILED
 
 
-def test_missing_checkpoint_dir_fails(tmp_path):
-    c = config(tmp_path / "gone")
+def test_a_run_directory_not_created_yet_is_judged_by_its_parent(tmp_path):
+    # Every round starts before its first save creates the directory: no false alarm.
+    c = config(tmp_path / "run" / "checkpoints")
+    first = sample_host(c)
+    assert not first.exists and first.free_bytes is not None
+    assert assess_host(None, first, c).state == HEALTHY
+    assert list(tmp_path.iterdir()) == []          # the probe created nothing
+
+
+def test_checkpoint_dir_that_cannot_be_created_or_disappears_fails(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    c = config(tmp_path / "file" / "checkpoints")
     verdict = assess_host(None, sample_host(c), c)
     assert verdict.state == FAILED
-    assert verdict.reasons == (f"checkpoint dir {tmp_path / 'gone'} is not writable "
-                               "(the directory does not exist)",)
+    assert "does not exist and" in verdict.reasons[0]
+    (tmp_path / "ck").mkdir()
+    c = config(tmp_path / "ck")
+    before = sample_host(c)
+    (tmp_path / "ck").rmdir()
+    verdict = assess_host(before, sample_host(c), c)
+    assert verdict.state == FAILED and "disappeared" in verdict.reasons[0]
 
 
 def test_required_mounts(tmp_path):
