@@ -53,6 +53,7 @@ class TrainConfig:
     guard_window: int = 50
     guard_threshold: float = 6.0
     guard_min_history: int = 25
+    guard_grad_ratio: float = 8.0
     # Data windows (trainer/windows.py): [first, last] sequence cursors, inclusive, never
     # trained; the daemon adds the spiking ones when it rolls back.
     skip_windows: list[list[int]] = field(default_factory=list)
@@ -139,7 +140,7 @@ class TrainConfig:
 
     def guard_config(self) -> GuardConfig:
         return GuardConfig(window=self.guard_window, threshold=self.guard_threshold,
-                           min_history=self.guard_min_history)
+                           min_history=self.guard_min_history, grad_ratio=self.guard_grad_ratio)
 
 
 def _check_type(key: str, value, hint) -> None:

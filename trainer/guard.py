@@ -13,6 +13,9 @@ Verdicts, checked in this order (the first that applies is the reason given):
   `window` accepted steps. 1.4826 * MAD estimates the standard deviation of normal noise
   without being moved by the outliers themselves. The 1%-of-median floor keeps a nearly
   constant history (MAD close to 0) from turning any wobble into an infinite z.
+  A gradient norm must also be at least `grad_ratio` times its median: healthy training
+  moves its gradient norm by 3-4x within a few steps (measured here on the tiny model, with
+  the loss flat), which a z-score over a quiet stretch would call a spike every step.
 
 What the guard ignores, on purpose:
 
@@ -57,16 +60,20 @@ class GuardConfig:
     threshold: robust z-score above which a loss or gradient norm is a spike (> 1; `inf`
         turns spike detection off and keeps only the NaN/Inf check).
     min_history: accepted steps needed before any spike verdict (1 <= min_history <= window).
+    grad_ratio: a gradient norm is a spike only at this many times its median, too (>= 1).
     """
     window: int = 50
     threshold: float = 6.0
     min_history: int = 25
+    grad_ratio: float = 8.0
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise UserError(f"guard_window must be at least 1, got {self.window}")
         if not self.threshold > 1:
             raise UserError(f"guard_threshold must be greater than 1 (a robust z-score), got {self.threshold}")
+        if not self.grad_ratio >= 1:
+            raise UserError(f"guard_grad_ratio must be at least 1, got {self.grad_ratio}")
         if not 1 <= self.min_history <= self.window:
             raise UserError(f"guard_min_history must be between 1 and guard_window ({self.window}), "
                             f"got {self.min_history}")
@@ -97,7 +104,8 @@ class Guard:
             return None
         if _zscore(loss, self._loss) > self.cfg.threshold:
             return "loss_spike"
-        if _zscore(grad_norm, self._grad_norm) > self.cfg.threshold:
+        if (_zscore(grad_norm, self._grad_norm) > self.cfg.threshold
+                and grad_norm >= self.cfg.grad_ratio * statistics.median(self._grad_norm)):
             return "grad_norm_spike"
         return None
 
