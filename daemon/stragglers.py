@@ -71,8 +71,9 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
             msg = f"straggler: {s.reason}; {why}: checkpoint, then swap in {spares[0]}"
             return Decision([RequestDrain(node, msg),
                              Emit("straggler", msg, _fields(s, node, swap=spares[0]))], msg)
-        if st.stragglers.get(node, {}).get("round") == st.round:
-            continue  # already reported in this round
+        seen = st.stragglers.get(node)
+        if isinstance(seen, dict) and seen.get("round") == st.round:
+            continue  # already reported in this round (anything else there: report again)
         msg = (f"straggler: {s.reason}; " + (f"{why}: kept" if spares else
                                                "no spare idle: kept"))
         flagged = {**st.stragglers, node: {"round": st.round, "reason": s.reason}}

@@ -114,3 +114,10 @@ def test_policy_defaults_are_filled_in():
     pol = with_policy().straggler_policy
     assert (pol.straggler_margin, pol.straggler_steps, pol.swap_cost_s) == (1.2, 8, 60.0)
     assert ThroughputConfig().window == 20
+
+
+def test_a_garbled_straggler_memo_in_run_status_is_reported_over():
+    st, statuses = running(1.0)
+    st = dataclasses.replace(st, stragglers={"b": 5, "a": "?"})
+    d = decide(NOW, view(status=st, node_status=statuses, j=with_policy(swap_cost_s=10)))
+    assert only(d.actions, SetStatus).status.stragglers["b"]["round"] == 1
