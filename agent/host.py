@@ -52,9 +52,13 @@ class HostSample:
 class HostVerdict:
     state: str
     reasons: tuple[str, ...] = ()
+    # Whether swapping the node out can help: memory exhaustion is the node's own. A storage
+    # fault is not: draining needs a checkpoint the storage cannot take, and checkpoint
+    # storage is usually shared, so the spare would meet the same fault.
+    swap: bool = False
 
     def to_dict(self) -> dict:
-        return {"state": self.state, "reasons": list(self.reasons)}
+        return {"state": self.state, "reasons": list(self.reasons), "swap": self.swap}
 
 
 def _probe(directory: Path) -> str | None:
@@ -128,15 +132,15 @@ def _gib(n: int) -> str:
 
 
 def assess_host(previous: HostSample | None, sample: HostSample,
-                config: HostConfig) -> HostVerdict:
+                config: HostConfig, *, existed: bool = False) -> HostVerdict:
+    """`existed`: the checkpoint dir was there at some earlier sample (HostMonitor keeps it)."""
     failed: list[str] = []
     degraded: list[str] = []
     s = sample
     if s.write_error:
         failed.append(f"checkpoint dir {s.checkpoint_dir} is not writable ({s.write_error})")
-    elif previous is not None and previous.exists and not s.exists:
-        failed.append(f"checkpoint dir {s.checkpoint_dir} disappeared (deleted, or its "
-                      "mount is gone)")
+    elif existed and not s.exists:
+        failed.append(f"checkpoint dir {s.checkpoint_dir} disappeared after it existed")
     if s.free_bytes is not None:
         need = max(config.min_free_bytes, config.checkpoint_bytes)
         want = max(config.low_free_bytes, 2 * config.checkpoint_bytes)
@@ -146,6 +150,7 @@ def assess_host(previous: HostSample | None, sample: HostSample,
             degraded.append(f"checkpoint dir has {_gib(s.free_bytes)} free "
                             f"(below {_gib(want)})")
     failed.extend(f"required mount {m} is not mounted" for m in s.missing_mounts)
+    storage_failed = bool(failed)
     if s.memory_used >= config.memory_failed:
         failed.append(f"memory {s.memory_used:.0%} in use "
                       f"({_gib(s.memory_available_bytes)} available)")
@@ -156,7 +161,8 @@ def assess_host(previous: HostSample | None, sample: HostSample,
         degraded.append(f"{s.io_errors - previous.io_errors} new I/O errors on the "
                         "checkpoint device")
     state = FAILED if failed else DEGRADED if degraded else HEALTHY
-    return HostVerdict(state=state, reasons=tuple(failed + degraded))
+    return HostVerdict(state=state, reasons=tuple(failed + degraded),
+                       swap=state == FAILED and not storage_failed)
 
 
 @dataclass(slots=True)
@@ -164,9 +170,11 @@ class HostMonitor:
     config: HostConfig
     previous: HostSample | None = None
     verdict: HostVerdict = field(default_factory=lambda: HostVerdict(state=HEALTHY))
+    existed: bool = False   # the checkpoint dir was seen: missing from then on is a failure
 
     def poll(self) -> HostVerdict:
         sample = sample_host(self.config)
-        self.verdict = assess_host(self.previous, sample, self.config)
+        self.verdict = assess_host(self.previous, sample, self.config, existed=self.existed)
+        self.existed |= sample.exists
         self.previous = sample
         return self.verdict

@@ -31,7 +31,7 @@ from lazarus.daemon import commands, hostalert, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
-from lazarus.daemon.rounds import choose, restore_point, start_round, usable
+from lazarus.daemon.rounds import choose, free_spares, restore_point, start_round, usable
 from lazarus.daemon.view import ClusterView
 
 
@@ -168,13 +168,25 @@ def _peer_in_long_phase(now: float, view: ClusterView, st: RunStatus, reporting:
         if node in reporting or ns is None or ns.round != st.round:
             continue
         lp = ns.long_phase if isinstance(ns.long_phase, dict) else {}
-        since, until = lp.get("since"), lp.get("until")
-        if isinstance(since, (int, float)) and since > 0:
-            return f"{node} is in a checkpoint or an eval since {now - since:.1f} s"
-        if (isinstance(until, (int, float)) and until > stall_began
-                and now - until < HANG_REPORT_WAIT_S):
-            return f"{node} left a checkpoint or an eval {now - until:.1f} s ago"
+        since, until = _wall_time(lp.get("since"), now), _wall_time(lp.get("until"), now)
+        # Past the agents' own allowance for a long phase, its agent reports that rank.
+        if since is not None and now - since < LONG_PHASE_LIMIT_S:
+            return f"{node} is in a checkpoint or an eval"
+        if until is not None and until > stall_began and now - until < HANG_REPORT_WAIT_S:
+            return f"{node} just left a checkpoint or an eval"
     return None
+
+
+# An agent reports a rank that stays in a checkpoint or eval longer than this
+# (lazarus.agent.hang.HangConfig's default allowances), so no hold lasts longer.
+LONG_PHASE_LIMIT_S = 600.0 + HANG_REPORT_WAIT_S
+
+
+def _wall_time(value, now: float) -> float | None:
+    """A wall time from an agent's record, if it is one: garbage and the future are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 < value <= now + 60 else None
 
 
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
@@ -219,11 +231,19 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
                           f"worker crash on {'; '.join(details)}", fault_at)
 
 
+def _host_swappable(view: ClusterView, node: str) -> bool:
+    """The host monitor failed for a reason a spare can help with (lazarus.agent.host:
+    memory exhaustion; not storage, whose drain would wait for a checkpoint it cannot take)."""
+    ns = view.node_status.get(node)
+    report = ns.health.get("host") if ns is not None and isinstance(ns.health, dict) else None
+    return isinstance(report, dict) and report.get("swap") is True
+
+
 def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
-    """A degraded GPU (rising ECC, throttling) or a failing host (checkpoint dir full or
-    unwritable): swap the node out at a checkpoint, before it fails -- if a spare can take
-    its place (else a shrink would cost more than the risk)."""
-    spares = [n for n in usable(view, job) if n not in st.members]
+    """A degraded GPU (rising ECC, throttling) or a host running out of memory: swap the node
+    out at a checkpoint, before it fails -- if a spare can take its place (else a shrink
+    would cost more than the risk)."""
+    spares = free_spares(view, job, st)
     if not spares:
         return None
     shared = hostalert.shared_fault({n: health_of(view, n, "host") for n in st.members})
@@ -232,7 +252,7 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
             continue
         gpu, gpu_why = health_of(view, node, "gpu")
         host, host_why = health_of(view, node, "host")
-        if gpu == H_DEGRADED or (host == H_FAILED and not shared):
+        if gpu == H_DEGRADED or (host == H_FAILED and not shared and _host_swappable(view, node)):
             kind = "gpu_degraded" if gpu == H_DEGRADED else "host_failed"
             msg = (f"{kind.replace('_', ' ')} on {node} ({', '.join(gpu_why + host_why)}): "
                    f"checkpoint, then swap in {spares[0]}")

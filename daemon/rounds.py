@@ -73,3 +73,10 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     return Decision([StartRound(record), SetStatus(status),
                      Emit("round_started", msg, {"members": members, "restore_step":
                                                  record.restore_step})], msg)
+
+
+def free_spares(view: ClusterView, job: JobSpec, st: RunStatus) -> list[str]:
+    """Idle usable nodes outside the run, less one for each drain already waiting for its
+    checkpoint: each of those has a spare promised."""
+    spares = [n for n in usable(view, job) if n not in st.members]
+    return spares[len([n for n in view.drains if n in st.members]):]

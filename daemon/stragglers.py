@@ -9,12 +9,13 @@ node, so a node whose ranks are all slow is caught as well as one slow rank amon
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lazarus.agent.throughput import Straggler, ThroughputConfig, ThroughputTracker
 from lazarus.jobspec import JobSpec
 from lazarus.records import W_RUNNING, RunStatus
 from lazarus.daemon.actions import Decision, Emit, RequestDrain, SetStatus
-from lazarus.daemon.rounds import usable
+from lazarus.daemon.rounds import free_spares
 from lazarus.daemon.view import ClusterView
 
 # The gain is an estimate and the spare may be no faster: a swap must pay this many times over.
@@ -31,12 +32,17 @@ def find(view: ClusterView, job: JobSpec, st: RunStatus) -> list[Straggler]:
             continue
         ranks = ns.throughput.get("ranks") if isinstance(ns.throughput, dict) else None
         for rank, doc in (ranks.items() if isinstance(ranks, dict) else ()):
-            try:
-                for step, step_time_s, compute_s in doc["steps"]:
-                    tracker.observe(rank=int(rank), step=int(step), node=node, tokens=0,
-                                    step_time_s=float(step_time_s), compute_s=float(compute_s))
-            except (KeyError, TypeError, ValueError):
-                continue  # garbage from one agent is no evidence against it
+            rows = doc.get("steps") if isinstance(doc, dict) else None
+            for row in rows if isinstance(rows, list) else ():
+                # garbage from one agent is no evidence against it: each bad row is dropped
+                try:
+                    step, step_time_s, compute_s = row
+                    if all(map(math.isfinite, (step, step_time_s, compute_s))):
+                        tracker.observe(rank=int(rank), step=int(step), node=node, tokens=0,
+                                        step_time_s=float(step_time_s),
+                                        compute_s=float(compute_s))
+                except (TypeError, ValueError, OverflowError):
+                    continue
     return tracker.stragglers()
 
 
@@ -61,7 +67,7 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
     step = max((view.node_status[n].step for n in st.members if n in view.node_status),
                default=0)
     remaining = max(0, int(job.train.get("steps", 0)) - step)
-    spares = [n for n in usable(view, job) if n not in st.members]
+    spares = free_spares(view, job, st)
     cost = job.straggler_policy.swap_cost_s
     for node, s in sorted(by_node.items()):
         if node in view.drains:

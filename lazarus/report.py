@@ -342,8 +342,9 @@ def alerts_table(story: Story) -> str:
     out = ['<table id="alerts"><thead><tr><th>at</th><th>kind</th><th>node</th><th>what</th>'
            '</tr></thead><tbody>']
     for ev in rows:
-        node = ev.fields.get("culprit") or ev.fields.get("node") or ev.fields.get(
-            "reported_by") or "–"
+        nodes = ev.fields.get("nodes")
+        node = (ev.fields.get("culprit") or ev.fields.get("node") or ev.fields.get("reported_by")
+                or (", ".join(map(str, nodes)) if isinstance(nodes, list) else "") or "–")
         cells = [f"+{ev.time - start:.1f} s", ev.kind, str(node), ev.message]
         out.append(f'<tr class="alert" data-kind="{html.escape(ev.kind)}">'
                    + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")

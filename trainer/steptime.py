@@ -132,5 +132,8 @@ class Stalls:
             if marker.exists():
                 continue
             time.sleep(self.seconds)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            except OSError:
+                pass  # a full disk (disk-full chaos): the stall may come again, nothing worse

@@ -379,7 +379,7 @@ def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
     # b's save ended 1 s ago: a's agent gets a moment to withdraw its report ...
     b = ns("b", "running", step=20, long_phase={"since": 0.0, "until": NOW - 1})
     d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
-    assert d.actions == [] and "left a checkpoint" in d.reason
+    assert d.actions == [] and "just left a checkpoint" in d.reason
     # ... and a report still standing after that is a hang.
     d = decide(NOW + 5, view(status=status(RUNNING), node_status=[a, b]))
     assert only(d.actions, SetStatus).status.incident["kind"] == "hang"
@@ -387,3 +387,9 @@ def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
     b = ns("b", "running", step=20, long_phase={"since": 0.0, "until": NOW - 30})
     d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
     assert only(d.actions, SetStatus).status.incident["kind"] == "hang"
+
+    # Garbage in a silent peer's record holds nothing.
+    for junk in ({"since": True}, {"since": 1e308}, {"since": "x", "until": [1]}):
+        b = ns("b", "running", step=20, long_phase=junk)
+        d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+        assert only(d.actions, SetStatus).status.incident["kind"] == "hang", junk

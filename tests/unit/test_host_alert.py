@@ -1,5 +1,6 @@
 """Host alerts in the controller policy (table-driven, like test_decide): a failing checkpoint
-dir is alerted once per change and the run goes on; only a node-local fault is swapped out."""
+dir is alerted once per change and the run goes on; only a node's own memory exhaustion is
+swapped out."""
 
 from __future__ import annotations
 
@@ -39,8 +40,20 @@ def test_shared_storage_full_is_alerted_once_per_node_and_nobody_is_swapped():
     assert d.actions == [], d.reason
 
 
-def test_node_local_disk_full_is_alerted_then_swapped_for_a_spare():
+def test_one_full_disk_is_alerted_but_not_drained():
+    # The first agent to see a shared disk fill up is alone for a moment; and a drain waits
+    # for a checkpoint that a full disk cannot take. Storage faults are alerts only.
     st, statuses = running({"a": host("failed", FULL), "b": host("healthy")})
+    d = decide(NOW, view(status=st, spares=("s",), node_status=statuses))
+    assert kinds(d.actions) == ["SetStatus", "Emit:host_alert"]
+    after = only(d.actions, SetStatus).status
+    assert decide(NOW + 1, view(status=after, spares=("s",), node_status=statuses)).actions == []
+
+
+def test_a_node_out_of_memory_is_alerted_then_swapped_for_a_spare():
+    oom = host("failed", "memory 98% in use (0.3 GiB available)")
+    oom["host"]["swap"] = True
+    st, statuses = running({"a": oom, "b": host("healthy")})
     d = decide(NOW, view(status=st, spares=("s",), node_status=statuses))
     assert kinds(d.actions) == ["SetStatus", "Emit:host_alert"]
     after = only(d.actions, SetStatus).status

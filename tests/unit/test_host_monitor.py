@@ -60,11 +60,15 @@ def test_checkpoint_dir_that_cannot_be_created_or_disappears_fails(tmp_path):
     assert verdict.state == FAILED
     assert "does not exist and" in verdict.reasons[0]
     (tmp_path / "ck").mkdir()
-    c = config(tmp_path / "ck")
-    before = sample_host(c)
+    monitor = HostMonitor(config(tmp_path / "ck"))
+    assert monitor.poll().state == HEALTHY
     (tmp_path / "ck").rmdir()
-    verdict = assess_host(before, sample_host(c), c)
-    assert verdict.state == FAILED and "disappeared" in verdict.reasons[0]
+    for _ in range(2):   # not one blip: failed for as long as it is gone
+        verdict = monitor.poll()
+        assert verdict.state == FAILED and "disappeared" in verdict.reasons[0]
+        assert not verdict.swap        # storage: a spare would not help
+    (tmp_path / "ck").mkdir()
+    assert monitor.poll().state == HEALTHY
 
 
 def test_required_mounts(tmp_path):
@@ -81,6 +85,7 @@ def test_memory_pressure_thresholds(tmp_path):
     c.memory_failed = used / 2
     verdict = assess_host(None, sample_host(c), c)
     assert verdict.state == FAILED and "memory" in verdict.reasons[0]
+    assert verdict.swap            # the node's own trouble: a spare helps
 
 
 def test_rising_io_errors_degrade(tmp_path):

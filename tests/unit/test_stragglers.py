@@ -121,3 +121,22 @@ def test_a_garbled_straggler_memo_in_run_status_is_reported_over():
     st = dataclasses.replace(st, stragglers={"b": 5, "a": "?"})
     d = decide(NOW, view(status=st, node_status=statuses, j=with_policy(swap_cost_s=10)))
     assert only(d.actions, SetStatus).status.stragglers["b"]["round"] == 1
+
+
+def test_non_finite_numbers_in_a_summary_are_no_evidence_and_no_crash():
+    st, statuses = running(1.0)
+    doc = statuses[1].throughput
+    doc["ranks"]["2"]["steps"][0] = [float("inf"), 1.0, 1.0]
+    doc["ranks"]["3"]["steps"] = [[1e999, float("nan"), 1.0]] * 20
+    d = decide(NOW, view(status=st, spares=("s",), node_status=statuses,
+                         j=with_policy(swap_cost_s=10)))
+    # rank 2's other 19 steps still show it slow; rank 3's garbage is ignored
+    assert only(d.actions, RequestDrain).node == "b"
+
+
+def test_two_stragglers_do_not_share_one_spare():
+    st, statuses = running(1.0)
+    v = view(status=st, spares=("s",), node_status=statuses, j=with_policy(swap_cost_s=10))
+    v.drains = {"a": 7}     # a drain of a waits for its checkpoint: s is promised to it
+    d = decide(NOW, v)
+    assert not any(isinstance(a, RequestDrain) for a in d.actions)
