@@ -4,12 +4,9 @@ same point and go on, nothing of it is ever listed or loaded, and saves work aga
 space is back."""
 
 import json
-import shutil
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.unit.mountns import run_in_mount_namespace
 
 _RANK = textwrap.dedent("""
     import json, os, subprocess, sys
@@ -105,15 +102,7 @@ _DRIVER = textwrap.dedent("""
 
 
 def test_refused_saves_leave_nothing_and_training_goes_on(tmp_path):
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) not installed")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
-                           "-c", _DRIVER, str(mnt), _RANK],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "mount" in proc.stderr and "Operation not permitted" in proc.stderr:
-        pytest.skip("user namespaces cannot mount here")
+    _, proc = run_in_mount_namespace(tmp_path, _DRIVER, _RANK, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["first"] == 1

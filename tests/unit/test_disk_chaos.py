@@ -4,14 +4,13 @@ filesystem (a tmpfs in a user namespace), and the guards against filling a real 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from lazarus import chaos, diskfault
 from lazarus.errors import UserError
+from tests.unit.mountns import run_in_mount_namespace
 
 
 def test_disk_faults_parse_in_step_order_without_a_target():
@@ -80,14 +79,7 @@ _BALLAST = textwrap.dedent("""
 
 
 def test_ballast_fills_to_the_last_page_and_free_gives_it_back(tmp_path):
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) not installed")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
-                           "-c", _BALLAST, str(mnt)], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "mount" in proc.stderr and "Operation not permitted" in proc.stderr:
-        pytest.skip("user namespaces cannot mount here")
+    _, proc = run_in_mount_namespace(tmp_path, _BALLAST)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["free_full"] < 4096 and out["free_topped"] < 4096

@@ -3,17 +3,14 @@ read-only filesystem, mounted in a user namespace), mounts, memory, I/O errors."
 
 import dataclasses
 import json
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import psutil
-import pytest
 
 from lazarus.agent.gpu import DEGRADED, FAILED, HEALTHY
 from lazarus.agent.host import (GiB, HostConfig, HostMonitor, HostSample, assess_host,
                                 sample_host)
+from tests.unit.mountns import run_in_mount_namespace
 
 
 def config(path, **kw):
@@ -124,15 +121,7 @@ _IN_NAMESPACE = textwrap.dedent("""
 def _in_user_namespace(tmp_path, mode):
     """Mount a 64 KiB tmpfs in a private mount namespace (no root needed where user
     namespaces are allowed) and assess it there; nothing leaks to the host."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) not installed")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
-                           "-c", _IN_NAMESPACE, str(mnt), mode],
-                          capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "mount" in proc.stderr and "Operation not permitted" in proc.stderr:
-        pytest.skip("user namespaces cannot mount here")
+    _, proc = run_in_mount_namespace(tmp_path, _IN_NAMESPACE, mode)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
