@@ -36,7 +36,9 @@ class ComputeClock:
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._last: float | None = None
         if self.cuda:
-            self._probe = torch.randn(_PROBE_N, _PROBE_N, device=device, dtype=torch.bfloat16)
+            # Not randn: drawing from the global generator would shift the training's stream.
+            self._probe = torch.full((_PROBE_N, _PROBE_N), 0.5, device=device,
+                                     dtype=torch.bfloat16)
 
     def start(self) -> None:
         self._c0 = time.process_time()
