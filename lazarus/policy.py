@@ -65,7 +65,7 @@ class StragglerPolicy:
     def from_dict(cls, table: dict, *, source: str) -> "StragglerPolicy":
         table = _own_keys(cls, table, source)
         margin = table.get("straggler_margin", cls().straggler_margin)
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin <= 1:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 1:
             raise UserError(f"{source}: [policy] straggler_margin must be a number above 1 "
                             f"(a factor over the peers' median), got {margin!r}")
         steps = table.get("straggler_steps", cls().straggler_steps)
@@ -73,7 +73,7 @@ class StragglerPolicy:
             raise UserError(f"{source}: [policy] straggler_steps must be an integer in "
                             f"[1, {WINDOW}] (out of the last {WINDOW} steps), got {steps!r}")
         cost = table.get("swap_cost_s", cls().swap_cost_s)
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 0:
             raise UserError(f"{source}: [policy] swap_cost_s must be a non-negative number of "
                             f"seconds, got {cost!r}")
         return cls(straggler_margin=float(margin), straggler_steps=steps,

@@ -99,6 +99,8 @@ def test_swap_pays(gain, cost, remaining, pays):
 @pytest.mark.parametrize("policy,problem", [
     ({"straggler_margin": 1.0}, "straggler_margin must be a number above 1"),
     ({"straggler_margin": "big"}, "straggler_margin"),
+    ({"straggler_margin": float("nan")}, "straggler_margin must be a number above 1"),
+    ({"swap_cost_s": float("nan")}, "swap_cost_s must be a non-negative number"),
     ({"straggler_steps": 0}, "straggler_steps must be an integer in [1, 20]"),
     ({"straggler_steps": 21}, "straggler_steps"),
     ({"swap_cost_s": -1}, "swap_cost_s must be a non-negative number"),
