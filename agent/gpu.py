@@ -24,8 +24,10 @@ from typing import Protocol
 
 import pynvml
 
-from lazarus.records import H_DEGRADED, H_FAILED, H_HEALTHY
-from lazarus.errors import UserError
+from lazarus.agent.gpu_sample import GpuSample
+from lazarus.agent.gpu_sim import SimulatedBackend
+from lazarus.core.errors import UserError
+from lazarus.core.records import H_DEGRADED, H_FAILED, H_HEALTHY
 
 log = logging.getLogger(__name__)
 
@@ -63,38 +65,6 @@ SLOWDOWN_REASONS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class GpuSample:
-    """One reading of one GPU. None = the GPU does not support the query (e.g. no ECC, no
-    NVLink, row remapping on pre-Ampere parts)."""
-    index: int
-    uuid: str = ""
-    lost: bool = False                      # NVML_ERROR_GPU_IS_LOST: off the bus
-    xids: tuple[int, ...] = ()              # Xid events since the previous sample
-    ecc_sbe_volatile: int | None = None     # corrected errors since the driver loaded
-    ecc_dbe_volatile: int | None = None     # uncorrected errors since the driver loaded
-    ecc_sbe_aggregate: int | None = None    # lifetime counts
-    ecc_dbe_aggregate: int | None = None
-    retired_pages: int | None = None        # pre-Ampere page retirement, both causes
-    retired_pending: bool | None = None
-    remapped_rows: int | None = None        # Ampere+ row remapping, both causes
-    remap_pending: bool | None = None
-    remap_failure: bool | None = None
-    temperature_c: int | None = None
-    slowdown_c: int | None = None
-    shutdown_c: int | None = None
-    clock_event_reasons: int | None = None  # nvmlClocksEventReason* bit mask
-    power_w: float | None = None
-    power_limit_w: float | None = None      # enforced limit
-    default_power_limit_w: float | None = None
-    utilization: int | None = None          # percent of time a kernel ran
-    pcie_gen: int | None = None
-    pcie_gen_max: int | None = None
-    pcie_width: int | None = None
-    pcie_width_max: int | None = None
-    nvlink_active: int | None = None        # active links
-    nvlink_errors: int | None = None        # replay + recovery + CRC errors over active links
-    errors: tuple[str, ...] = ()            # queries that failed for other reasons
 
 
 @dataclass(kw_only=True, slots=True)
@@ -361,7 +331,6 @@ def open_backend(kind: str = "auto", *, gpus: int = 1,
     simulated backend (lazarus.agent.gpu_sim); real GPUs ignore it. The backend's `name` and
     `detail` say what was chosen and why.
     """
-    from lazarus.agent.gpu_sim import SimulatedBackend  # gpu_sim builds on this module
 
     if kind not in ("auto", "nvml", "sim"):
         raise UserError(f"GPU backend {kind!r}: expected auto, nvml or sim")

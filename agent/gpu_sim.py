@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pynvml
 
-from lazarus.agent.gpu import GpuSample
-from lazarus.errors import UserError
+from lazarus.agent.gpu_sample import GpuSample
+from lazarus.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -20,28 +20,25 @@ import threading
 import time
 from pathlib import Path
 
-from lazarus import etcd as E
-from lazarus import logs
-from lazarus.errors import UserError
-from lazarus.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
+from lazarus.core import etcd as E
+from lazarus.core import logs
+from lazarus.core.errors import UserError
+from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, EventRecord,
                              Keys, NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
 from lazarus.agent.channel import Channel
-from lazarus.agent.hang import HangConfig, HangDetector, Progress
-from lazarus.agent.throughput import ThroughputTracker
-from lazarus import chaos
+from lazarus.agent.hang import HangConfig, HangDetector
+from lazarus.core.contract import PROGRESS_ENV, STACKS_ENV, Progress, WorkerAssignment
+from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.stacks import capture
 from lazarus.agent.workers import Workers
-from lazarus.trainer.session import PROGRESS_ENV
 
 log = logging.getLogger("lazarus.agent")
 
 # Node status carries the latest step; writing it more often than this would make every
 # node an etcd writer per step, which the design forbids at scale.
 STATUS_PERIOD_S = 1.0
-# Workers dump their stacks (faulthandler, on SIGUSR1) into the directory this names.
-STACKS_ENV = "LAZARUS_STACKS_DIR"
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
 
@@ -78,9 +75,6 @@ class Agent:
                STACKS_ENV: str(workdir / "stacks" / node)}
         if not monitors:
             env[PROGRESS_ENV] = "off"
-        if self.health.backend_name == "sim":
-            # A rig without GPUs is a test rig: let `lazarus chaos slow-rank` slow this node.
-            env[chaos.SLOWDOWN_ENV] = str(chaos.slowdown_script(workdir, node))
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
         self.session: E.Session | None = None
         self.wake = threading.Event()
@@ -302,10 +296,10 @@ class Agent:
     def _launch(self, rec: RoundRecord) -> None:
         ranks = rec.ranks_of(self.node)
         assignments = {
-            local: {"rank": rank, "world_size": rec.world_size, "local_rank": local,
-                    "round": rec.round, "store_host": rec.store_host,
-                    "store_port": rec.store_port, "train": rec.train, "restore": rec.restore,
-                    "report_socket": self.channel.path}
+            local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
+                                    round=rec.round, store_host=rec.store_host,
+                                    store_port=rec.store_port, train=rec.train,
+                                    restore=rec.restore, report_socket=self.channel.path)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}

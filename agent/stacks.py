@@ -1,7 +1,7 @@
 """The Python stacks of local workers, taken before a hung round is killed; NCCL's flight
 recorder for what the collectives were doing.
 
-Worker side: `enable_stack_dumps(dump_dir)` at start-up (parked workers too). It registers
+Worker side: `lazarus.trainer.stackdump.enable_stack_dumps(dump_dir)` at start-up (parked workers too). It registers
 faulthandler on SIGUSR1, which dumps every thread's Python stack from a C signal handler:
 it answers even when the main thread is blocked inside a collective and never returns to the
 interpreter, which is exactly the state of a hung rank.
@@ -22,29 +22,14 @@ we collect their paths and never unpickle them; read them with
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import time
 from pathlib import Path
 
-_dump_file = None  # kept open for the life of the process: the handler writes to its fd
+from lazarus.core.contract import dump_path
 
 _FR_PREFIX = "nccl_trace_rank_"
-
-
-def dump_path(dump_dir: str | Path, pid: int) -> Path:
-    return Path(dump_dir) / f"stacks-{pid}.txt"
-
-
-def enable_stack_dumps(dump_dir: str | Path) -> Path:
-    """Worker side: dump all threads' stacks to dump_dir/stacks-<pid>.txt on SIGUSR1."""
-    global _dump_file
-    Path(dump_dir).mkdir(parents=True, exist_ok=True)
-    path = dump_path(dump_dir, os.getpid())
-    _dump_file = open(path, "a", encoding="utf-8")
-    faulthandler.register(signal.SIGUSR1, file=_dump_file, all_threads=True)
-    return path
 
 
 def handles_sigusr1(pid: int) -> bool:

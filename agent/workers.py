@@ -11,7 +11,6 @@ as they would with the host.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import subprocess
@@ -20,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.embedded_etcd import die_with_parent
+from lazarus.core.contract import WorkerAssignment
+from lazarus.core.embedded_etcd import die_with_parent
 
 log = logging.getLogger(__name__)
 
-PARK_CMD = [sys.executable, "-m", "lazarus.trainer.worker", "--park"]
+PARK_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--park"]
 
 
 @dataclass(slots=True)
@@ -83,14 +83,14 @@ class Workers:
         while self.park and len(self.parked) < self.nproc:
             self.parked.append(self._spawn())
 
-    def launch(self, round_: int, assignments: dict[int, dict]) -> Group:
-        """Start the round's workers: `assignments` maps local rank -> WorkerAssignment dict."""
+    def launch(self, round_: int, assignments: dict[int, WorkerAssignment]) -> Group:
+        """Start the round's workers: `assignments` maps local rank -> its assignment."""
         assert self.group is None or not self.group.alive, "stop the old round first"
         procs, ranks = {}, {}
         self.parked = [p for p in self.parked if p.poll() is None]
         for local_rank, assignment in sorted(assignments.items()):
             proc = self.parked.pop(0) if self.parked else self._spawn()
-            line = (json.dumps(assignment) + "\n").encode()
+            line = (assignment.to_json() + "\n").encode()
             try:
                 proc.stdin.write(line)
                 proc.stdin.close()

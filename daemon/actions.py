@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lazarus.jobspec import JobSpec
-from lazarus.records import CheckpointRecord, RoundRecord, RunStatus
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import CheckpointRecord, RoundRecord, RunStatus
 
 
 @dataclass(frozen=True, slots=True)

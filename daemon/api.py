@@ -1,7 +1,7 @@
 """The operator API (proto/lazarus/v1/lazarus.proto), served by every daemon.
 
 Reads come from one etcd snapshot (daemon.health), so a standby answers like the leader and
-names it. Commands are etcd writes on the keys of lazarus.records (cordon/, commands/...);
+names it. Commands are etcd writes on the keys of lazarus.core.records (cordon/, commands/...);
 the leader's reconcile loop acts on them. Nothing here holds state of the run.
 
 A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import grpc
 
-from lazarus import etcd as E
-from lazarus import jobspec
+from lazarus.core import etcd as E
+from lazarus.core import jobspec
 from lazarus.daemon import health
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
-from lazarus.records import (TERMINAL, EventRecord, Keys, RecordError, RunStatus, dumps,
+from lazarus.core.records import (TERMINAL, EventRecord, Keys, RecordError, RunStatus, dumps,
                              writer_id)
 
 log = logging.getLogger("lazarus.api")

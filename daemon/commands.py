@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus.jobspec import JobSpec
-from lazarus.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, RunStatus
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, RunStatus
 from lazarus.daemon.actions import (ClearCommand, Cordon, Decision, Emit, RequestCheckpoint,
                                     SetStatus)
 from lazarus.daemon.rounds import choose, start_round

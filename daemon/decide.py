@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus import exitcodes
-from lazarus.agent.hang import HangVerdict, combine
-from lazarus import jobspec
-from lazarus.errors import UserError
-from lazarus.jobspec import JobSpec
-from lazarus.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
+from lazarus.core import exitcodes
+from lazarus.core.contract import HangVerdict
+from lazarus.core.culprits import combine
+from lazarus.core import jobspec
+from lazarus.core.errors import UserError
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import commands, hostalert, spikes, stragglers

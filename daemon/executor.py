@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus import etcd as E
-from lazarus.records import EventRecord, Keys, dumps
+from lazarus.core import etcd as E
+from lazarus.core.records import EventRecord, Keys, dumps
 from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
                                     MarkCheckpoint, RejectJob, RequestCheckpoint, RequestDrain,
                                     SetStatus,

@@ -11,12 +11,12 @@ import json
 
 from google.protobuf import struct_pb2
 
-from lazarus import etcd as E
+from lazarus.core import etcd as E
 from lazarus.daemon import stragglers
 from lazarus.daemon.decide import health_of
 from lazarus.daemon.view import ClusterView, parse
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, Keys,
+from lazarus.core.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, Keys,
                              RecordError, RunStatus)
 
 # Node.state values beyond the worker states an agent reports.

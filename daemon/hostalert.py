@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus.records import H_FAILED, RunStatus
+from lazarus.core.records import H_FAILED, RunStatus
 from lazarus.daemon.actions import Decision, Emit, SetStatus
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 
-from lazarus import etcd as E
-from lazarus.records import Keys
+from lazarus.core import etcd as E
+from lazarus.core.records import Keys
 
 log = logging.getLogger(__name__)
 

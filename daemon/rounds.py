@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus.jobspec import JobSpec
-from lazarus.records import RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord, RoundRecord, RunStatus
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord, RoundRecord, RunStatus
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.view import ClusterView
 

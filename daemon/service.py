@@ -19,12 +19,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lazarus import etcd as E
-from lazarus import logs
-from lazarus.records import Keys, writer_id
-from lazarus.daemon import executor
+from lazarus.core import endpoint_file, jobspec, logs
+from lazarus.core import etcd as E
+from lazarus.core.embedded_etcd import EmbeddedEtcd
+from lazarus.core.errors import UserError
+from lazarus.core.records import Keys, writer_id
+from lazarus.daemon import api, executor, telemetry
 from lazarus.daemon.decide import decide
 from lazarus.daemon.leader import Leadership
+from lazarus.daemon.telemetry import TelemetryConfig
 from lazarus.daemon.view import parse
 
 log = logging.getLogger("lazarus.daemon")
@@ -148,14 +151,10 @@ def main(argv: list[str]) -> int:
                         "(default %(default)s)")
     args = p.parse_args(argv)
     logs.setup(args.log_level, "daemon")
-    from lazarus import jobspec, telemetry
-    from lazarus.errors import UserError
-    from lazarus.telemetry import TelemetryConfig
     if args.lease_ttl < 2:
         raise UserError("--lease-ttl must be at least 2 seconds")
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
-    from lazarus import endpoint_file
     token = (endpoint_file.load_token(args.token_file) if args.token_file
              else os.environ.get("LAZARUS_TOKEN") or None)
     ep_path = endpoint_file.default_path() if args.endpoint_file is None else (
@@ -168,7 +167,6 @@ def main(argv: list[str]) -> int:
     embedded = None
     endpoint = args.etcd
     if endpoint == "embedded":
-        from lazarus.embedded_etcd import EmbeddedEtcd
         embedded = EmbeddedEtcd(args.data_dir).start()
         endpoint = embedded.endpoint
         log.info("embedded etcd at %s", endpoint)
@@ -194,7 +192,6 @@ def main(argv: list[str]) -> int:
             if tel_cfg.otlp_endpoint:
                 log.info("OTLP export to %s", tel_cfg.otlp_endpoint)
         if args.api != "off":
-            from lazarus.daemon import api
             server, port = api.serve(etcd, keys, address=args.api, token=token,
                                      tls_cert=args.tls_cert, tls_key=args.tls_key,
                                      client_ca=args.tls_client_ca, served_by=daemon.writer)

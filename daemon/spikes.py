@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from lazarus.jobspec import JobSpec
-from lazarus.policy import SpikePolicy
-from lazarus.records import CheckpointRecord, RunStatus
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.policy import SpikePolicy
+from lazarus.core.records import CheckpointRecord, RunStatus
 from lazarus.daemon.actions import Decision, Emit, MarkCheckpoint
 from lazarus.daemon.rounds import start_round
 from lazarus.daemon.view import ClusterView

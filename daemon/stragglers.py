@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lazarus.agent.throughput import Straggler, ThroughputConfig, ThroughputTracker
-from lazarus.jobspec import JobSpec
-from lazarus.records import W_RUNNING, RunStatus
+from lazarus.core.throughput import Straggler, ThroughputConfig, ThroughputTracker
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import W_RUNNING, RunStatus
 from lazarus.daemon.actions import Decision, Emit, RequestDrain, SetStatus
 from lazarus.daemon.rounds import free_spares
 from lazarus.daemon.view import ClusterView

@@ -10,9 +10,9 @@ import json
 
 from dataclasses import dataclass, field
 
-from lazarus import jobspec
-from lazarus.etcd import Snapshot
-from lazarus.records import (CheckpointRecord, Keys, NodeRecord, NodeStatus, RecordError,
+from lazarus.core import jobspec
+from lazarus.core.etcd import Snapshot
+from lazarus.core.records import (CheckpointRecord, Keys, NodeRecord, NodeStatus, RecordError,
                              RoundRecord, RunStatus)
 
 
@@ -31,7 +31,7 @@ class ClusterView:
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     cordoned: set[str] = field(default_factory=set)
-    # Operator commands (see lazarus.records). Revisions order them against checkpoint
+    # Operator commands (see lazarus.core.records). Revisions order them against checkpoint
     # commits without trusting anybody's clock.
     checkpoint_revision: dict[int, int] = field(default_factory=dict)  # step -> mod revision
     drains: dict[str, int] = field(default_factory=dict)   # node -> request revision

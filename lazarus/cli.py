@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns
 # an exit code.
@@ -17,23 +17,23 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "worker": ("lazarus.trainer.worker", "main", "one trainer rank (launched by the agent)"),
     "corpus": ("lazarus.trainer.data", "main", "build a token corpus from local text"),
     "export": ("lazarus.trainer.export", "main", "export a checkpoint's weights as safetensors"),
-    "up": ("lazarus.up", "main", "run a whole local cluster (etcd, daemon, agents) with faults"),
-    "report": ("lazarus.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
+    "up": ("lazarus.sim.up", "main", "run a whole local cluster (etcd, daemon, agents) with faults"),
+    "report": ("lazarus.ops.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
-    "submit": ("lazarus.submit", "main", "submit a job file to the daemon"),
-    "chaos": ("lazarus.chaos", "main", "inject a fault into a running cluster on this host"),
-    "status": ("lazarus.client", "status_main", "the run's health (asks the daemon's API)"),
-    "nodes": ("lazarus.client", "nodes_main", "nodes: role, state, ranks, progress"),
-    "events": ("lazarus.client", "events_main", "the run's events; --follow to keep watching"),
-    "checkpoints": ("lazarus.client", "checkpoints_main", "committed checkpoints"),
-    "checkpoint": ("lazarus.client", "checkpoint_main", "`checkpoint now`: ask for a checkpoint"),
-    "drain": ("lazarus.client", "drain_main", "checkpoint, then swap a spare in for NODE"),
-    "cordon": ("lazarus.client", "cordon_main", "NODE takes no new work"),
-    "uncordon": ("lazarus.client", "uncordon_main", "NODE may take work again"),
-    "pause": ("lazarus.client", "pause_main", "pause the run after a checkpoint"),
-    "resume": ("lazarus.client", "resume_main", "resume a paused run"),
-    "cancel": ("lazarus.client", "cancel_main", "end the current run as CANCELLED"),
+    "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),
+    "chaos": ("lazarus.sim.chaos", "main", "inject a fault into a running cluster on this host"),
+    "status": ("lazarus.ops.client", "status_main", "the run's health (asks the daemon's API)"),
+    "nodes": ("lazarus.ops.client", "nodes_main", "nodes: role, state, ranks, progress"),
+    "events": ("lazarus.ops.client", "events_main", "the run's events; --follow to keep watching"),
+    "checkpoints": ("lazarus.ops.client", "checkpoints_main", "committed checkpoints"),
+    "checkpoint": ("lazarus.ops.client", "checkpoint_main", "`checkpoint now`: ask for a checkpoint"),
+    "drain": ("lazarus.ops.client", "drain_main", "checkpoint, then swap a spare in for NODE"),
+    "cordon": ("lazarus.ops.client", "cordon_main", "NODE takes no new work"),
+    "uncordon": ("lazarus.ops.client", "uncordon_main", "NODE may take work again"),
+    "pause": ("lazarus.ops.client", "pause_main", "pause the run after a checkpoint"),
+    "resume": ("lazarus.ops.client", "resume_main", "resume a paused run"),
+    "cancel": ("lazarus.ops.client", "cancel_main", "end the current run as CANCELLED"),
 }
 
 

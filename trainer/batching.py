@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 # With no micro-batch given, the largest divisor of the per-rank batch up to this: a shrink of
 # the data-parallel degree then adds accumulation steps, not activation memory.

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSyste
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from lazarus.errors import CheckpointError
+from lazarus.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.batching import plan_batches
 from lazarus.trainer.guard import GuardConfig
 from lazarus.trainer.models import get_model_config

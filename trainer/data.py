@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 MANIFEST = "corpus.json"
 FORMAT_VERSION = 1

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.checkpoint import load_tensors, read_dcp_metadata, verify_checkpoint
 
 _MODEL_PREFIX = "model."

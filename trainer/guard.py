@@ -44,7 +44,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 # 1.4826 * MAD is the standard deviation of normally distributed values.
 MAD_TO_STD = 1.4826

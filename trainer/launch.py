@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.config import TrainConfig, load_toml
-from lazarus.trainer.worker import ASSIGNMENT_ENV, WorkerAssignment
+from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
 
 # After one rank fails, how long the others get to exit on SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 SCHEDULES = ("cosine", "wsd")
 

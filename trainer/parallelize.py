@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.models import ModelConfig, Transformer
 
 

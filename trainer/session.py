@@ -25,12 +25,8 @@ import socket
 import threading
 import time
 
-SOCKET_ENV = "LAZARUS_AGENT_SOCKET"
-ROUND_ENV = "LAZARUS_ROUND"
-RANK_ENV = "LAZARUS_RANK"
-# "off": progress() sends nothing. The agent sets it when its monitors are off (`--monitors
-# off`), which exists only to measure what the monitors cost.
-PROGRESS_ENV = "LAZARUS_PROGRESS"
+from lazarus.core.contract import PROGRESS_ENV, RANK_ENV, ROUND_ENV, SOCKET_ENV
+
 
 # Requests that wait for the agent's answer. The agent answers from etcd state it already
 # watches, so this is a local round trip; the bound only matters if the agent is wedged.

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from lazarus.chaos import SLOWDOWN_ENV
-from lazarus.errors import UserError
+from lazarus.sim.chaos import SLOWDOWN_ENV
+from lazarus.core.errors import UserError
 
 _PROBE_N = 1024
 

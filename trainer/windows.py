@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.data import SequenceLoader
 
 INJECT_KINDS = ("loss-spike", "diverge")

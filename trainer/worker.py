@@ -16,50 +16,33 @@ import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import timedelta
 
-from lazarus import exitcodes
-from lazarus.errors import CheckpointError, UserError
+from lazarus.core import exitcodes
+from lazarus.core.contract import ASSIGNMENT_ENV, PG_TIMEOUT_ENV, STACKS_ENV, WorkerAssignment
+from lazarus.core.errors import CheckpointError, UserError
 
-ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
-STACKS_ENV = "LAZARUS_STACKS_DIR"
 # Fault injection for tests: "STEP" or "STEP:RANK" (rank 0 if omitted) kills that rank at the
 # start of that step.
 FAIL_AT_ENV = "LAZARUS_FAIL_AT"
 # How long init waits for the store and for every peer of the round to show up.
 STORE_TIMEOUT = timedelta(seconds=300)
-# Seconds a collective may block before the process group gives up (default: STORE_TIMEOUT).
-# Under an agent the hang detector acts long before; plain torchrun has nothing else
-# (tests/bench/bench_hang.py sets it for its torchrun baseline).
-PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
 
 
-@dataclass(kw_only=True, slots=True)
-class WorkerAssignment:
-    rank: int
-    world_size: int
-    local_rank: int
-    round: int
-    store_host: str
-    store_port: int
-    train: dict                  # TrainConfig.to_dict()
-    restore: str | None = None   # committed checkpoint to resume from
-    report_socket: str | None = None  # the local agent's unix socket; None: no agent
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> WorkerAssignment:
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise UserError(f"worker assignment is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise UserError("worker assignment must be a JSON object")
-        unknown = set(d) - {f.name for f in fields(cls)}
-        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
-        if unknown or missing:
-            raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        return cls(**d)
+# Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.
+_PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken pipe",
+               "connection refused", "socket timeout", "nccl communicator was aborted",
+               "gloo", "nccl error", "timed out", "connectfullmesh")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when `exc` says a peer (or the round's store) went away, not that this rank broke."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
 
 
 def _fail_at_step(rank: int) -> int | None:
@@ -98,7 +81,7 @@ def run(assignment: WorkerAssignment) -> int:
     a = assignment
     if os.environ.get(STACKS_ENV):
         # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
-        from lazarus.agent.stacks import enable_stack_dumps
+        from lazarus.trainer.stackdump import enable_stack_dumps
         enable_stack_dumps(os.environ[STACKS_ENV])
     cfg = TrainConfig.from_dict(a.train)
     if cfg.dp * cfg.tp != a.world_size:
@@ -119,7 +102,7 @@ def run(assignment: WorkerAssignment) -> int:
         print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)
         os._exit(exitcodes.BAD_CHECKPOINT)
     except Exception as e:
-        if not exitcodes.is_peer_failure(e):
+        if not is_peer_failure(e):
             raise
         # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
         # os._exit: tearing down a process group whose peer is gone can block.
@@ -188,8 +171,3 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"no assignment: pass --assignment FILE, --park, or set {ASSIGNMENT_ENV}")
     return run(assignment)
 
-
-if __name__ == "__main__":
-    from lazarus.cli import main as cli_main
-
-    sys.exit(cli_main(["worker", *sys.argv[1:]]))

@@ -29,9 +29,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from lazarus.records import EventRecord
-from lazarus.trainer.worker import PG_TIMEOUT_ENV
-from lazarus.up import MetricsTail
+from lazarus.core.records import EventRecord
+from lazarus.core.contract import PG_TIMEOUT_ENV
+from lazarus.sim.up import MetricsTail
 from tests.bench.runs import LONG_STEPS, lazarus_up, start_torchrun, stop
 
 pytestmark = pytest.mark.bench

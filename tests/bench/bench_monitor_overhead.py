@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lazarus.up import MetricsTail
+from lazarus.sim.up import MetricsTail
 from tests.bench.runs import LONG_STEPS, lazarus_up
 
 pytestmark = pytest.mark.bench

@@ -1,6 +1,6 @@
 """How the benchmarks start their job: a whole local cluster (`lazarus up`), or the same trainer
 under plain torchrun (torchrun_worker.py) as the baseline. Both write rank 0's metrics lines,
-which the benchmarks follow with lazarus.up.MetricsTail."""
+which the benchmarks follow with lazarus.sim.up.MetricsTail."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lazarus import up
-from lazarus.up import MetricsTail
+from lazarus.sim import up
+from lazarus.sim.up import MetricsTail
 
 # The recovery benchmark's job: tiny model, 2 ranks (one per node), gloo.
 TRAIN = {"model": "tiny", "tp": 1, "global_batch": 8, "seq_len": 64, "ckpt_every": 4,

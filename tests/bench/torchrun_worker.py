@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from lazarus.trainer.checkpoint import latest_checkpoint
-from lazarus.trainer.worker import WorkerAssignment, run
+from lazarus.core.contract import WorkerAssignment
+from lazarus.trainer.worker import run
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from lazarus.localcluster import LocalCluster
+from lazarus.sim.localcluster import LocalCluster
 
 
 def losses(metrics: Path) -> dict[int, float]:

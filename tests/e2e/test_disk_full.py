@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from lazarus.records import CheckpointRecord, EventRecord
+from lazarus.core.records import CheckpointRecord, EventRecord
 from tests.e2e.helpers import losses, reference
 from tests.e2e.test_recovery import TRAIN
 

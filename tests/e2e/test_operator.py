@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lazarus.localcluster import LocalCluster
+from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import losses, reference, wait_for
 from tests.e2e.test_recovery import TRAIN, _last_step, _start
 

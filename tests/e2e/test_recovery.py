@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from lazarus import jobspec
-from lazarus.localcluster import LocalCluster
-from lazarus.records import ROLE_ACTIVE, ROLE_SPARE
-from lazarus import up
+from lazarus.core import jobspec
+from lazarus.sim.localcluster import LocalCluster
+from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
+from lazarus.sim import up
 from tests.e2e.helpers import losses, reference, wait_for
 
 pytestmark = pytest.mark.e2e

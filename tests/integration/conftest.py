@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus import etcd as E
-from lazarus.embedded_etcd import EmbeddedEtcd
-from lazarus.records import Keys
+from lazarus.core import etcd as E
+from lazarus.core.embedded_etcd import EmbeddedEtcd
+from lazarus.core.records import Keys
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ import time
 import grpc
 import pytest
 
-from lazarus import client
-from lazarus import etcd as E
+from lazarus.ops import client
+from lazarus.core import etcd as E
 from lazarus.daemon import api
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
-from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
+from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
                              RoundRecord, RunStatus, dumps)
 
 TOKEN = "s3cret-token"
@@ -465,7 +465,7 @@ def test_cli_wrong_token_and_dead_daemon_are_one_line_each(server, capsys):
 
 def test_cli_finds_the_daemon_through_the_endpoint_file(etcd, keys, server, tmp_path,
                                                         monkeypatch, capsys):
-    from lazarus import endpoint_file
+    from lazarus.core import endpoint_file
     monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
     monkeypatch.delenv("LAZARUS_ADDRESS", raising=False)
     monkeypatch.delenv("LAZARUS_TOKEN", raising=False)
@@ -484,8 +484,8 @@ def test_cli_finds_the_daemon_through_the_endpoint_file(etcd, keys, server, tmp_
 # -- a real cluster --------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
-    from lazarus import jobspec
-    from lazarus.localcluster import LocalCluster
+    from lazarus.core import jobspec
+    from lazarus.sim.localcluster import LocalCluster
     from tests.e2e.helpers import wait_for
 
     metrics = tmp_path / "metrics.jsonl"
@@ -547,7 +547,7 @@ def test_list_nodes_carries_each_monitors_verdict(etcd, keys, stub):
 
 
 def test_list_nodes_names_a_straggler_across_nodes(etcd, keys, stub):
-    from lazarus.agent.throughput import ThroughputTracker
+    from lazarus.core.throughput import ThroughputTracker
     _populate(etcd, keys, t0=time.time() - 100)
     for i, compute_s in enumerate((0.1, 0.3)):   # n1's ranks work 3x as long as n0's
         tr = ThroughputTracker()

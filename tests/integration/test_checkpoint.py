@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lazarus.errors import CheckpointError
+from lazarus.core.errors import CheckpointError
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lazarus.trainer.export import export_safetensors

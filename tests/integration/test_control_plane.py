@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from lazarus import etcd as E
-from lazarus import jobspec
+from lazarus.core import etcd as E
+from lazarus.core import jobspec
 from lazarus.agent.service import Agent
 from lazarus.daemon.service import Daemon
-from lazarus.records import NodeRecord, RunStatus
+from lazarus.core.records import NodeRecord, RunStatus
 from lazarus.trainer.session import Session
 
 

@@ -47,7 +47,7 @@ def _rank(rank: int, store_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
-    from lazarus.errors import UserError
+    from lazarus.core.errors import UserError
     from lazarus.trainer import kernels
     from lazarus.trainer.models import apply_rope_ref, cross_entropy_ref, rms_norm_ref, swiglu_ref
 

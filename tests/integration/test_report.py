@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lazarus import cli
-from lazarus.records import CheckpointRecord, EventRecord
-from lazarus.report import CHROMIUM_FLAGS
+from lazarus.core.records import CheckpointRecord, EventRecord
+from lazarus.ops.report import CHROMIUM_FLAGS
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(

@@ -9,12 +9,13 @@ import textwrap
 import psutil
 import pytest
 
-from lazarus.agent.stacks import (capture, collect_flight_recorder, dump_path, handles_sigusr1,
+from lazarus.core.contract import dump_path
+from lazarus.agent.stacks import (capture, collect_flight_recorder, handles_sigusr1,
                                   nccl_flight_recorder_env, request_flight_recorder_dumps)
 
 SLEEPER = textwrap.dedent("""
     import sys, time
-    from lazarus.agent.stacks import enable_stack_dumps
+    from lazarus.trainer.stackdump import enable_stack_dumps
     enable_stack_dumps(sys.argv[1])
 
     def stuck_in_sleep():
@@ -27,7 +28,7 @@ SLEEPER = textwrap.dedent("""
 GLOO_RANK = textwrap.dedent("""
     import sys, time
     import torch, torch.distributed as dist
-    from lazarus.agent.stacks import enable_stack_dumps
+    from lazarus.trainer.stackdump import enable_stack_dumps
     dump_dir, store, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     enable_stack_dumps(dump_dir)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

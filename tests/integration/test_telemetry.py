@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from lazarus import telemetry
-from lazarus.records import (CheckpointRecord, EventRecord, NodeRecord, NodeStatus,
+from lazarus.daemon import telemetry
+from lazarus.core.records import (CheckpointRecord, EventRecord, NodeRecord, NodeStatus,
                              RoundRecord, RunStatus, dumps)
 
 

@@ -21,9 +21,9 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from lazarus.embedded_etcd import EmbeddedEtcd
-from lazarus.etcd import Etcd
-from lazarus.rendezvous_backend import (
+from lazarus.core.embedded_etcd import EmbeddedEtcd
+from lazarus.core.etcd import Etcd
+from lazarus.rendezvous import (
     EtcdRendezvousBackend,
     EtcdSpace,
     EtcdStore,

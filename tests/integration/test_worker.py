@@ -8,7 +8,7 @@ import sys
 import torch.distributed as dist
 
 from lazarus.trainer.config import TrainConfig
-from lazarus.trainer.worker import WorkerAssignment
+from lazarus.core.contract import WorkerAssignment
 
 
 def test_parked_worker_runs_the_assignment_it_is_given(tmp_path):

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from lazarus import chaos
-from lazarus.errors import UserError
-from lazarus.etcd import parse_endpoint
-from lazarus.records import NodeStatus, RecordError, RunStatus
+from lazarus.sim import chaos
+from lazarus.core.errors import UserError
+from lazarus.core.etcd import parse_endpoint
+from lazarus.core.records import NodeStatus, RecordError, RunStatus
 
 
 def lazarus(*args, env=None):

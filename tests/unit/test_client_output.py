@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from lazarus import client, endpoint_file
+from lazarus.ops import client
+
+from lazarus.core import endpoint_file
 from lazarus.cli import main as cli_main
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from lazarus.daemon.actions import (ClearCommand, Cordon, Emit, RequestCheckpoint, SetStatus,
                                     StartRound)
 from lazarus.daemon.decide import decide
-from lazarus.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, CheckpointRecord
+from lazarus.core.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, CheckpointRecord
 
 from tests.unit.test_decide import NOW, kinds, only, status, view
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.config import TrainConfig, load_toml
 
 

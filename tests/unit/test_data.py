@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer import data
 from lazarus.trainer.data import (SequenceLoader, TokenDataset, build_corpus, ensure_corpus,
                                   verify_corpus, write_corpus)

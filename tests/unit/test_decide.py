@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from lazarus import jobspec
+from lazarus.core import jobspec
 from lazarus.daemon.actions import AcceptJob, Emit, SetStatus, StartRound
 from lazarus.daemon.decide import decide
 from lazarus.daemon.view import ClusterView
-from lazarus.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
+from lazarus.core.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
                              CheckpointRecord, NodeRecord, NodeStatus, RoundRecord, RunStatus)
 
 NOW = 1000.0

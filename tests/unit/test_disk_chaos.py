@@ -8,8 +8,10 @@ import textwrap
 
 import pytest
 
-from lazarus import chaos, diskfault
-from lazarus.errors import UserError
+from lazarus.sim import chaos
+
+from lazarus.sim import diskfault
+from lazarus.core.errors import UserError
 from tests.unit.mountns import run_in_mount_namespace
 
 
@@ -58,7 +60,7 @@ def test_checkpoint_fs_holds_the_retained_checkpoints_twice_over():
 _BALLAST = textwrap.dedent("""
     import json, os, shutil, subprocess, sys
     from pathlib import Path
-    from lazarus.diskfault import Ballast
+    from lazarus.sim.diskfault import Ballast
     mnt = Path(sys.argv[1])
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
     (mnt / "old").write_bytes(b"x" * 300_000)
@@ -91,8 +93,7 @@ def test_ballast_fills_to_the_last_page_and_free_gives_it_back(tmp_path):
 def test_up_with_disk_full_says_why_when_no_namespace_can_be_made(tmp_path, monkeypatch):
     """Where user namespaces are disabled (and we are not root), `lazarus up` stops with the
     reason before it starts anything."""
-    from lazarus import up
-
+    from lazarus.sim import up
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not "

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lazarus import cli
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer import export
 

@@ -10,7 +10,7 @@ import pytest
 from lazarus.agent.gpu import (DEGRADED, FAILED, HEALTHY, GpuMonitor, GpuSample, GpuThresholds,
                                NvmlBackend, assess, open_backend, worst)
 from lazarus.agent.gpu_sim import SimulatedBackend, add_fault, parse_faults
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 BASE = GpuSample(index=0, ecc_sbe_volatile=3, ecc_dbe_volatile=0, ecc_sbe_aggregate=40,
                  ecc_dbe_aggregate=2, remapped_rows=1, remap_pending=False,

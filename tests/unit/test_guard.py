@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.guard import Guard, GuardConfig
 

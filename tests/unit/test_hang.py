@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from lazarus.agent.hang import (ClusterHang, HangConfig, HangDetector, HangVerdict, Position,
-                                Progress, combine, name_culprits)
+from lazarus.agent.hang import HangConfig, HangDetector
+from lazarus.core.contract import HangVerdict, Position, Progress
+from lazarus.core.culprits import ClusterHang, combine, name_culprits
 
 RANKS = (0, 1, 2, 3)
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from lazarus.daemon.actions import Emit, RequestDrain, SetStatus
 from lazarus.daemon.decide import decide
-from lazarus.records import RUNNING
+from lazarus.core.records import RUNNING
 from tests.unit.test_decide import NOW, kinds, ns, only, status, view
 
 FULL = "checkpoint dir /ckpt is not writable (ENOSPC: No space left on device)"

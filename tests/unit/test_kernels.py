@@ -67,7 +67,7 @@ def test_cross_entropy_survives_logits_that_overflow_exp(results):
 def test_without_gpu_or_interpreter_kernels_refuse_with_a_user_error():
     proc = _run(
         "import torch\n"
-        "from lazarus.errors import UserError\n"
+        "from lazarus.core.errors import UserError\n"
         "from lazarus.trainer import kernels\n"
         "ok, why = kernels.available()\n"
         "assert not ok, why\n"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.models import (
     MODEL_SIZES,
     Transformer,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus import jobspec
+from lazarus.core import jobspec
 from lazarus.daemon.actions import MarkCheckpoint, SetStatus, StartRound
 from lazarus.daemon.decide import decide
-from lazarus.errors import UserError
-from lazarus.records import RUNNING, CheckpointRecord
+from lazarus.core.errors import UserError
+from lazarus.core.records import RUNNING, CheckpointRecord
 from tests.unit.test_decide import NOW, job, ns, only, status, view
 
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from lazarus import jobspec
-from lazarus.agent.throughput import ThroughputConfig, ThroughputTracker
+from lazarus.core import jobspec
+from lazarus.core.throughput import ThroughputConfig, ThroughputTracker
 from lazarus.daemon.actions import Emit, RequestDrain, SetStatus
 from lazarus.daemon.decide import decide
 from lazarus.daemon.stragglers import swap_pays
-from lazarus.errors import UserError
-from lazarus.records import RUNNING
+from lazarus.core.errors import UserError
+from lazarus.core.records import RUNNING
 from tests.unit.test_decide import NOW, job, ns, only, status, view
 
 

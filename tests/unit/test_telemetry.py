@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from lazarus.records import EventRecord
-from lazarus.telemetry import SPANS, IncidentTracer, RoundProgress
+from lazarus.core.records import EventRecord
+from lazarus.daemon.telemetry import SPANS, IncidentTracer, RoundProgress
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_the_grafana_dashboard_only_queries_metrics_we_export():
     import re
     from pathlib import Path
 
-    from lazarus.telemetry import METRICS
+    from lazarus.daemon.telemetry import METRICS
     doc = json.loads((Path(__file__).parents[2] / "deploy/grafana/lazarus.json").read_text())
     used = set(re.findall(r"lazarus_[a-z_]+", json.dumps(doc)))
     exported = {n + s for n in METRICS.values() for s in ("", "_bucket", "_count", "_sum")}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lazarus.agent.throughput import ThroughputConfig, ThroughputTracker
+from lazarus.core.throughput import ThroughputConfig, ThroughputTracker
 
 NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
 from lazarus.trainer.launch import job_from_args

@@ -2,9 +2,9 @@
 
 import pytest
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.config import TrainConfig
-from lazarus.trainer.worker import WorkerAssignment
+from lazarus.core.contract import WorkerAssignment
 
 
 def test_assignment_round_trips_through_json():

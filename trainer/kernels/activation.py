@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.trainer.kernels import dtensor
 
 BLOCK = 1024

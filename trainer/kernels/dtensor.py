@@ -6,7 +6,7 @@ Only the rules the kernels share live here; each op says which placements it acc
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 
 def reject_sharded(op: str, t: DTensor, dims: tuple[int, ...]) -> None:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 
 @functools.cache

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

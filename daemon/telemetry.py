@@ -43,12 +43,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
-from lazarus import etcd as E
+from lazarus.core import etcd as E
 from lazarus.daemon import health
 from lazarus.daemon.view import parse
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.records import STATES, EventRecord, Keys
+from lazarus.core.records import STATES, EventRecord, Keys
 
 log = logging.getLogger(__name__)
 

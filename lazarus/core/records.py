@@ -5,7 +5,7 @@ different roots).
 
     leader                    daemon leader: {"id", "pid", "host", "api"}; bound to the
                               leader's lease; its create_revision is the leader's epoch
-    job                       JobSpec (lazarus.jobspec), written by `lazarus submit`
+    job                       JobSpec (lazarus.core.jobspec), written by `lazarus submit`
     run/job                   the job the run accepted (a copy of `job` taken by the leader, so
                               a garbled or repeated submission cannot disturb a running run)
     run/status                RunStatus: state machine of the run; only the leader writes it
@@ -25,7 +25,7 @@ different roots).
                               takes its place); {"requested_at"}
     commands/pause            present = the run pauses after a checkpoint; deleted = resume
     commands/cancel           present = the run ends as CANCELLED
-    torchrun/<run_id>/state   torchrun's rendezvous state (lazarus.rendezvous_backend), for
+    torchrun/<run_id>/state   torchrun's rendezvous state (lazarus.rendezvous), for
     torchrun/<run_id>/store/  users of `torchrun --rdzv-backend lazarus-etcd`; leased
 
 Records read back from etcd may be garbage (a person with etcdctl, a different version): each

@@ -17,7 +17,7 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from lazarus.policy import WINDOW
+from lazarus.core.policy import WINDOW
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 # Set in the environment of a `lazarus up` that runs in its own mount namespace.
 NAMESPACE_ENV = "LAZARUS_PRIVATE_MOUNTS"

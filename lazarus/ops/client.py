@@ -3,7 +3,7 @@ drain|cordon|uncordon|pause|resume|cancel`.
 
 It finds the daemon from --address/--token (or --token-file), else $LAZARUS_ADDRESS /
 $LAZARUS_TOKEN, else the endpoint file `lazarus daemon` and `lazarus up` leave (see
-lazarus.endpoint_file); with several addresses, the first that answers serves. Tables by
+lazarus.core.endpoint_file); with several addresses, the first that answers serves. Tables by
 default, --json for scripts (events: one JSON object per line).
 
 Exit codes: 0 done; 1 the daemon refused (no such node, not in this run state, ...);
@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from lazarus import endpoint_file
-from lazarus.errors import UserError
+from lazarus.core import endpoint_file
+from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
 

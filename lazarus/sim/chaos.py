@@ -39,7 +39,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.agent.gpu_sim import add_fault
+from lazarus.core import etcd as E
+from lazarus.core.errors import UserError
+from lazarus.core.records import Keys, NodeRecord, NodeStatus
+from lazarus.sim.diskfault import chaos_cli
 
 KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
          "hang", "slow-rank", "loss-spike", "diverge", "disk-full", "disk-free", "slow-step",
@@ -125,7 +129,6 @@ def gpu_fault_script(workdir: Path, node: str) -> Path:
 
 
 def inject_gpu_fault(workdir: Path, node: str, kind: str) -> Path:
-    from lazarus.agent.gpu_sim import add_fault
     path = gpu_fault_script(workdir, node)
     add_fault(path, dict(GPU_FAULTS[kind]))
     return path
@@ -138,8 +141,6 @@ def main(argv: list[str]) -> int:
     import os
     import signal
 
-    from lazarus import etcd as E
-    from lazarus.records import Keys, NodeRecord, NodeStatus
 
     p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=("kill-worker", "kill-node", "kill-daemon", "gpu-xid",
@@ -157,7 +158,6 @@ def main(argv: list[str]) -> int:
     if args.kind in DISK_KINDS:
         if args.dir is None:
             raise UserError(f"{args.kind} needs --dir (the run's checkpoint dir)")
-        from lazarus.diskfault import chaos_cli
         print(chaos_cli(args.kind, args.dir))
         return 0
     if args.kind != "kill-daemon" and not args.node:

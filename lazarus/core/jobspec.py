@@ -8,7 +8,7 @@
     max_restarts = 20      # recoveries before the run is declared FAILED
     rendezvous_timeout_s = 60
 
-    [policy]               # loss spikes, stragglers: lazarus.policy (optional)
+    [policy]               # loss spikes, stragglers: lazarus.core.policy (optional)
     max_spikes = 3
 
     [train]                # lazarus.trainer.config.TrainConfig; dp is derived from the nodes
@@ -30,9 +30,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.errors import UserError
-from lazarus import policy as policies
-from lazarus.policy import SpikePolicy, StragglerPolicy
+from lazarus.core.errors import UserError
+from lazarus.core import policy as policies
+from lazarus.core.policy import SpikePolicy, StragglerPolicy
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
              "rendezvous_timeout_s", "id"}

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 
 @dataclass(kw_only=True, slots=True)

@@ -28,8 +28,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.errors import UserError
-from lazarus.records import DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError
+from lazarus.core.errors import UserError
+from lazarus.core.records import DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
@@ -95,7 +95,7 @@ def _records(path: Path, cls) -> list:
 
 
 def read_etcd(endpoint: str, keys: Keys) -> tuple[list[EventRecord], list[CheckpointRecord]]:
-    from lazarus import etcd as E
+    from lazarus.core import etcd as E
     from lazarus.daemon import health
     client = E.Etcd(endpoint)
     try:

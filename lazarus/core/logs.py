@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 import sys
 
+from lazarus.core.errors import UserError
+
 
 def setup(level: str, role: str) -> None:
     if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        from lazarus.errors import UserError
         raise UserError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, not {level!r}")
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr,

@@ -83,9 +83,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 
 if TYPE_CHECKING:
-    from lazarus.etcd import KV, Etcd
+    from lazarus.core.etcd import KV, Etcd
 
-# lazarus.etcd (aetcd + grpc, 0.3 s) is imported inside functions: torch imports this module
+# lazarus.core.etcd (aetcd + grpc, 0.3 s) is imported inside functions: torch imports this module
 # in every process that loads torch.distributed.elastic, every trainer worker included.
 
 _process_client: Etcd | None = None
@@ -94,8 +94,8 @@ _process_lock = threading.Lock()
 
 def process_etcd(endpoint: str, cfg: RendezvousEtcdConfig) -> Etcd:
     """This process's one etcd client (two gRPC etcd clients in one process clash)."""
-    from lazarus.errors import UserError
-    from lazarus.etcd import Etcd
+    from lazarus.core.errors import UserError
+    from lazarus.core.etcd import Etcd
 
     global _process_client
     with _process_lock:
@@ -166,7 +166,7 @@ class EtcdSpace:
 
     def call(self, fn: Callable[[], object], doing: str):
         """Run `fn` (a read, or a write guarded by a compare), retrying while etcd is away."""
-        from lazarus.etcd import EtcdUnavailable, retry
+        from lazarus.core.etcd import EtcdUnavailable, retry
 
         try:
             return retry(fn, deadline_s=self.cfg.etcd_timeout_s)
@@ -208,7 +208,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return None if kv is None else (kv.value, kv.mod_revision)
 
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool] | None:
-        from lazarus.etcd import delete_op, key_missing, mod_revision_is, put_op
+        from lazarus.core.etcd import delete_op, key_missing, mod_revision_is, put_op
 
         etcd, key = self._space.etcd, self.key
 
@@ -260,7 +260,7 @@ class EtcdStore(dist.Store):
         return all(self._space.get(self._prefix + k) is not None for k in keys)
 
     def add(self, key: str, amount: int) -> int:
-        from lazarus.etcd import key_missing, mod_revision_is, put_op
+        from lazarus.core.etcd import key_missing, mod_revision_is, put_op
 
         etcd, path = self._space.etcd, self._prefix + key
         while True:
@@ -272,7 +272,7 @@ class EtcdStore(dist.Store):
                 return value
 
     def _wait_for(self, keys: list[str], timeout: timedelta) -> list[bytes]:
-        from lazarus.etcd import Backoff
+        from lazarus.core.etcd import Backoff
 
         deadline = time.monotonic() + timeout.total_seconds()
         backoff = Backoff(initial_s=0.01, max_s=0.2)

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus import etcd as E
-from lazarus.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
-from lazarus.jobspec import JobSpec
-from lazarus.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
+from lazarus.core import etcd as E
+from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
+from lazarus.core.jobspec import JobSpec
+from lazarus.sim.chaos import SLOWDOWN_ENV, inject_gpu_fault, inject_slowdown, slowdown_script
+from lazarus.sim.diskfault import Ballast, mount_small
+from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
                              RunStatus)
 
 
@@ -74,14 +76,14 @@ class LocalCluster:
         assert self.etcd_server is not None
         return self.etcd_server.endpoint
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
         out = open(log, "ab")
         try:
             popen = subprocess.Popen([sys.executable, "-m", "lazarus.cli", *args],
                                      stdin=subprocess.DEVNULL, stdout=out,
                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         finally:
             out.close()
         return Proc(name=name, popen=popen, log=log)
@@ -107,7 +109,10 @@ class LocalCluster:
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
-                            self.log_level, *self.agent_args])
+                            self.log_level, *self.agent_args],
+                           # An agent passes its environment on to its ranks: this is how
+                           # `lazarus chaos slow-rank` reaches the ranks of one node.
+                           env={SLOWDOWN_ENV: str(slowdown_script(self.workdir / "nodes", node))})
         self.agents[node] = proc
         self._agent_spec[node] = (nproc, role)
         return proc
@@ -176,14 +181,12 @@ class LocalCluster:
         return node
 
     def gpu_fault(self, node: str, kind: str) -> str:
-        from lazarus.chaos import inject_gpu_fault
         inject_gpu_fault(self.workdir / "nodes", node, kind)
         return f"{node} gpu0"
 
     def small_checkpoint_fs(self, path: Path, size_bytes: int) -> None:
         """Put the checkpoint dir on a tmpfs of its own, so that disk-full fills that and
-        nothing else (lazarus.diskfault: only inside a private mount namespace)."""
-        from lazarus.diskfault import Ballast, mount_small
+        nothing else (lazarus.sim.diskfault: only inside a private mount namespace)."""
         mount_small(path, size_bytes)
         self.ballast = Ballast(path)
 
@@ -203,7 +206,6 @@ class LocalCluster:
             self.ballast.top_up()
 
     def slow_node(self, node: str, factor: float) -> str:
-        from lazarus.chaos import inject_slowdown
         inject_slowdown(self.workdir / "nodes", node, factor)
         return node
 

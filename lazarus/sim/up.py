@@ -16,10 +16,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from lazarus import chaos, diskfault, endpoint_file, jobspec
-from lazarus.errors import UserError
-from lazarus.localcluster import LocalCluster
-from lazarus.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
+from lazarus.sim import chaos
+
+from lazarus.sim import diskfault
+
+from lazarus.core import endpoint_file
+
+from lazarus.core import jobspec
+from lazarus.core.errors import UserError
+from lazarus.sim.localcluster import LocalCluster
+from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
 
@@ -358,7 +364,7 @@ def run(args: argparse.Namespace) -> dict:
         c.to_json().decode() + "\n" for c in sorted(checkpoints, key=lambda c: c.step)))
     page = None
     if metrics.exists():
-        from lazarus import report
+        from lazarus.ops import report
         page = report.write(metrics, events=workdir / "events.jsonl",
                             out=workdir / "report.html")
         say(f"report: {page}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

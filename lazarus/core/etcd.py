@@ -33,7 +33,7 @@ import aetcd.exceptions as aexc
 from aetcd import rpc  # noqa: E402
 from aetcd.utils import prefix_range_end
 
-from lazarus.errors import UserError  # noqa: E402
+from lazarus.core.errors import UserError  # noqa: E402
 
 log = logging.getLogger(__name__)
 

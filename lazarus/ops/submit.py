@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from lazarus import etcd as E
-from lazarus import jobspec
-from lazarus.records import Keys
+from lazarus.core import etcd as E
+from lazarus.core import jobspec
+from lazarus.core.records import Keys
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lazarus.errors import UserError
+from lazarus.core.errors import UserError
 
 INSTALL_HINT = ("the `etcd` binary was not found on PATH; install it with "
                 "`apt-get install -y etcd-server` (or give --etcd HOST:PORT of a running etcd)")

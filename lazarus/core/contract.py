@@ -1,0 +1,151 @@
+"""The wire contract between a worker (trainer rank), its node agent and the daemon.
+
+Everything that crosses a process boundary on a node is defined here once, typed:
+  - the environment the agent gives a worker (the *_ENV names),
+  - the assignment (who the rank is in which round, where the store is),
+  - progress messages on the worker channel (`Progress`, one JSON object per line),
+  - the hang verdict an agent publishes in its node status (`HangVerdict`, `Position`).
+Step reports and throughput rows are in lazarus.core.throughput. The agent, the trainer and
+the daemon import this module; none of them imports another (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+from lazarus.core.errors import UserError
+
+# --- environment of a worker ------------------------------------------------------------------
+SOCKET_ENV = "LAZARUS_AGENT_SOCKET"     # the agent's unix socket; unset: no agent (local run)
+ROUND_ENV = "LAZARUS_ROUND"
+RANK_ENV = "LAZARUS_RANK"
+# "off": progress() sends nothing. The agent sets it when its monitors are off (`--monitors
+# off`), which exists only to measure what the monitors cost.
+PROGRESS_ENV = "LAZARUS_PROGRESS"
+ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
+# Workers dump their stacks (faulthandler, on SIGUSR1) into the directory this names, one file
+# per pid (`dump_path`).
+STACKS_ENV = "LAZARUS_STACKS_DIR"
+# Seconds a collective may block before the process group gives up (default: the store
+# timeout). Under an agent the hang detector acts long before; plain torchrun has nothing else.
+PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
+
+
+def dump_path(dump_dir: str | Path, pid: int) -> Path:
+    """Where worker `pid` writes its stacks when the agent sends SIGUSR1."""
+    return Path(dump_dir) / f"stacks-{pid}.txt"
+
+
+# --- the assignment -------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class WorkerAssignment:
+    rank: int
+    world_size: int
+    local_rank: int
+    round: int
+    store_host: str
+    store_port: int
+    train: dict                  # TrainConfig.to_dict()
+    restore: str | None = None   # committed checkpoint to resume from
+    report_socket: str | None = None  # the local agent's unix socket; None: no agent
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerAssignment:
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"worker assignment is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise UserError("worker assignment must be a JSON object")
+        unknown = set(d) - {f.name for f in fields(cls)}
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
+        if unknown or missing:
+            raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        return cls(**d)
+
+
+# --- progress and hang verdicts --------------------------------------------------------------
+# Phases in the order a step goes through them. "collective" is an explicit collective of the
+# training step (loss or grad-norm all-reduce); collectives issued inside a checkpoint save or
+# an eval belong to those phases, so their waits get the long allowance.
+PHASES = ("data", "forward", "backward", "collective", "optimizer", "eval", "checkpoint")
+LONG_PHASES = ("eval", "checkpoint")
+_ORDER = {p: i for i, p in enumerate(PHASES)}
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a rank is. Sent as {"type": "progress", "rank", "round", **fields}.
+
+    `seq`: collectives this rank had issued when it entered the phase (the sum of
+    `_get_sequence_number_for_group()` over the process groups it uses; equal on every rank
+    of an SPMD program at the same point). `since`: time.monotonic() when it entered the
+    phase; the clock is shared by every process of a host. `op`: the collective's name in
+    the "collective" phase, for the report.
+    """
+    step: int
+    phase: str
+    seq: int
+    since: float
+    op: str = ""
+
+    def __post_init__(self):
+        if self.phase not in _ORDER:
+            raise ValueError(f"unknown phase {self.phase!r} (known: {', '.join(PHASES)})")
+
+    def to_message(self, *, rank: int, round: int) -> dict:
+        return {"type": "progress", "rank": rank, "round": round, "step": self.step,
+                "phase": self.phase, "seq": self.seq, "since": self.since, "op": self.op}
+
+    @classmethod
+    def from_message(cls, msg: Mapping) -> Progress:
+        """ValueError (or KeyError / TypeError) on a malformed message."""
+        return cls(step=int(msg["step"]), phase=str(msg["phase"]), seq=int(msg["seq"]),
+                   since=float(msg["since"]), op=str(msg.get("op", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """A rank's place in the program as a verdict reports it (JSON-able, host-independent)."""
+    step: int
+    phase: str
+    seq: int
+    stalled_s: float
+    op: str = ""
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.step, self.seq, _ORDER[self.phase])
+
+    def describe(self) -> str:
+        where = f"in {self.op or 'a collective'}" if self.phase == "collective" \
+            else f"in {self.phase}"
+        return f"{where} at step {self.step} after {self.seq} collectives"
+
+
+@dataclass(frozen=True, slots=True)
+class HangVerdict:
+    culprits: tuple[int, ...]        # global ranks named as the cause; () = none local
+    reason: str
+    stalled_s: float                 # longest time without progress among the ranks
+    timeout_s: float                 # the allowance that ran out
+    positions: dict[int, Position] = field(default_factory=dict)  # every rank observed
+
+    def to_dict(self) -> dict:
+        return {"culprits": list(self.culprits), "reason": self.reason,
+                "stalled_s": self.stalled_s, "timeout_s": self.timeout_s,
+                "positions": {str(r): {"step": p.step, "phase": p.phase, "seq": p.seq,
+                                       "stalled_s": p.stalled_s, "op": p.op}
+                              for r, p in self.positions.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> HangVerdict:
+        return cls(culprits=tuple(int(r) for r in d["culprits"]), reason=str(d["reason"]),
+                   stalled_s=float(d["stalled_s"]), timeout_s=float(d["timeout_s"]),
+                   positions={int(r): Position(**p) for r, p in d["positions"].items()})

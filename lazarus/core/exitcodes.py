@@ -1,0 +1,13 @@
+"""Exit codes a worker uses to tell the agent why it stopped, beyond "it failed".
+
+When one rank dies, its peers fail too, inside a collective ("connection reset by peer").
+Those are not the culprit: a worker that failed because a peer went away exits with PEER_LOST,
+and the daemon waits briefly for the root cause (another rank's crash, a node's lease) before
+it names a culprit.
+"""
+
+from __future__ import annotations
+
+PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
+BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or corrupt
+INJECTED_FAULT = 43     # test fault injection (LAZARUS_FAIL_AT)
