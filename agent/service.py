@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from lazarus.core import etcd as E
+from lazarus.core import settings
 from lazarus.core import logs
 from lazarus.core.errors import UserError
 from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
@@ -48,7 +49,7 @@ class Agent:
     longer than a stall of this process (GC, swap), or a live node gets evicted."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
-                 workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = 5,
+                 workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = settings.LEASE_TTL_S,
                  park: bool = True, gpu_backend: str = "auto",
                  gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
                  host_limits: dict | None = None, monitors: bool = True):
@@ -440,16 +441,13 @@ class Agent:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus agent", description=__doc__.splitlines()[0])
-    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"),
-                   help="etcd endpoint HOST:PORT (default %(default)s)")
-    p.add_argument("--root", default="/lazarus/v1/", help="key prefix in etcd")
+    settings.add_etcd_args(p, lease_ttl=settings.LEASE_TTL_S, lease_help="node lease TTL in seconds")
     p.add_argument("--node", default=socket.gethostname(), help="node id (default: hostname)")
     p.add_argument("--nproc", type=int, default=1, help="ranks (worker processes) on this node")
     p.add_argument("--role", default=ROLE_ACTIVE, help="active or spare")
     p.add_argument("--host", default="127.0.0.1", help="address peers reach this node at")
     p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
                    help="sockets and worker logs")
-    p.add_argument("--lease-ttl", type=int, default=5, help="node lease TTL in seconds")
     p.add_argument("--no-park", action="store_true", help="do not keep warm parked workers")
     p.add_argument("--gpu-backend", default="auto", choices=("auto", "nvml", "sim"),
                    help="GPU health source: NVML, the simulated backend, or auto (NVML when "
@@ -474,8 +472,7 @@ def main(argv: list[str]) -> int:
     logs.setup(args.log_level, f"agent[{args.node}]")
     if args.nproc < 1:
         raise UserError("--nproc must be at least 1")
-    if args.lease_ttl < 2:
-        raise UserError("--lease-ttl must be at least 2 seconds")
+    settings.check_lease_ttl(args.lease_ttl)
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
     host_limits = _host_limits(args)

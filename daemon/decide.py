@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from lazarus.core import exitcodes
+from lazarus.core import settings
 from lazarus.core.contract import HangVerdict
 from lazarus.core.culprits import combine
 from lazarus.core import jobspec
@@ -82,7 +83,7 @@ def _peer_grace_s(view: ClusterView, st: RunStatus) -> float:
     """How long a peer-lost failure waits for its root cause to show: a dead node needs its
     lease TTL to be noticed, a crashed rank's agent reports within a second."""
     ttls = [view.nodes[n].lease_ttl_s for n in st.members if n in view.nodes]
-    return max(ttls, default=5) + 1.0
+    return max(ttls, default=settings.LEASE_TTL_S) + 1.0
 
 
 def _repair_status(now: float, view: ClusterView) -> Decision:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lazarus.core import endpoint_file, jobspec, logs
+from lazarus.core import endpoint_file, jobspec, logs, settings
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.errors import UserError
@@ -38,7 +38,7 @@ class Daemon:
     blocks its standbys (the failover time). `on_pass(is_leader)` runs after every pass of the
     loop (telemetry); etcd being unreachable there is retried like in the pass itself."""
 
-    def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = 5, tick_s: float = 0.5,
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = settings.LEASE_TTL_S, tick_s: float = 0.5,
                  on_pass: Callable[[bool], None] | None = None):
         self.etcd = etcd
         self.keys = keys
@@ -120,11 +120,10 @@ class Daemon:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus daemon", description=__doc__.splitlines()[0])
-    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"),
-                   help="etcd endpoint HOST:PORT, or 'embedded' to start one (default %(default)s)")
-    p.add_argument("--root", default="/lazarus/v1/", help="key prefix in etcd")
+    settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT, or 'embedded' to start one "
+                                        "(default %(default)s)",
+                           lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds")
     p.add_argument("--job", help="submit this job file (TOML) at start")
-    p.add_argument("--lease-ttl", type=int, default=5, help="leader lease TTL in seconds")
     p.add_argument("--data-dir", help="embedded etcd data directory")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--api", default="127.0.0.1:7070",
@@ -151,8 +150,7 @@ def main(argv: list[str]) -> int:
                         "(default %(default)s)")
     args = p.parse_args(argv)
     logs.setup(args.log_level, "daemon")
-    if args.lease_ttl < 2:
-        raise UserError("--lease-ttl must be at least 2 seconds")
+    settings.check_lease_ttl(args.lease_ttl)
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
     token = (endpoint_file.load_token(args.token_file) if args.token_file

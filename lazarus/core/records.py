@@ -41,7 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_ROOT = "/lazarus/v1/"
+from lazarus.core.settings import DEFAULT_ROOT, LEASE_TTL_S
+
 
 # Run states (DESIGN.md): PENDING -> RENDEZVOUS -> RUNNING -> RECOVERING -> RENDEZVOUS ...
 PENDING, RENDEZVOUS, RUNNING, RECOVERING = "PENDING", "RENDEZVOUS", "RUNNING", "RECOVERING"
@@ -214,7 +215,7 @@ class NodeRecord(_Record):
     pid: int = 0
     started_at: float = 0.0
     gpu_backend: str = "none"
-    lease_ttl_s: int = 5        # how long this node's death takes to show as a lost lease
+    lease_ttl_s: int = LEASE_TTL_S  # how long this node's death takes to show as a lost lease
 
     def __post_init__(self):
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from lazarus.core import etcd as E
+from lazarus.core import settings
 from lazarus.core import jobspec
 from lazarus.core.records import Keys
 
@@ -13,8 +14,7 @@ from lazarus.core.records import Keys
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus submit", description=__doc__)
     p.add_argument("job", help="job file (TOML with [job] and [train])")
-    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
-    p.add_argument("--root", default="/lazarus/v1/")
+    settings.add_etcd_args(p)
     args = p.parse_args(argv)
     spec = jobspec.load(args.job)  # every check before anything is written
     etcd = E.Etcd(args.etcd)

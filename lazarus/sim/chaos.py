@@ -41,6 +41,7 @@ from pathlib import Path
 
 from lazarus.agent.gpu_sim import add_fault
 from lazarus.core import etcd as E
+from lazarus.core import settings
 from lazarus.core.errors import UserError
 from lazarus.core.records import Keys, NodeRecord, NodeStatus
 from lazarus.sim.diskfault import chaos_cli
@@ -150,8 +151,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--node", help="target node (not for kill-daemon)")
     p.add_argument("--dir", type=Path,
                    help="disk-full/disk-free: the checkpoint dir, on a small filesystem of its own")
-    p.add_argument("--etcd", default=os.environ.get("LAZARUS_ETCD", "127.0.0.1:2379"))
-    p.add_argument("--root", default="/lazarus/v1/")
+    settings.add_etcd_args(p)
     p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
                    help="the agents' --workdir (GPU faults are written there)")
     args = p.parse_args(argv)

@@ -26,6 +26,11 @@ from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatu
                              RunStatus)
 
 
+# Shorter than the production default (core.settings.LEASE_TTL_S): on one machine there is no
+# network to wait out, and a node loss shows within a demo's attention span.
+LOCAL_LEASE_TTL_S = 3
+
+
 @dataclass(slots=True)
 class Proc:
     name: str
@@ -50,7 +55,8 @@ class LocalCluster:
     """`lease_ttl_s` applies to agents and daemons: it is the node-loss detection time and the
     leader failover time of this cluster."""
 
-    def __init__(self, workdir: Path, *, lease_ttl_s: int = 3, log_level: str = "INFO"):
+    def __init__(self, workdir: Path, *, lease_ttl_s: int = LOCAL_LEASE_TTL_S,
+                 log_level: str = "INFO"):
         self.workdir = workdir
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level

@@ -22,9 +22,9 @@ from lazarus.sim import diskfault
 
 from lazarus.core import endpoint_file
 
-from lazarus.core import jobspec
+from lazarus.core import jobspec, settings
 from lazarus.core.errors import UserError
-from lazarus.sim.localcluster import LocalCluster
+from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
@@ -88,7 +88,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--metrics", type=Path, help="per-step JSON lines (rank 0)")
     p.add_argument("--summary", type=Path, help="write the summary JSON here")
     p.add_argument("--workdir", type=Path, help="logs, checkpoints, etcd data (default: a temp dir)")
-    p.add_argument("--lease-ttl", type=int, default=3, help="agent and daemon lease TTL, s")
+    p.add_argument("--lease-ttl", type=int, default=LOCAL_LEASE_TTL_S,
+                   help="agent and daemon lease TTL, s (default %(default)s)")
     p.add_argument("--hang-k", type=float, default=None,
                    help="agents: a rank hangs after k x the median step time without progress "
                         "(default: the agent's, 3)")
@@ -109,8 +110,7 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.spares < 0:
         raise UserError("--spares must not be negative")
-    if args.lease_ttl < 2:
-        raise UserError("--lease-ttl must be at least 2 seconds")
+    settings.check_lease_ttl(args.lease_ttl)
     world = args.nodes * args.nproc_per_node
     if args.dp is not None and args.dp * args.tp != world:
         raise UserError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but "
