@@ -1,11 +1,24 @@
 """Suite-wide: keep what the CLI and `lazarus up` leave for the operator (the endpoint file)
-out of the real home directory."""
+out of the real home directory; keep benchmarks out of a plain `pytest`; and in CI (CI=true)
+fail the run on a skip nobody expected."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+BENCH_DIR = Path(__file__).parent / "bench"
+
+# In CI a skip is a failure unless listed here: a test that skips because chromium or user
+# namespaces are missing says the CI machine is broken, and a green run would hide it.
+# node id -> the skip reason that is expected there (the test must skip with that reason).
+EXPECTED_SKIPS = {
+    # runs where NVML does not work; a GPU runner tests the real backend instead
+    "tests/unit/test_gpu_monitor.py::test_without_nvml_auto_falls_back_to_the_simulated_backend_and_says_why":
+        "this machine has a working NVML",
+}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,3 +31,65 @@ def _lazarus_home(tmp_path_factory):
         os.environ.pop("LAZARUS_HOME", None)
     else:
         os.environ["LAZARUS_HOME"] = old
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    # Everything under tests/bench is a benchmark, marked or not: a plain `pytest` (addopts
+    # `-m 'not bench'`) never runs one.
+    for item in items:
+        if item.path.is_relative_to(BENCH_DIR):
+            item.add_marker(pytest.mark.bench)
+
+
+def pytest_configure(config):
+    check_skips_in_ci(config, EXPECTED_SKIPS)
+
+
+def check_skips_in_ci(config: pytest.Config, expected: dict[str, str]) -> None:
+    """When CI is true, make the run fail on any skip not in `expected`."""
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        config.pluginmanager.register(UnexpectedSkips(expected), "lazarus-unexpected-skips")
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # (path, line, "Skipped: <reason>")
+        return longrepr[2].removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+class UnexpectedSkips:
+    """Collects skipped tests and modules outside the expected list; the run then fails and
+    the summary names each one with its reason."""
+
+    def __init__(self, expected: dict[str, str]):
+        self.expected = expected
+        self.found: list[tuple[str, str]] = []
+
+    def _check(self, report: pytest.TestReport | pytest.CollectReport) -> None:
+        if not report.skipped or hasattr(report, "wasxfail"):  # an xfail is declared, not a skip
+            return
+        reason = _skip_reason(report)
+        want = self.expected.get(report.nodeid)
+        if want is None or want not in reason:
+            self.found.append((report.nodeid, reason))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._check(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self._check(report)  # a module-level skip or importorskip
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.found and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.found:
+            return
+        terminalreporter.write_sep("=", f"{len(self.found)} unexpected skip(s) in CI", red=True)
+        for nodeid, reason in self.found:
+            terminalreporter.write_line(f"{nodeid}: {reason}")
+        terminalreporter.write_line("install what they need (deploy/setup-local.sh), or list them "
+                                    "in EXPECTED_SKIPS of tests/conftest.py with their reason")
