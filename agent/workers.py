@@ -100,7 +100,7 @@ class Workers:
                 proc.stdin.write(line)
                 proc.stdin.close()
             procs[local_rank] = proc
-            ranks[local_rank] = assignment["rank"]
+            ranks[local_rank] = assignment.rank
         self.group = Group(round=round_, procs=procs, ranks=ranks)
         return self.group
 
