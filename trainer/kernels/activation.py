@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.kernels import dtensor
+from lazarus.trainer.kernels import dtensor, launch
 
 BLOCK = 1024
 
@@ -36,7 +36,7 @@ def swiglu_bwd_kernel(gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, n, BLOCK: 
 class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.contiguous(), up.contiguous()
+        gate, up = launch.ready(gate).contiguous(), launch.ready(up).contiguous()
         out = torch.empty_like(gate)
         n = gate.numel()
         if n:
@@ -47,7 +47,7 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dout = dout.contiguous()
+        dout = launch.ready(dout).contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:

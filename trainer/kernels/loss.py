@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazarus.trainer.kernels import dtensor, runtime
+from lazarus.trainer.kernels import dtensor, launch
 
 IGNORE_INDEX = -100
 
@@ -64,6 +64,7 @@ def _block(n_cols: int) -> int:
 class CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, targets = launch.ready(logits), launch.ready(targets)
         n_cols = logits.shape[-1]
         logits2d = logits.reshape(-1, n_cols).contiguous()
         targets1d = targets.reshape(-1).contiguous()
@@ -73,7 +74,7 @@ class CrossEntropy(torch.autograd.Function):
         if n_rows:
             cross_entropy_fwd_kernel[(n_rows,)](
                 logits2d, targets1d, row_loss, lse, n_cols, IGNORE_INDEX,
-                BLOCK=_block(n_cols), num_warps=runtime.num_warps(_block(n_cols)),
+                BLOCK=_block(n_cols), num_warps=launch.num_warps(_block(n_cols)),
             )
         # stays on the device: no host sync for the count
         n_valid = (targets1d != IGNORE_INDEX).sum().to(torch.float32)
@@ -85,12 +86,12 @@ class CrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss: torch.Tensor):
         logits2d, targets1d, lse, n_valid = ctx.saved_tensors
         n_rows, n_cols = logits2d.shape
-        scale = (dloss.to(torch.float32) / n_valid).reshape(1)
+        scale = (launch.ready(dloss).to(torch.float32) / n_valid).reshape(1)
         dlogits = torch.empty_like(logits2d)
         if n_rows:
             cross_entropy_bwd_kernel[(n_rows,)](
                 logits2d, targets1d, lse, scale, dlogits, n_cols, IGNORE_INDEX,
-                BLOCK=_block(n_cols), num_warps=runtime.num_warps(_block(n_cols)),
+                BLOCK=_block(n_cols), num_warps=launch.num_warps(_block(n_cols)),
             )
         return dlogits.view(ctx.logits_shape), None
 

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazarus.trainer.kernels import dtensor, runtime
+from lazarus.trainer.kernels import dtensor, launch
 
 
 @triton.jit
@@ -57,6 +57,7 @@ def _programs(device: torch.device) -> int:
 class RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x, weight = launch.ready(x), launch.ready(weight)
         n_cols = x.shape[-1]
         x2d = x.reshape(-1, n_cols).contiguous()
         w = weight.contiguous()
@@ -65,7 +66,7 @@ class RMSNorm(torch.autograd.Function):
         block = triton.next_power_of_2(n_cols)
         if x2d.shape[0]:
             rms_norm_fwd_kernel[(x2d.shape[0],)](
-                x2d, w, y, rstd, n_cols, eps, BLOCK=block, num_warps=runtime.num_warps(block)
+                x2d, w, y, rstd, n_cols, eps, BLOCK=block, num_warps=launch.num_warps(block)
             )
         ctx.save_for_backward(x2d, w, rstd)
         return y.view(x.shape)
@@ -74,7 +75,7 @@ class RMSNorm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2d, w, rstd = ctx.saved_tensors
         n_rows, n_cols = x2d.shape
-        dy2d = dy.reshape(-1, n_cols).contiguous()
+        dy2d = launch.ready(dy).reshape(-1, n_cols).contiguous()
         dx = torch.empty_like(x2d)
         programs = max(1, min(n_rows, _programs(x2d.device)))
         rows_per_program = triton.cdiv(n_rows, programs)
@@ -83,7 +84,7 @@ class RMSNorm(torch.autograd.Function):
         if n_rows:
             rms_norm_bwd_kernel[(programs,)](
                 dy2d, x2d, w, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
-                BLOCK=block, num_warps=runtime.num_warps(block),
+                BLOCK=block, num_warps=launch.num_warps(block),
             )
         return dx.view(dy.shape), dw_partial.sum(0).to(w.dtype), None
 

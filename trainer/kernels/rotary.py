@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lazarus.trainer.kernels import dtensor
+from lazarus.trainer.kernels import dtensor, launch
 
 ROWS = 16
 
@@ -39,7 +39,7 @@ def rope_kernel(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    x = x.contiguous()
+    x = launch.ready(x).contiguous()
     out = torch.empty_like(x)
     _, seq_len, n_heads, dim = x.shape
     n_rows = x.numel() // dim

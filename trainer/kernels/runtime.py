@@ -9,15 +9,14 @@ import torch
 from lazarus.core.errors import UserError
 
 
-@functools.cache
 def _interpreted() -> bool:
     # triton reads TRITON_INTERPRET when a kernel is defined (at @triton.jit), not when a kernel
-    # runs: the type of our kernel objects is the truth, whatever the variable says now.
-    from triton.runtime.interpreter import InterpretedFunction
+    # runs: how our kernels were defined is the truth, whatever the variable says now. Imported
+    # here, not at the top: triton is an optional dependency, and importing `launch` fixes the
+    # mode for the whole process.
+    from lazarus.trainer.kernels import launch
 
-    from lazarus.trainer.kernels import norm
-
-    return isinstance(norm.rms_norm_fwd_kernel, InterpretedFunction)
+    return launch.INTERPRETED
 
 
 @functools.cache  # fixed once the kernels are defined
@@ -49,8 +48,3 @@ def require(op: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device.type != device:
             raise UserError(f"fused {op} got a {t.device.type} tensor; here it runs on {device} ({why})")
-
-
-def num_warps(block: int) -> int:
-    """Warps for a program that works on `block` elements at a time: about 8 elements a thread."""
-    return min(max(block // 256, 1), 16)
