@@ -20,7 +20,10 @@ DTensor placed like its input --
     swiglu        gate and up placed alike, any Shard (e.g. the hidden dim under colwise TP)
     apply_rope    x sharded on batch or heads; not on the sequence or head dim
     cross_entropy fully Replicate logits only (vocab-parallel loss is not supported)
-Partial placements are rejected; anything unsupported raises UserError.
+Partial placements are rejected; anything unsupported raises UserError. Under the
+sequence-parallel plan of lazarus.trainer.parallelize (FSDP2 on top) the norms' weights arrive
+Replicate on x's mesh. A local shard that a collective is still filling (DTensor.to_local() can
+return an AsyncCollectiveTensor) is waited on before a kernel reads it.
 """
 
 import torch
