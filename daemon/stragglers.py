@@ -1,17 +1,17 @@
-"""Stragglers across the nodes of a run, as pure policy (DESIGN.md: flag; evict and swap when
-a spare is idle and the cost model says so).
+"""Stragglers across the nodes of a run, as pure policy (docs/architecture.md, "Failure
+classes": flag; evict and swap when a spare is idle and the cost model says so).
 
-Every agent publishes its ranks' last steps (lazarus.agent.throughput summary()); one tracker
-rebuilt from all members' summaries judges each rank step by step against its peers on every
-node, so a node whose ranks are all slow is caught as well as one slow rank among fast ones.
+Every agent publishes a summary of its ranks' last steps (lazarus.core.throughput); all
+members' ranks are judged together against the run's median, so a node whose ranks are all
+slow is caught as well as one slow rank among fast ones. One judgement costs O(ranks log
+ranks) and is made once per view: decide() and ListNodes share it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from lazarus.core.throughput import Straggler, ThroughputConfig, ThroughputTracker
+from lazarus.core.throughput import Straggler, ThroughputConfig, judge, read_summary
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import W_RUNNING, RunStatus
 from lazarus.daemon.actions import Decision, Emit, RequestDrain, SetStatus
@@ -24,26 +24,27 @@ SWAP_MARGIN = 2.0
 
 def find(view: ClusterView, job: JobSpec, st: RunStatus) -> list[Straggler]:
     pol = job.straggler_policy
-    tracker = ThroughputTracker(ThroughputConfig(margin=pol.straggler_margin,
-                                                 min_slow=pol.straggler_steps))
+    config = ThroughputConfig(margin=pol.straggler_margin, min_slow=pol.straggler_steps)
+    deps = (view.revision, st.round, tuple(st.members), config.margin, config.min_slow)
+    memo = view.memo.get("stragglers")
+    if memo is not None and memo[0] == deps:
+        return memo[1]
+    # A node's summary is read again only when its status is a new record: a view kept up to
+    # date in place re-reads the few nodes that wrote since, not all of them.
+    known = view.memo.get("summaries", {})
+    summaries, ranks = {}, []
     for node in st.members:
         ns = view.node_status.get(node)
         if ns is None or ns.round != st.round or ns.workers != W_RUNNING:
             continue
-        ranks = ns.throughput.get("ranks") if isinstance(ns.throughput, dict) else None
-        for rank, doc in (ranks.items() if isinstance(ranks, dict) else ()):
-            rows = doc.get("steps") if isinstance(doc, dict) else None
-            for row in rows if isinstance(rows, list) else ():
-                # garbage from one agent is no evidence against it: each bad row is dropped
-                try:
-                    step, step_time_s, compute_s = row
-                    if all(map(math.isfinite, (step, step_time_s, compute_s))):
-                        tracker.observe(rank=int(rank), step=int(step), node=node, tokens=0,
-                                        step_time_s=float(step_time_s),
-                                        compute_s=float(compute_s))
-                except (TypeError, ValueError, OverflowError):
-                    continue
-    return tracker.stragglers()
+        hit = known.get(node)
+        if hit is None or hit[0] is not ns:
+            hit = (ns, read_summary(node, ns.throughput, window=config.window))
+        summaries[node] = hit
+        ranks.extend(hit[1])
+    found = judge(ranks, config)
+    view.memo["summaries"], view.memo["stragglers"] = summaries, (deps, found)
+    return found
 
 
 def swap_pays(gain_s_per_step: float, swap_cost_s: float,

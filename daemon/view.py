@@ -40,6 +40,11 @@ class ClusterView:
     cancel_job_id: str | None = None       # the run a cancel was meant for, when it says
     checkpoint_request_revision: int = 0
     ignored: dict[str, str] = field(default_factory=dict)  # key -> why it was ignored
+    # What is derived from the view once and read by several (the straggler judgement, for
+    # decide() and ListNodes), each entry stored with what it was derived from (the revision,
+    # or the very record) and used only while that still holds: whoever changes a view in
+    # place moves its revision.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def latest_checkpoint(self) -> CheckpointRecord | None:
         return self.checkpoints[-1] if self.checkpoints else None

@@ -1,4 +1,4 @@
-"""Throughput per rank and node from the step reports, stragglers, and whether a swap pays.
+"""Throughput per rank and node from the step reports, and stragglers judged across ranks.
 
 In synchronous training every rank finishes a step at about the same moment (collectives
 wait for the slowest), so the wall step time barely tells a slow rank from its peers. A rank's
@@ -6,18 +6,30 @@ own work is what differs: reports carry `compute_s` (lazarus.trainer.steptime), 
 straggler test uses it when present. Without it the test falls back to the wall step time,
 which only separates ranks that do not wait for each other every step.
 
-Each agent tracks its own ranks and publishes `summary()` in its node status; the daemon
-rebuilds one tracker from every member's summary (lazarus.daemon.stragglers), so a rank is
-judged against its peers on all nodes, step by step.
+Each agent tracks its own ranks and publishes `summary()` in its node status: per rank the
+work times of its last WINDOW steps, sorted (no step numbers: nothing is compared step by step
+any more), and its median step time. The daemon reads every member's summary back with
+`read_summary()` and `judge()`s all ranks at once: a rank's peers are the median of every
+other rank's median work, one sort for the whole run (O(ranks log ranks)), and the rank is a
+straggler when at least `min_slow` of its window's steps took longer than `margin` x that. A
+node whose ranks are all slow is caught as well as one slow rank among fast ones, as long as
+they are fewer than half of the ranks.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
 
 from lazarus.core.policy import WINDOW
+
+# Work times are published with this many significant digits: exact enough for a margin of
+# a few percent, and a third of the bytes of full floats.
+DIGITS = 4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +59,15 @@ class NodeStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RankSummary:
+    """What the straggler test needs of one rank: its window's work times, sorted."""
+    rank: int
+    node: str
+    work_s: tuple[float, ...]
+    p50_s: float             # median wall step time: what a step costs the run now
+
+
+@dataclass(frozen=True, slots=True)
 class Straggler:
     rank: int
     node: str
@@ -73,17 +94,76 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+def _median(sorted_values) -> float:
+    n = len(sorted_values)
+    return (sorted_values[(n - 1) // 2] + sorted_values[n // 2]) / 2
+
+
+def _median_without(values: list[float], i: int) -> float:
+    """statistics.median of sorted `values` with the element at index i left out; O(1)."""
+    n = len(values) - 1
+    lo, hi = (n - 1) // 2, n // 2
+    return (values[lo if lo < i else lo + 1] + values[hi if hi < i else hi + 1]) / 2
+
+
+def judge(ranks: Iterable[RankSummary], config: ThroughputConfig) -> list[Straggler]:
+    """Stragglers among `ranks`, by rank. One sort of the ranks' medians, then a binary search
+    in each rank's own window: O(R log R + R log M) for R ranks."""
+    ranks = sorted((r for r in ranks if r.work_s), key=lambda r: r.rank)
+    if len(ranks) < 2:
+        return []
+    medians = sorted(_median(r.work_s) for r in ranks)
+    # Leaving one rank out moves the median by at most one place, so no rank's peers are
+    # faster than the run's median without its slowest rank: a rank with fewer than min_slow
+    # steps above margin x that cannot be slow, which settles nearly every rank in O(1).
+    least = config.margin * _median_without(medians, len(medians) - 1)
+    k = config.min_slow
+    out = []
+    for r in ranks:
+        if len(r.work_s) < k or not r.work_s[-k] > least:
+            continue
+        peers = _median_without(medians, bisect.bisect_left(medians, _median(r.work_s)))
+        if not peers > 0:
+            continue
+        slow = r.work_s[bisect.bisect_right(r.work_s, config.margin * peers):]
+        if len(slow) >= k:
+            ratio = _median(slow) / peers
+            out.append(Straggler(rank=r.rank, node=r.node, ratio=ratio, slow_steps=len(slow),
+                                 of_steps=len(r.work_s),
+                                 gain_s_per_step=r.p50_s * (1 - 1 / ratio)))
+    return out
+
+
+def read_summary(node: str, doc: object, *, window: int = WINDOW) -> list[RankSummary]:
+    """The ranks of a node's published `summary()`. Garbage from one agent is no evidence
+    against it: a rank whose entry is malformed is left out, a non-finite time is dropped."""
+    ranks = doc.get("ranks") if isinstance(doc, dict) else None
+    out = []
+    for rank, entry in ranks.items() if isinstance(ranks, dict) else ():
+        try:
+            work, p50 = entry["work_s"], float(entry["p50_s"])
+            if not isinstance(work, list) or len(work) > window:
+                continue
+            # One sum tells whether every time is a finite number (a NaN or an infinity
+            # makes it non-finite, a string raises): the exact check only for the rare bad one.
+            if not math.isfinite(math.fsum(work)):
+                work = [x for x in work if math.isfinite(x)]
+            out.append(RankSummary(rank=int(rank), node=node, work_s=tuple(sorted(work)),
+                                   p50_s=p50 if math.isfinite(p50) else 0.0))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            continue
+    return out
+
+
 class ThroughputTracker:
     def __init__(self, config: ThroughputConfig | None = None):
         self.config = config or ThroughputConfig()
-        self._ranks: dict[int, deque[tuple[int, _Step]]] = {}
+        self._ranks: dict[int, deque[_Step]] = {}
         self._node: dict[int, str] = {}
-        self._steps: OrderedDict[int, dict[int, float]] = OrderedDict()  # step -> rank -> work
 
     def reset(self) -> None:
         self._ranks.clear()
         self._node.clear()
-        self._steps.clear()
 
     def observe(self, *, rank: int, step: int, step_time_s: float, tokens: int,
                 node: str = "", compute_s: float | None = None) -> None:
@@ -91,15 +171,11 @@ class ThroughputTracker:
             return  # a report without timing (the first step of a local session)
         rec = _Step(step_time_s=step_time_s, tokens=tokens,
                     work_s=compute_s if compute_s is not None else step_time_s)
-        self._ranks.setdefault(rank, deque(maxlen=self.config.window)).append((step, rec))
+        self._ranks.setdefault(rank, deque(maxlen=self.config.window)).append(rec)
         self._node[rank] = node
-        self._steps.setdefault(step, {})[rank] = rec.work_s
-        self._steps.move_to_end(step)
-        while len(self._steps) > self.config.window:
-            self._steps.popitem(last=False)
 
     def rank_stats(self, rank: int) -> RankStats:
-        recs = [rec for _, rec in self._ranks[rank]]
+        recs = self._ranks[rank]
         times = sorted(r.step_time_s for r in recs)
         return RankStats(rank=rank, node=self._node[rank], steps=len(recs),
                          tokens_per_s=sum(r.tokens for r in recs) / sum(times),
@@ -113,44 +189,35 @@ class ThroughputTracker:
         out = {}
         for node, ranks in by_node.items():
             stats = [self.rank_stats(r) for r in ranks]
-            times = [rec.step_time_s for r in ranks for _, rec in self._ranks[r]]
+            times = [rec.step_time_s for r in ranks for rec in self._ranks[r]]
             out[node] = NodeStats(node=node, ranks=tuple(ranks),
                                   tokens_per_s=sum(s.tokens_per_s for s in stats),
                                   p50_s=statistics.median(times))
         return out
 
+    def rank_summaries(self) -> list[RankSummary]:
+        return [RankSummary(rank=rank, node=self._node[rank],
+                            work_s=tuple(sorted(_short(r.work_s) for r in recs)),
+                            p50_s=statistics.median(r.step_time_s for r in recs))
+                for rank, recs in sorted(self._ranks.items())]
+
     def summary(self) -> dict:
-        """What a node status carries: per rank its last steps as [step, step_time_s,
-        compute_s] and its throughput; the node's tokens/s and median step time."""
+        """What a node status carries: per rank its window's work times (sorted), step count
+        and throughput; the node's tokens/s and median step time."""
         ranks = {}
-        for rank in sorted(self._ranks):
-            st = self.rank_stats(rank)
-            ranks[str(rank)] = {
-                "steps": [[step, round(rec.step_time_s, 6), round(rec.work_s, 6)]
-                          for step, rec in self._ranks[rank]],
-                "tokens_per_s": round(st.tokens_per_s, 1), "p50_s": round(st.p50_s, 6),
-                "p90_s": round(st.p90_s, 6)}
+        for s in self.rank_summaries():
+            st = self.rank_stats(s.rank)
+            ranks[str(s.rank)] = {"work_s": list(s.work_s), "steps": st.steps,
+                                  "tokens_per_s": round(st.tokens_per_s, 1),
+                                  "p50_s": _short(st.p50_s), "p90_s": _short(st.p90_s)}
         nodes = list(self.node_stats().values())
         return {"ranks": ranks,
                 "tokens_per_s": round(sum(n.tokens_per_s for n in nodes), 1),
-                "p50_s": round(statistics.median([n.p50_s for n in nodes]), 6) if nodes else 0.0}
+                "p50_s": _short(statistics.median([n.p50_s for n in nodes])) if nodes else 0.0}
 
     def stragglers(self) -> list[Straggler]:
-        c = self.config
-        out = []
-        for rank in sorted(self._ranks):
-            ratios, judged = [], 0
-            for by_rank in self._steps.values():
-                if rank not in by_rank or len(by_rank) < 2:
-                    continue
-                judged += 1
-                peers = statistics.median(w for r, w in by_rank.items() if r != rank)
-                if peers > 0 and by_rank[rank] > c.margin * peers:
-                    ratios.append(by_rank[rank] / peers)
-            if len(ratios) >= c.min_slow:
-                ratio = statistics.median(ratios)
-                step_s = self.rank_stats(rank).p50_s
-                out.append(Straggler(rank=rank, node=self._node[rank], ratio=ratio,
-                                     slow_steps=len(ratios), of_steps=judged,
-                                     gain_s_per_step=step_s * (1 - 1 / ratio)))
-        return out
+        return judge(self.rank_summaries(), self.config)
+
+
+def _short(x: float) -> float:
+    return float(f"{x:.{DIGITS}g}")

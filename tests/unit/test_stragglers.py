@@ -128,8 +128,9 @@ def test_a_garbled_straggler_memo_in_run_status_is_reported_over():
 def test_non_finite_numbers_in_a_summary_are_no_evidence_and_no_crash():
     st, statuses = running(1.0)
     doc = statuses[1].throughput
-    doc["ranks"]["2"]["steps"][0] = [float("inf"), 1.0, 1.0]
-    doc["ranks"]["3"]["steps"] = [[1e999, float("nan"), 1.0]] * 20
+    doc["ranks"]["2"]["work_s"][0] = float("inf")
+    doc["ranks"]["3"]["work_s"] = [1e999, float("nan")] * 10
+    doc["ranks"]["3"]["p50_s"] = float("nan")
     d = decide(NOW, view(status=st, spares=("s",), node_status=statuses,
                          j=with_policy(swap_cost_s=10)))
     # rank 2's other 19 steps still show it slow; rank 3's garbage is ignored

@@ -1,8 +1,14 @@
 """Throughput per rank and node, and straggler detection within one tracker."""
 
-import pytest
+import json
+import statistics
 
-from lazarus.core.throughput import ThroughputConfig, ThroughputTracker
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazarus.core.throughput import (RankSummary, ThroughputConfig, ThroughputTracker, judge,
+                                     read_summary)
 
 NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
 
@@ -72,11 +78,56 @@ def test_reports_without_timing_are_ignored():
     assert tr.stragglers() == [] and tr.node_stats() == {}
 
 
-def test_summary_round_trips_the_window_a_daemon_judges():
+def test_summary_carries_each_ranks_window_sorted_and_reads_back():
     tr = ThroughputTracker(ThroughputConfig(window=5))
-    feed(tr, 8, slow={3: set(range(1, 9))}, compute=True)
-    doc = tr.summary()
+    feed(tr, 8, slow={3: {7}}, compute=True)
+    doc = json.loads(json.dumps(tr.summary()))    # as it travels in a node status
     assert sorted(doc["ranks"]) == ["0", "1", "2", "3"]
-    assert [row[0] for row in doc["ranks"]["3"]["steps"]] == [4, 5, 6, 7, 8]
-    assert doc["ranks"]["3"]["steps"][-1][2] == 1.5 and doc["ranks"]["0"]["steps"][-1][2] == 1.0
+    assert doc["ranks"]["3"]["work_s"] == [1.0, 1.0, 1.0, 1.0, 1.5]
+    assert doc["ranks"]["3"]["steps"] == 5
     assert doc["tokens_per_s"] == pytest.approx(4 * 1000 / 1.5, rel=1e-3)
+    back = read_summary("b", doc)
+    assert {r.rank: r.work_s for r in back} == {r.rank: r.work_s for r in tr.rank_summaries()}
+    assert {r.node for r in back} == {"b"}
+
+
+@pytest.mark.parametrize("entry", [
+    {"work_s": "fast", "p50_s": 1.0}, {"work_s": [1.0] * 21, "p50_s": 1.0},
+    {"work_s": {"a": 1}, "p50_s": 1.0}, {"p50_s": 1.0}, 7, {"work_s": [1.0], "p50_s": "x"}])
+def test_a_malformed_rank_in_a_summary_is_left_out(entry):
+    doc = {"ranks": {"0": {"work_s": [1.0], "p50_s": 1.0}, "1": entry}}
+    assert [r.rank for r in read_summary("a", doc)] == [0]
+    assert read_summary("a", "junk") == [] and read_summary("a", {"ranks": [1]}) == []
+
+
+def test_a_whole_node_of_slow_ranks_is_caught_when_it_is_the_minority():
+    work = {r: 1.0 for r in range(12)} | {r: 1.5 for r in range(12, 16)}   # node d: 12..15
+    ranks = [RankSummary(rank=r, node="abcd"[r // 4], work_s=(w,) * 20, p50_s=1.5)
+             for r, w in work.items()]
+    found = judge(ranks, ThroughputConfig())
+    assert [(s.rank, s.node) for s in found] == [(r, "d") for r in range(12, 16)]
+    assert all(s.ratio == pytest.approx(1.5) and s.slow_steps == 20 for s in found)
+
+
+def _brute_force(ranks, config):
+    """The definition, one rank at a time (quadratic): its peers' median is the median of
+    every other rank's median work; it is slow in the steps above margin x that."""
+    out = []
+    for r in ranks:
+        peers = statistics.median(statistics.median(o.work_s) for o in ranks if o is not r)
+        slow = sorted(w for w in r.work_s if w > config.margin * peers)
+        if len(slow) >= config.min_slow:
+            out.append((r.rank, len(slow), statistics.median(slow) / peers))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.5, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0]), min_size=1,
+                         max_size=20), min_size=2, max_size=12),
+       st.integers(min_value=1, max_value=20))
+def test_judge_agrees_with_the_definition(windows, min_slow):
+    config = ThroughputConfig(min_slow=min_slow)
+    ranks = [RankSummary(rank=i, node="n", work_s=tuple(sorted(w)), p50_s=1.0)
+             for i, w in enumerate(windows)]
+    got = [(s.rank, s.slow_steps, pytest.approx(s.ratio)) for s in judge(ranks, config)]
+    assert got == _brute_force(ranks, config)
