@@ -5,20 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v etcd >/dev/null 2>&1; then
-    echo "installing etcd-server (apt)..."
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
-fi
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+APT_UPDATED=""
+# apt_install COMMAND PACKAGE WHY: install PACKAGE unless COMMAND is on PATH already.
+apt_install() {
+    command -v "$1" >/dev/null 2>&1 && return 0
+    echo "installing $2 (apt): $3..."
+    if [ -z "$APT_UPDATED" ]; then $SUDO apt-get update -qq; APT_UPDATED=1; fi
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
 # Debian's package starts a system etcd on 2379; Lazarus starts its own on free ports.
-if ! command -v chromium >/dev/null 2>&1; then
-    # headless browser for `lazarus report --png` and the report's rendering test
-    echo "installing chromium (apt)..."
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-fi
+apt_install etcd etcd-server "the embedded and local-cluster modes"
+apt_install chromium chromium "\`lazarus report --png\` and the report's rendering test"
+apt_install systemd-analyze systemd "\`systemd-analyze verify\` of deploy/systemd/ (tests/deploy)"
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
