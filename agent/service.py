@@ -94,7 +94,7 @@ class Agent:
         self._published_step = -1
         self._published_at = 0.0
         self._watches: list[E.Watch] = []
-        self._etcd_down_since: float | None = None
+        self.outage = E.OutageLog(etcd, log, "workers keep training")
 
     # -- registration ------------------------------------------------------------------------
     def register(self) -> None:
@@ -398,13 +398,12 @@ class Agent:
                 self.register()
                 rev = self.etcd.snapshot([self.keys.root + "run/"]).revision
             except E.EtcdUnavailable as e:
-                log.warning("waiting for etcd: %s", e)
+                self.outage.failed(e)
                 stop.wait(1.0)
         self._watches = [
             self.etcd.watch_prefix(prefix, start_revision=rev + 1,
                                    on_events=lambda _e: self.wake.set(),
-                                   on_resync=lambda: self.etcd.snapshot(
-                                       [self.keys.root]).revision + 1)
+                                   on_resync=lambda: self.etcd.revision() + 1)
             for prefix in (self.keys.root + "run/", self.keys.root + "commands/")]
         next_reconcile = 0.0
         while not stop.is_set():
@@ -419,13 +418,9 @@ class Agent:
                     self.reconcile()
                     next_reconcile = now + 0.5
                 self.publish(force=exited)
-                if self._etcd_down_since is not None:
-                    log.info("etcd is back after %.1f s", time.time() - self._etcd_down_since)
-                    self._etcd_down_since = None
+                self.outage.ok()
             except E.EtcdUnavailable as e:
-                if self._etcd_down_since is None:
-                    self._etcd_down_since = time.time()
-                    log.warning("etcd unreachable (%s); workers keep training", e)
+                self.outage.failed(e)
                 stop.wait(0.5)
         for w in self._watches:
             w.cancel()

@@ -39,14 +39,11 @@ _LATEST = object()
 def round_train_config(job: JobSpec, st: RunStatus, n_nodes: int, restore_step: int) -> dict:
     """The trainer config of a round: the job's [train] with dp for `n_nodes`, plus what
     earlier rollbacks ordered (data windows to skip, a lowered LR for a while)."""
-    train = job.train_config_for(n_nodes)
-    train["good_after_steps"] = job.spike_policy.good_after_steps  # retention keeps a good one
-    if st.skip_windows:
-        train["skip_windows"] = [list(w) for w in st.skip_windows]
-    if st.lr_scale < 1.0 and st.lr_scale_until > restore_step:
-        train["lr_scale"] = st.lr_scale
-        train["lr_scale_steps"] = st.lr_scale_until - restore_step
-    return train
+    lowered = st.lr_scale < 1.0 and st.lr_scale_until > restore_step
+    return job.train_config_for(
+        n_nodes, good_after_steps=job.spike_policy.good_after_steps,  # retention keeps a good one
+        skip_windows=st.skip_windows,
+        lr_scale=(st.lr_scale, st.lr_scale_until - restore_step) if lowered else None)
 
 
 def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
@@ -60,7 +57,7 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     train = round_train_config(job, st, len(members), ckpt.step if ckpt else 0)
     record = RoundRecord(
         round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
-        world_size=job.world_size(len(members)), dp=train["dp"], tp=job.tp,
+        world_size=job.world_size(len(members)), dp=job.dp_for(len(members)), tp=job.tp,
         store_host=first.host, store_port=first.store_port,
         restore=ckpt.path if ckpt else None, restore_step=ckpt.step if ckpt else 0,
         train=train)

@@ -25,7 +25,9 @@ from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.errors import UserError
 from lazarus.core.records import Keys, writer_id
 from lazarus.daemon import api, executor, telemetry
+from lazarus.daemon.compaction import COMPACT_EVERY_S, Compactor
 from lazarus.daemon.decide import decide
+from lazarus.daemon.etcdhealth import EtcdHealth
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.telemetry import TelemetryConfig
 from lazarus.daemon.view import parse
@@ -39,7 +41,8 @@ class Daemon:
     loop (telemetry); etcd being unreachable there is retried like in the pass itself."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = settings.LEASE_TTL_S, tick_s: float = 0.5,
-                 on_pass: Callable[[bool], None] | None = None):
+                 on_pass: Callable[[bool], None] | None = None,
+                 compact_every_s: float = COMPACT_EVERY_S):
         self.etcd = etcd
         self.keys = keys
         self.tick_s = tick_s
@@ -50,8 +53,11 @@ class Daemon:
         self.wake = threading.Event()
         self._last_reason = ""
         self._ignored_logged: set[str] = set()
-        self._etcd_down_since: float | None = None
         self._watch: E.Watch | None = None
+        # etcd's own health (outages, alarms: no evictions meanwhile) and its compaction
+        self.etcd_health = EtcdHealth(etcd, keys, writer=self.writer)
+        self.compactor = Compactor(etcd, every_s=compact_every_s, consumed=lambda: (
+            self._watch.next_revision - 1 if self._watch is not None else 0))
 
     def _prefixes(self) -> list[str]:
         k = self.keys
@@ -61,9 +67,8 @@ class Daemon:
 
     def _start_watch(self) -> None:
         def resync() -> int:
-            self.wake.set()
-            return E.retry(lambda: self.etcd.snapshot([self.keys.root]),
-                           deadline_s=3600).revision + 1
+            self.wake.set()  # the pass re-reads everything; the watch needs a revision only
+            return self.etcd.revision() + 1
 
         rev = E.retry(lambda: self.etcd.snapshot([self.keys.leader]), deadline_s=3600).revision
         self._watch = self.etcd.watch_prefix(self.keys.root, start_revision=rev + 1,
@@ -86,7 +91,7 @@ class Daemon:
         if decision.reason != self._last_reason:
             log.info("%s", decision.reason)
             self._last_reason = decision.reason
-        if not decision.actions:
+        if not decision.actions or self.etcd_health.hold(decision, view):
             return
         if executor.apply(self.etcd, self.keys, self.leadership, decision, view, now=now,
                           writer=self.writer):
@@ -101,17 +106,15 @@ class Daemon:
             self.wake.wait(self.tick_s)
             self.wake.clear()
             try:
+                self.etcd_health.poll(self.leadership)  # reads: works under NOSPACE too
                 self.step()
                 if self.on_pass is not None:
                     self.on_pass(self.leadership.is_leader)
-                if self._etcd_down_since is not None:
-                    log.info("etcd is back after %.1f s", time.time() - self._etcd_down_since)
-                    self._etcd_down_since = None
+                self.compactor.tick(leading=self.leadership.is_leader)
+                self.etcd_health.ok()
                 backoff.reset()
             except E.EtcdUnavailable as e:
-                if self._etcd_down_since is None:
-                    self._etcd_down_since = time.time()
-                    log.warning("etcd unreachable (%s); the run goes on, retrying", e)
+                self.etcd_health.failed(e)
                 stop.wait(backoff.next())
         if self._watch is not None:
             self._watch.cancel()
@@ -120,7 +123,8 @@ class Daemon:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus daemon", description=__doc__.splitlines()[0])
-    settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT, or 'embedded' to start one "
+    settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT, several members "
+                                        "HOST:PORT,HOST:PORT,..., or 'embedded' to start one "
                                         "(default %(default)s)",
                            lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds")
     p.add_argument("--job", help="submit this job file (TOML) at start")

@@ -42,41 +42,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
 
-from lazarus.core.errors import UserError
+from lazarus.core.trainconfig import GuardConfig
 
 # 1.4826 * MAD is the standard deviation of normally distributed values.
 MAD_TO_STD = 1.4826
 # Noise floor relative to the median: see the module docstring.
 RELATIVE_FLOOR = 0.01
-
-
-@dataclass(kw_only=True, slots=True)
-class GuardConfig:
-    """Spike detection policy. In a job's [train] table each field is `guard_<field>`.
-
-    window: accepted steps of history the statistics are taken over (>= 1).
-    threshold: robust z-score above which a loss or gradient norm is a spike (> 1; `inf`
-        turns spike detection off and keeps only the NaN/Inf check).
-    min_history: accepted steps needed before any spike verdict (1 <= min_history <= window).
-    grad_ratio: a gradient norm is a spike only at this many times its median, too (>= 1).
-    """
-    window: int = 50
-    threshold: float = 6.0
-    min_history: int = 25
-    grad_ratio: float = 8.0
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise UserError(f"guard_window must be at least 1, got {self.window}")
-        if not self.threshold > 1:
-            raise UserError(f"guard_threshold must be greater than 1 (a robust z-score), got {self.threshold}")
-        if not self.grad_ratio >= 1:
-            raise UserError(f"guard_grad_ratio must be at least 1, got {self.grad_ratio}")
-        if not 1 <= self.min_history <= self.window:
-            raise UserError(f"guard_min_history must be between 1 and guard_window ({self.window}), "
-                            f"got {self.min_history}")
 
 
 class Guard:

@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from lazarus.core.errors import UserError
-from lazarus.trainer.config import TrainConfig, load_toml
+from lazarus.core.batching import plan_batches
 from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
+from lazarus.core.errors import UserError
+from lazarus.core.modelconfig import get_model_config
+from lazarus.core.trainconfig import TrainConfig, load_toml
 
 # After one rank fails, how long the others get to exit on SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
@@ -28,44 +30,56 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lazarus train", argument_default=argparse.SUPPRESS,
         description="Train on this machine. Settings come from --config JOB.toml ([train] "
-                    "table) and flags; a flag overrides the file.")
+                    "table and its sections) and flags; a flag overrides the file.")
+
+    def setting(flag: str, dest: str, **kw) -> None:
+        # dest is the setting's place in [train]: "section.key" (lazarus.core.trainconfig)
+        if kw.get("action") not in ("store_true", "store_false"):
+            kw.setdefault("metavar", dest.rpartition(".")[2].upper())
+        kw["help"] = f"{kw['help']} [{dest}]" if "help" in kw else f"[{dest}]"
+        p.add_argument(flag, dest=dest, **kw)
+
     p.add_argument("--config", metavar="JOB.toml", help="TOML job file with a [train] table")
     p.add_argument("--nproc", type=int, help="worker processes (default: dp x tp)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: nproc / tp)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
-    p.add_argument("--model", help="model size: tiny, small, 1b, 8b")
-    p.add_argument("--steps", type=int, help="optimizer steps to train to")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step, fixed whatever dp is")
-    p.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: derived)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, help="final learning rate")
-    p.add_argument("--warmup-steps", type=int)
-    p.add_argument("--schedule", help="cosine or wsd (warmup-stable-decay)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--data", metavar="DIR", help="corpus directory (default: the built-in stdlib corpus)")
-    p.add_argument("--ckpt-dir", metavar="DIR")
-    p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end only)")
-    p.add_argument("--keep-last", type=int, help="committed checkpoints to keep")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
-                   help="continue from CHECKPOINT, or without a value from the newest committed one in --ckpt-dir")
-    p.add_argument("--metrics", metavar="FILE", help="append one JSON line per step to FILE")
-    p.add_argument("--fused-kernels", action="store_true", help="use the Triton kernels")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
-    p.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false",
-                   help="block training while a checkpoint is written")
-    p.add_argument("--guard-window", type=int, help="accepted steps the spike statistics cover (default 50)")
-    p.add_argument("--guard-threshold", type=float,
-                   help="robust z-score (median/MAD) above which a loss or grad norm is a spike (default 6)")
-    p.add_argument("--guard-min-history", type=int, help="accepted steps before any spike verdict (default 25)")
-    p.add_argument("--skip-window", dest="skip_windows", action="append", metavar="FIRST:LAST",
-                   help="never train on data cursors FIRST..LAST (inclusive; a spike's window); repeatable")
-    p.add_argument("--lr-scale", type=float, help="multiply the lr by this for --lr-scale-steps steps")
-    p.add_argument("--lr-scale-steps", type=int, help="steps after the start (or restore) step that --lr-scale covers")
-    p.add_argument("--inject", action="append", metavar="KIND@STEP",
-                   help="fault injection: loss-spike@STEP (a poisoned batch) or diverge@STEP (poisoned data for "
-                        "several steps); repeatable")
+    setting("--steps", "steps", type=int, help="optimizer steps to train to")
+    setting("--seed", "seed", type=int)
+    setting("--metrics", "metrics", metavar="FILE", help="append one JSON line per step to FILE")
+    setting("--model", "model.name", help="model size: tiny, small, 1b, 8b")
+    setting("--fused-kernels", "model.fused_kernels", action="store_true", help="use the Triton kernels")
+    setting("--dp", "parallelism.dp", type=int, help="data-parallel degree (default: nproc / tp)")
+    setting("--tp", "parallelism.tp", type=int, help="tensor-parallel degree (default 1)")
+    setting("--activation-checkpointing", "parallelism.activation_checkpointing", action="store_true")
+    setting("--compile", "parallelism.compile", action="store_true", help="torch.compile each block")
+    setting("--lr", "optimizer.lr", type=float, help="peak learning rate")
+    setting("--min-lr", "optimizer.min_lr", type=float, help="final learning rate")
+    setting("--warmup-steps", "optimizer.warmup_steps", type=int)
+    setting("--schedule", "optimizer.schedule", help="cosine or wsd (warmup-stable-decay)")
+    setting("--lr-scale", "optimizer.lr_scale", type=float,
+            help="multiply the lr by this for --lr-scale-steps steps")
+    setting("--lr-scale-steps", "optimizer.lr_scale_steps", type=int,
+            help="steps after the start (or restore) step that --lr-scale covers")
+    setting("--data", "data.dir", metavar="DIR", help="corpus directory (default: the built-in stdlib corpus)")
+    setting("--global-batch", "data.global_batch", type=int,
+            help="sequences per optimizer step, fixed whatever dp is")
+    setting("--micro-batch", "data.micro_batch", type=int, help="sequences per forward pass (default: derived)")
+    setting("--seq-len", "data.seq_len", type=int, help="tokens per sequence")
+    setting("--skip-window", "data.skip_windows", action="append", metavar="FIRST:LAST",
+            help="never train on data cursors FIRST..LAST (inclusive; a spike's window); repeatable")
+    setting("--ckpt-dir", "checkpoint.dir", metavar="DIR")
+    setting("--ckpt-every", "checkpoint.every", type=int, help="checkpoint every N steps (0: at the end only)")
+    setting("--keep-last", "checkpoint.keep_last", type=int, help="committed checkpoints to keep")
+    setting("--resume", "checkpoint.resume", nargs="?", const="latest", metavar="CHECKPOINT",
+            help="continue from CHECKPOINT, or without a value from the newest committed one in --ckpt-dir")
+    setting("--sync-checkpoint", "checkpoint.async_save", action="store_false",
+            help="block training while a checkpoint is written")
+    setting("--guard-window", "guard.window", type=int,
+            help="accepted steps the spike statistics cover (default 50)")
+    setting("--guard-threshold", "guard.threshold", type=float,
+            help="robust z-score (median/MAD) above which a loss or grad norm is a spike (default 6)")
+    setting("--guard-min-history", "guard.min_history", type=int,
+            help="accepted steps before any spike verdict (default 25)")
+    setting("--guard-grad-ratio", "guard.grad_ratio", type=float,
+            help="a grad norm spike must also be this many times its median (default 8)")
     return p
 
 
@@ -74,17 +88,23 @@ def job_from_args(argv: list[str]) -> tuple[TrainConfig, int]:
     args = vars(_parser().parse_args(argv))
     settings = load_toml(args.pop("config")) if "config" in args else {}
     nproc = args.pop("nproc", None)
-    if "skip_windows" in args:
-        args["skip_windows"] = [_cursor_span(text) for text in args["skip_windows"]]
-    settings.update(args)
-    if nproc is not None and "dp" not in settings:
-        tp = settings.get("tp", 1)
+    if "data.skip_windows" in args:
+        args["data.skip_windows"] = [_cursor_span(text) for text in args["data.skip_windows"]]
+    for dotted, value in args.items():
+        section, _, key = dotted.rpartition(".")
+        table = settings.setdefault(section, {}) if section else settings
+        if isinstance(table, dict):  # else from_dict names the section that is no table
+            table[key] = value
+    par = settings.get("parallelism", {})
+    if nproc is not None and isinstance(par, dict) and "dp" not in par:
+        tp = par.get("tp", 1)
         if isinstance(tp, int) and tp > 0 and nproc % tp == 0:
-            settings["dp"] = nproc // tp
+            settings["parallelism"] = {**par, "dp": nproc // tp}
     cfg = TrainConfig.from_dict(settings)
-    nproc = cfg.dp * cfg.tp if nproc is None else nproc
-    if cfg.dp * cfg.tp != nproc:
-        raise UserError(f"mesh dp={cfg.dp} x tp={cfg.tp} = {cfg.dp * cfg.tp} ranks does not match --nproc {nproc}")
+    dp, tp = cfg.parallelism.dp, cfg.parallelism.tp
+    nproc = dp * tp if nproc is None else nproc
+    if dp * tp != nproc:
+        raise UserError(f"mesh dp={dp} x tp={tp} = {dp * tp} ranks does not match --nproc {nproc}")
     return cfg, nproc
 
 
@@ -101,26 +121,27 @@ def check_inputs(cfg: TrainConfig) -> str | None:
     from lazarus.trainer import checkpoint as ckpt
     from lazarus.trainer.data import TokenDataset, ensure_corpus
 
-    if cfg.fused_kernels:
+    data, ck = cfg.data, cfg.checkpoint
+    if cfg.model.fused_kernels:
         from lazarus.trainer.models.llama import select_ops
 
         select_ops(fused=True)  # UserError here, not in every rank, if the kernels are missing
-    dataset = TokenDataset(ensure_corpus(Path(cfg.data) if cfg.data else None), cfg.seq_len)
-    if cfg.global_batch > len(dataset):
-        raise UserError(f"global batch {cfg.global_batch} is larger than the corpus "
-                        f"({len(dataset)} sequences of {cfg.seq_len + 1} tokens)")
-    if cfg.resume is None:
-        if cfg.ckpt_dir is not None and ckpt.latest_checkpoint(Path(cfg.ckpt_dir)) is not None:
-            raise UserError(f"{cfg.ckpt_dir} already holds checkpoints: pass --resume to continue "
+    dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
+    if data.global_batch > len(dataset):
+        raise UserError(f"global batch {data.global_batch} is larger than the corpus "
+                        f"({len(dataset)} sequences of {data.seq_len + 1} tokens)")
+    if ck.resume is None:
+        if ck.dir is not None and ckpt.latest_checkpoint(Path(ck.dir)) is not None:
+            raise UserError(f"{ck.dir} already holds checkpoints: pass --resume to continue "
                             f"that run, or choose another --ckpt-dir")
         return None
-    if cfg.resume == "latest":
-        found = ckpt.latest_checkpoint(Path(cfg.ckpt_dir))
+    if ck.resume == "latest":
+        found = ckpt.latest_checkpoint(Path(ck.dir))
         if found is None:
-            raise UserError(f"--resume: no committed checkpoint in {cfg.ckpt_dir}")
+            raise UserError(f"--resume: no committed checkpoint in {ck.dir}")
         return str(found)
-    ckpt.read_manifest(Path(cfg.resume))  # committed? (the workers verify checksums as they load)
-    return cfg.resume
+    ckpt.read_manifest(Path(ck.resume))  # committed? (the workers verify checksums as they load)
+    return ck.resume
 
 
 def _die_with_parent() -> None:
@@ -184,15 +205,13 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from lazarus.trainer.batching import plan_batches
-    from lazarus.trainer.models import get_model_config
-
     if cfg.metrics and restore is None:
         Path(cfg.metrics).write_text("")  # a fresh run starts a fresh metrics file
-    plan = plan_batches(cfg.global_batch, cfg.dp, cfg.micro_batch)
-    print(f"lazarus train: model {cfg.model} ({get_model_config(cfg.model).num_params():,} params), "
-          f"dp {cfg.dp} x tp {cfg.tp}, global batch {cfg.global_batch} = micro {plan.micro_batch} x "
-          f"dp {cfg.dp} x accumulation {plan.accumulation}, seq_len {cfg.seq_len}, {cfg.steps} steps",
+    data, dp, tp = cfg.data, cfg.parallelism.dp, cfg.parallelism.tp
+    plan = plan_batches(data.global_batch, dp, data.micro_batch)
+    print(f"lazarus train: model {cfg.model.name} ({get_model_config(cfg.model.name).num_params():,} params), "
+          f"dp {dp} x tp {tp}, global batch {data.global_batch} = micro {plan.micro_batch} x "
+          f"dp {dp} x accumulation {plan.accumulation}, seq_len {data.seq_len}, {cfg.steps} steps",
           flush=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return supervise(spawn_workers(cfg, nproc, restore=restore, store_port=store.port))

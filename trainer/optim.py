@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from lazarus.core.errors import UserError
-
-SCHEDULES = ("cosine", "wsd")
+from lazarus.core.trainconfig import SCHEDULES
 
 
 @dataclass(kw_only=True, slots=True)

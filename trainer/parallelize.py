@@ -11,8 +11,6 @@ clip_grad_norm_ ("All operands in aten.stack.default must have the same mesh").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,16 +24,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lazarus.core.errors import UserError
-from lazarus.trainer.models import ModelConfig, Transformer
-
-
-@dataclass(kw_only=True, slots=True)
-class ParallelConfig:
-    dp: int
-    tp: int
-    activation_checkpointing: bool = False
-    compile: bool = False
+from lazarus.core.modelconfig import ModelConfig
+from lazarus.core.trainconfig import ParallelConfig
+from lazarus.trainer.models import Transformer
 
 
 def device_type() -> str:
@@ -44,20 +35,6 @@ def device_type() -> str:
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
-
-
-def check_tp_fits(cfg: ModelConfig, tp: int, seq_len: int) -> None:
-    """UserError unless every dimension TP splits divides by tp."""
-    splits = {
-        "attention heads": cfg.n_heads,
-        "key/value heads": cfg.n_kv_heads,
-        "ffn hidden size": cfg.ffn_hidden,
-        "vocabulary": cfg.vocab_size,
-        "sequence length (sequence parallel)": seq_len,
-    }
-    for what, n in splits.items():
-        if n % tp:
-            raise UserError(f"tp={tp} does not divide the model's {what} ({n})")
 
 
 def build_mesh(device: str, *, dp: int, tp: int) -> DeviceMesh:

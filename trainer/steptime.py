@@ -1,5 +1,4 @@
-"""A rank's own compute time per step, for the straggler test; and the faults that stretch
-step time: a slow node (Slowdown) and stalls that a hang detector must sit out (Stalls).
+"""A rank's own compute time per step, for the straggler test.
 
 In synchronous training every rank's wall step time is the slowest rank's (the collectives
 wait), so the agents compare what each rank spent working instead:
@@ -16,15 +15,9 @@ Values are comparable between the ranks of one job, which is all the straggler t
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
-
-from lazarus.sim.chaos import SLOWDOWN_ENV
-from lazarus.core.errors import UserError
 
 _PROBE_N = 1024
 
@@ -61,81 +54,3 @@ class ComputeClock:
             self._last = begin.elapsed_time(end) / 1000.0
         del self._pending[:-4]  # a probe that never finishes is not worth waiting for
         return self._last
-
-
-class Slowdown:
-    """Fault injection: burn CPU so that this rank's step work takes `factor` times as long,
-    as a slower machine would. Reads the script named by LAZARUS_SLOWDOWN_FILE, at most once
-    per change (a stat per step)."""
-
-    def __init__(self, path: str | None = None):
-        self.path = Path(path) if path else None
-        self._mtime: float | None = None
-        self.factor = 1.0
-
-    @classmethod
-    def from_env(cls) -> "Slowdown":
-        return cls(os.environ.get(SLOWDOWN_ENV))
-
-    def refresh(self) -> float:
-        if self.path is None:
-            return 1.0
-        try:
-            mtime = self.path.stat().st_mtime
-        except OSError:
-            self._mtime, self.factor = None, 1.0
-            return self.factor
-        if mtime != self._mtime:
-            self._mtime = mtime
-            try:
-                factor = float(json.loads(self.path.read_text())["factor"])
-                self.factor = factor if factor >= 1.0 else 1.0
-            except (OSError, ValueError, KeyError, TypeError):
-                self.factor = 1.0  # a script being rewritten: read it again next step
-                self._mtime = None
-        return self.factor
-
-    def apply(self, clock: ComputeClock) -> None:
-        """Spin until the step's CPU time is `factor` times what it was."""
-        if self.factor <= 1.0:
-            return
-        target = clock.elapsed_cpu() * self.factor
-        while clock.elapsed_cpu() < target:
-            sum(range(2000))
-
-
-STALL_PHASES = ("step", "checkpoint")
-
-
-def parse_stall(spec: str) -> tuple[str, int]:
-    phase, _, step = spec.partition("@")
-    if phase not in STALL_PHASES or not step.isdigit() or int(step) < 1:
-        raise UserError(f"stall {spec!r} is not PHASE@STEP with PHASE one of "
-                        f"{', '.join(STALL_PHASES)} and STEP >= 1")
-    return phase, int(step)
-
-
-class Stalls:
-    """Fault injection (TrainConfig.stalls): pause every rank for `seconds` in a phase, once
-    per run; a marker file beside the checkpoints remembers a stall that happened, so a
-    restarted round does not pause again."""
-
-    def __init__(self, specs: list[str], seconds: float, marker_dir: Path):
-        self.pending = [parse_stall(s) for s in specs]
-        self.seconds, self.marker_dir = seconds, marker_dir
-
-    def maybe(self, phase: str, step: int) -> None:
-        for item in list(self.pending):
-            kind, at = item
-            if kind != phase or step < at or (kind == "step" and step != at):
-                continue
-            self.pending.remove(item)
-            marker = self.marker_dir / f".stall-{kind}-{at}"
-            if marker.exists():
-                continue
-            time.sleep(self.seconds)
-            try:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-            except OSError:
-                pass  # a full disk (disk-full chaos): the stall may come again, nothing worse

@@ -2,7 +2,8 @@
 
 Each step reads top to bottom: data window -> lr -> micro-steps -> guard -> clip -> step ->
 log -> checkpoint. The process group is already initialised by the caller
-(lazarus.trainer.worker).
+(lazarus.trainer.worker). At each phase boundary the rank reports the phase to its agent and
+calls the phase hooks (lazarus.trainer.hooks): the one seam for code outside the trainer.
 
 A step whose batch the guard rejects (trainer/guard.py) updates nothing; its metrics line
 (and session report) carries ``"skipped": true`` and a ``"spike"`` record::
@@ -17,7 +18,6 @@ A step whose batch the guard rejects (trainer/guard.py) updates nothing; its met
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,21 +26,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lazarus.core.batching import plan_batches
+from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
-from lazarus.trainer.batching import plan_batches
-from lazarus.trainer.config import TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.guard import Guard
+from lazarus.trainer.hooks import PhaseHooks, StepContext
 from lazarus.trainer.models import Transformer, get_model_config
-from lazarus.trainer.optim import build_optimizer, lr_at, set_lr
-from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model, device_type
+from lazarus.trainer.optim import ScheduleConfig, build_optimizer, lr_at, set_lr
+from lazarus.trainer.parallelize import build_mesh, build_model, device_type
 from lazarus.trainer.session import Session
-from lazarus.trainer.steptime import ComputeClock, Slowdown, Stalls
+from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
-
-# Exit code of a rank killed by fault injection (LAZARUS_FAIL_AT): tests tell it apart from a
-# real failure.
-FAULT_EXIT_CODE = 43
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,33 +113,30 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 
 
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
-          fail_at_step: int | None = None) -> None:
-    """Train to cfg.steps. `restore` is a committed checkpoint to continue from.
-
-    `fail_at_step` (fault injection): this rank dies at the start of that step, after any
-    checkpoint in flight has been committed, so a test knows which checkpoint survives.
-    """
+          hooks: PhaseHooks | None = None) -> None:
+    """Train to cfg.steps. `restore` is a committed checkpoint to continue from; `hooks` are
+    called at every phase boundary (lazarus.trainer.hooks)."""
     rank = dist.get_rank()
     kind = device_type()
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    mesh = build_mesh(kind, dp=cfg.dp, tp=cfg.tp)
+    par, opt, data, ck = cfg.parallelism, cfg.optimizer, cfg.data, cfg.checkpoint
+    mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
     torch.manual_seed(cfg.seed)
 
-    model_cfg = get_model_config(cfg.model)
-    model = build_model(model_cfg, mesh,
-                        ParallelConfig(dp=cfg.dp, tp=cfg.tp, activation_checkpointing=cfg.activation_checkpointing,
-                                       compile=cfg.compile),
-                        seed=cfg.seed, fused_kernels=cfg.fused_kernels)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    plan = plan_batches(cfg.global_batch, cfg.dp, cfg.micro_batch)
-    dataset = TokenDataset(ensure_corpus(Path(cfg.data) if cfg.data else None), cfg.seq_len)
-    loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=cfg.global_batch,
-                            dp_rank=mesh["dp"].get_local_rank(), dp_size=cfg.dp, micro_batch=plan.micro_batch)
-    schedule = cfg.schedule_config()
+    model_cfg = get_model_config(cfg.model.name)
+    model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels)
+    optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
+    plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
+    dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
+    loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,
+                            dp_rank=mesh["dp"].get_local_rank(), dp_size=par.dp, micro_batch=plan.micro_batch)
+    schedule = ScheduleConfig(schedule=opt.schedule, lr=opt.lr, min_lr=opt.min_lr,
+                              warmup_steps=opt.warmup_steps, total_steps=cfg.steps,
+                              decay_fraction=opt.wsd_decay_fraction)
 
     step = 0
     extra: dict = {}
-    guard = Guard(cfg.guard_config())
+    guard = Guard(cfg.guard)
     if restore is not None:
         extra = ckpt.load_checkpoint(Path(restore), model, optimizer)
         step = int(extra["step"])
@@ -151,8 +145,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             guard.load_state_dict(extra["guard"])
         if rank == 0:
             print(f"resumed from {restore} at step {step}", flush=True)
-    windows = DataWindows(loader, skip=cfg.skip_windows, inject=cfg.inject, vocab_size=model_cfg.vocab_size)
-    lr_scaled = lr_scale_span(cfg, step, extra)
+    windows = DataWindows(loader, skip=data.skip_windows)
+    lr_scaled = lr_scale_span(opt, step, extra)
 
     groups = [dist.group.WORLD] + [mesh.get_group(d) for d in mesh.mesh_dim_names]
 
@@ -161,65 +155,62 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         # program, so the agent can tell which rank the others wait for.
         return sum(g._get_sequence_number_for_group() for g in groups)
 
-    hang_at_step = (cfg.hang_at_step if cfg.hang_at_step and rank == cfg.hang_rank
-                    and not _hang_marker(cfg).exists() else None)
     skipped_steps: list[int] = []  # this process's rejected steps: they make a checkpoint bad
 
     restored_step = step
     judged = [step]  # the last step whose guard verdict is in: retention runs in the background
 
     def is_good(ckpt_step: int) -> bool:
-        # DESIGN.md: good = committed, and no spike in the steps after it (here seen to the
-        # end of that span: a checkpoint too recent to judge is not good yet). The one this
-        # process restored from was judged good by whoever chose it.
+        # Good = committed, and no spike in the steps after it (docs/architecture.md,
+        # "Checkpoints"), here seen to the end of that span: a checkpoint too recent to judge
+        # is not good yet. The one this process restored from was judged good by whoever
+        # chose it.
         if ckpt_step == restored_step and restore is not None:
             return True
-        return (ckpt_step + cfg.good_after_steps <= judged[0]
-                and not any(ckpt_step < s <= ckpt_step + cfg.good_after_steps
+        return (ckpt_step + ck.good_after_steps <= judged[0]
+                and not any(ckpt_step < s <= ckpt_step + ck.good_after_steps
                             for s in skipped_steps))
 
-    checkpointer = (ckpt.Checkpointer(Path(cfg.ckpt_dir), keep_last=cfg.keep_last,
-                                      is_good=is_good)
-                    if cfg.ckpt_dir is not None else None)
+    checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good)
+                    if ck.dir is not None else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
-    clock, slowdown = ComputeClock(device), Slowdown.from_env()
-    stalls = Stalls(cfg.stalls, cfg.stall_s, Path(cfg.ckpt_dir or "."))
+    clock = ComputeClock(device)
+    hooks = hooks or PhaseHooks()
+    ctx = StepContext(cfg=cfg, rank=rank, loader=loader, clock=clock,
+                      settle=checkpointer.wait if checkpointer is not None else lambda: None)
+
+    def enter(phase: str, **op) -> None:
+        session.progress(step, phase, _collectives(), **op)
+        hooks(phase, ctx)
+
     try:
         while step < cfg.steps:
             step += 1
-            if fail_at_step == step:
-                if checkpointer is not None:
-                    checkpointer.wait()
-                os._exit(FAULT_EXIT_CODE)
             t0 = time.perf_counter()
             clock.start()
-            slowdown.refresh()
+            ctx.step, ctx.window, ctx.batch = step, None, None
 
-            session.progress(step, "data", _collectives())
+            enter("data")
             window, left_out = windows.next_window()
             if rank == 0:
                 for w in left_out:
                     print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
             lr = lr_at(step, schedule)
             if lr_scaled is not None and lr_scaled[0] <= step <= lr_scaled[1]:
-                lr *= cfg.lr_scale
+                lr *= opt.lr_scale
             set_lr(optimizer, lr)
-            batch = windows.poison(window, loader.next_step())
-            if hang_at_step == step:
-                _hang_here(cfg, step)  # before "forward": the peers then wait on this rank
-            session.progress(step, "forward", _collectives())
-            stalls.maybe("step", step)
-            loss_t, norm_t = forward_backward(model, batch, device=device, loss_group=dp_group)
-            slowdown.apply(clock)
-            session.progress(step, "collective", _collectives(), op="all_reduce")
+            ctx.window, ctx.batch = window, loader.next_step()
+            enter("forward")
+            loss_t, norm_t = forward_backward(model, ctx.batch, device=device, loss_group=dp_group)
+            enter("collective", op="all_reduce")
             loss, grad_norm = agreed(loss_t, norm_t)
-            session.progress(step, "optimizer", _collectives())
+            enter("optimizer")
             reason = guard.observe(loss, grad_norm)
-            finish_step(model, optimizer, norm_t, grad_clip=cfg.grad_clip, apply=reason is None)
+            finish_step(model, optimizer, norm_t, grad_clip=opt.grad_clip, apply=reason is None)
 
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
-                                tokens=cfg.global_batch * cfg.seq_len, step_time_s=time.perf_counter() - t0)
+                                tokens=data.global_batch * data.seq_len, step_time_s=time.perf_counter() - t0)
             compute_s = clock.stop()
             if reason is None:
                 session.report(**_fields(result), skipped=False, compute_s=compute_s,
@@ -239,15 +230,14 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
 
             judged[0] = step
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
-                session.progress(step, "checkpoint", _collectives())
-                stalls.maybe("checkpoint", step)
+                enter("checkpoint")
                 checkpointer.save(step, model, optimizer,
                                   {"step": step, "loader": loader.state_dict(),
-                                   "schedule": _fields(schedule), "global_batch": cfg.global_batch,
+                                   "schedule": _fields(schedule), "global_batch": data.global_batch,
                                    "guard": guard.state_dict(),
-                                   **({"lr_scale": {"scale": cfg.lr_scale, "first": lr_scaled[0],
+                                   **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
                                                     "last": lr_scaled[1]}} if lr_scaled else {})},
-                                  async_save=cfg.async_checkpoint, commit_gate=session.may_commit,
+                                  async_save=ck.async_save, commit_gate=session.may_commit,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
                                   # a full or read-only disk costs this checkpoint, not the run
                                   on_fail=session.checkpoint_failed)
@@ -258,34 +248,19 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             metrics.close()
 
 
-def _hang_marker(cfg: TrainConfig) -> Path:
-    return Path(cfg.ckpt_dir or ".") / f".hang-injected-{cfg.hang_at_step}"
-
-
-def _hang_here(cfg: TrainConfig, step: int) -> None:
-    """Fault injection (hang_at_step): stop forever, as a rank stuck in a driver call would.
-    Once per run: a marker next to the checkpoints keeps the restarted round from hanging
-    again at the same step."""
-    _hang_marker(cfg).parent.mkdir(parents=True, exist_ok=True)
-    _hang_marker(cfg).touch()
-    print(f"injected hang at step {step}", flush=True)
-    while True:
-        time.sleep(3600)
-
-
-def lr_scale_span(cfg: TrainConfig, start_step: int, extra: dict) -> tuple[int, int] | None:
-    """The optimizer steps (first, last) that run at lr x cfg.lr_scale (see TrainConfig).
+def lr_scale_span(opt: OptimizerConfig, start_step: int, extra: dict) -> tuple[int, int] | None:
+    """The optimizer steps (first, last) that run at lr x opt.lr_scale (see OptimizerConfig).
 
     A checkpoint records its run's span; resuming it under the same order continues that span,
     so a restart in the middle of it changes nothing. A new order starts after `start_step`.
     """
-    if cfg.lr_scale_steps == 0 or cfg.lr_scale == 1.0:
+    if opt.lr_scale_steps == 0 or opt.lr_scale == 1.0:
         return None
     recorded = extra.get("lr_scale")
-    if (recorded is not None and recorded["scale"] == cfg.lr_scale
-            and recorded["last"] - recorded["first"] + 1 == cfg.lr_scale_steps):
+    if (recorded is not None and recorded["scale"] == opt.lr_scale
+            and recorded["last"] - recorded["first"] + 1 == opt.lr_scale_steps):
         return recorded["first"], recorded["last"]
-    return start_step + 1, start_step + cfg.lr_scale_steps
+    return start_step + 1, start_step + opt.lr_scale_steps
 
 
 def _log(metrics, row: dict) -> None:
@@ -296,7 +271,7 @@ def _log(metrics, row: dict) -> None:
 
 def _checkpoint_now(session: Session, step: int, cfg: TrainConfig, device: torch.device) -> bool:
     """Every rank must reach the same answer: a save is collective."""
-    wanted = session.should_checkpoint(step, cfg.ckpt_every) or step == cfg.steps
+    wanted = session.should_checkpoint(step, cfg.checkpoint.every) or step == cfg.steps
     if session.connected:
         # A daemon request reaches the ranks' agents at slightly different times; take it
         # if any rank has it.

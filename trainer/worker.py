@@ -13,21 +13,16 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import timedelta
 
 from lazarus.core import exitcodes
 from lazarus.core.contract import ASSIGNMENT_ENV, PG_TIMEOUT_ENV, STACKS_ENV, WorkerAssignment
 from lazarus.core.errors import CheckpointError, UserError
+from lazarus.core.trainconfig import TrainConfig
+from lazarus.trainer import hooks as phase_hooks
 
-# Fault injection for tests: "STEP" or "STEP:RANK" (rank 0 if omitted) kills that rank at the
-# start of that step.
-FAIL_AT_ENV = "LAZARUS_FAIL_AT"
 # How long init waits for the store and for every peer of the round to show up.
 STORE_TIMEOUT = timedelta(seconds=300)
-
-
-
 
 # Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.
 _PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken pipe",
@@ -43,14 +38,6 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
-
-
-def _fail_at_step(rank: int) -> int | None:
-    spec = os.environ.get(FAIL_AT_ENV)
-    if not spec:
-        return None
-    step, _, target = spec.partition(":")
-    return int(step) if int(target or 0) == rank else None
 
 
 def _pg_timeout() -> timedelta:
@@ -70,7 +57,6 @@ def run(assignment: WorkerAssignment) -> int:
     import torch
     import torch.distributed as dist
 
-    from lazarus.trainer.config import TrainConfig
     from lazarus.trainer.parallelize import backend_for, device_type
     from lazarus.trainer.session import connect
     from lazarus.trainer.train import train
@@ -84,9 +70,11 @@ def run(assignment: WorkerAssignment) -> int:
         from lazarus.trainer.stackdump import enable_stack_dumps
         enable_stack_dumps(os.environ[STACKS_ENV])
     cfg = TrainConfig.from_dict(a.train)
-    if cfg.dp * cfg.tp != a.world_size:
-        raise UserError(f"mesh dp {cfg.dp} x tp {cfg.tp} = {cfg.dp * cfg.tp} ranks, but the "
+    dp, tp = cfg.parallelism.dp, cfg.parallelism.tp
+    if dp * tp != a.world_size:
+        raise UserError(f"mesh dp {dp} x tp {tp} = {dp * tp} ranks, but the "
                         f"assignment's world size is {a.world_size}")
+    hooks = phase_hooks.from_env()
     device = device_type()
     if device == "cuda":
         torch.cuda.set_device(a.local_rank)
@@ -96,7 +84,7 @@ def run(assignment: WorkerAssignment) -> int:
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
     try:
-        train(cfg, session=session, restore=a.restore, fail_at_step=_fail_at_step(a.rank))
+        train(cfg, session=session, restore=a.restore, hooks=hooks)
     except CheckpointError as e:
         # The daemon marks this checkpoint bad and restores an older one.
         print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)

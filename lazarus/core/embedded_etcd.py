@@ -2,6 +2,17 @@
 
 It is the real `etcd` binary (Debian package etcd-server), with its own data dir and free
 ports, started with PR_SET_PDEATHSIG so that it never outlives the process that started it.
+`EmbeddedCluster` runs several such members as one cluster on loopback (the tests of failover
+and quorum loss).
+
+Every member compacts its history on its own and has an explicit space quota, the settings
+docs/operations.md asks of an external etcd too:
+- `--auto-compaction-mode periodic --auto-compaction-retention 5m`: revisions older than five
+  minutes are dropped, so a run's rewrites of its status keys do not pile up. A watcher that
+  was away longer re-lists (lazarus.core.etcd.Watch does).
+- `--quota-backend-bytes` 2 GiB (etcd's own default, written down so that it is a decision):
+  past it etcd raises the NOSPACE alarm and refuses writes until it is compacted,
+  defragmented and the alarm disarmed.
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ from lazarus.core.errors import UserError
 
 INSTALL_HINT = ("the `etcd` binary was not found on PATH; install it with "
                 "`apt-get install -y etcd-server` (or give --etcd HOST:PORT of a running etcd)")
+
+QUOTA_BYTES = 2 << 30
+COMPACTION_RETENTION = "5m"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,15 +59,24 @@ def find_etcd_binary() -> str:
 
 
 class EmbeddedEtcd:
-    """One etcd member on 127.0.0.1. `endpoint` is what clients pass as --etcd."""
+    """One etcd member on 127.0.0.1. `endpoint` is what clients pass as --etcd.
+
+    Alone by default; a member of a cluster when `initial_cluster` ("name=peer-url,...") is
+    given (EmbeddedCluster builds that). `quota_bytes` is the NOSPACE threshold.
+    """
 
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
-                 log_file: Path | None = None):
+                 log_file: Path | None = None, name: str = "lazarus",
+                 peer_port: int | None = None, initial_cluster: str | None = None,
+                 quota_bytes: int = QUOTA_BYTES):
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
+        self.name = name
         self.client_port = client_port or free_port()
-        self.peer_port = free_port()
+        self.peer_port = peer_port or free_port()
+        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
+        self.quota_bytes = quota_bytes
         self.log_file = log_file or (self.data_dir / "etcd.log")
         self.proc: subprocess.Popen | None = None
 
@@ -61,27 +84,44 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self, *, timeout_s: float = 15.0) -> "EmbeddedEtcd":
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def launch(self) -> None:
+        """Start the process without waiting: a cluster member is healthy only once a
+        majority of its peers runs too."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [self.binary, "--name", "lazarus", "--data-dir", str(self.data_dir / "member"),
+        cmd = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"lazarus={peer}",
+               "--listen-peer-urls", self.peer_url,
+               "--initial-advertise-peer-urls", self.peer_url,
+               "--initial-cluster", self.initial_cluster,
+               "--auto-compaction-mode", "periodic",
+               "--auto-compaction-retention", COMPACTION_RETENTION,
+               "--quota-backend-bytes", str(self.quota_bytes),
                "--logger", "zap", "--log-outputs", str(self.log_file)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+    def wait_healthy(self, *, timeout_s: float = 15.0) -> None:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode}; "
                                    f"see {self.log_file}")
             if self._healthy():
-                return self
+                return
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {timeout_s:.0f} s")
+
+    def start(self, *, timeout_s: float = 15.0) -> "EmbeddedEtcd":
+        self.launch()
+        self.wait_healthy(timeout_s=timeout_s)
+        return self
 
     def _healthy(self) -> bool:
         """etcd answers /health with true once it has a leader and serves requests; an open
@@ -93,8 +133,18 @@ class EmbeddedEtcd:
         except (OSError, ValueError):
             return False
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed machine would stop; the data dir stays for a restart."""
+        if self.running:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
@@ -113,3 +163,51 @@ class EmbeddedEtcd:
     def __exit__(self, *exc) -> None:
         self.cleanup()
 
+
+class EmbeddedCluster:
+    """`size` etcd members on loopback forming one cluster; `endpoint` lists them all
+    ("a:1,b:2,c:3"), as --etcd takes them."""
+
+    def __init__(self, data_dir: Path | None = None, *, size: int = 3,
+                 quota_bytes: int = QUOTA_BYTES):
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-cluster-"))
+        names = [f"m{i}" for i in range(size)]
+        peers = {name: free_port() for name in names}
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
+        self.members = [EmbeddedEtcd(self.data_dir / n, name=n, peer_port=peers[n],
+                                     initial_cluster=initial, quota_bytes=quota_bytes)
+                        for n in names]
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, *, timeout_s: float = 20.0) -> "EmbeddedCluster":
+        for m in self.members:
+            m.launch()
+        for m in self.members:
+            m.wait_healthy(timeout_s=timeout_s)
+        return self
+
+    def restart(self, index: int, *, timeout_s: float = 20.0) -> None:
+        """Start a stopped member again on its data dir; healthy once it has a leader."""
+        member = self.members[index]
+        assert not member.running, f"member {member.name} runs"
+        member.launch()
+        member.wait_healthy(timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

@@ -1,13 +1,19 @@
 """Our one etcd v3 client per process: a synchronous face on `aetcd`.
 
 aetcd is asyncio-only and opens a gRPC channel per client; two gRPC etcd clients in one
-process also clash in protobuf's descriptor pool (FACTS.md). So each process owns exactly one
-`Etcd`, which runs aetcd on a private event loop thread, and the daemon, the agent and the
-torchrun rendezvous backend call it synchronously.
+process also clash in protobuf's descriptor pool (docs/constraints.md, "etcd and its
+clients"). So each process owns exactly one `Etcd`, which runs aetcd on a private event loop
+thread, and the daemon, the agent and the torchrun rendezvous backend call it synchronously.
 
 What lives here and nowhere else:
+- several members (`--etcd a:2379,b:2379,c:2379`): one gRPC channel at a time, to one
+  member; when that member fails (down, or cut off from its quorum) the client closes it and
+  moves to the next, within the same call;
+- every etcd error mapped onto one type of ours (`EtcdUnavailable` and its kinds: no leader,
+  out of space, answer too large, revision compacted, refused), so that a loop that catches
+  `EtcdUnavailable` survives them all, and `OutageLog` says each once;
 - retries with backoff (`retry`), for idempotent reads and for writes guarded by a compare;
-- consistent snapshots: several prefixes read in one transaction, so at one revision;
+- consistent snapshots: several prefixes read at one revision, paged when large;
 - fenced writes: `txn` with compares, used for every write a leader or a round owner makes;
 - sessions: a lease with a background keep-alive (aetcd has none) and a "lost" callback;
 - watches that resume from the last seen revision + 1, and re-list after a compaction or a
@@ -22,40 +28,156 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # We fork worker processes while gRPC threads run; gRPC's fork handlers only add noise then.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd  # noqa: E402
-import aetcd.exceptions as aexc
+import aetcd.exceptions as aexc  # noqa: E402
+import grpc.aio  # noqa: E402
 from aetcd import rpc  # noqa: E402
-from aetcd.utils import prefix_range_end
+from aetcd.utils import prefix_range_end  # noqa: E402
 
 from lazarus.core.errors import UserError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
+# -- errors ------------------------------------------------------------------------------------
 class EtcdUnavailable(ConnectionError):
-    """etcd did not answer (down, partitioned, or restarting). Retry later."""
+    """etcd did not serve the request (down, partitioned, restarting, refusing). Retry later.
+
+    `member_fault`: another member may serve it, so the client moves on to the next one."""
+
+    member_fault = True
+
+
+class EtcdNoLeader(EtcdUnavailable):
+    """The member has no leader: its quorum is lost, or an election is under way."""
+
+
+class EtcdNoSpace(EtcdUnavailable):
+    """etcd's NOSPACE alarm: the database reached its quota and every member refuses writes
+    (reads, deletes, lease keep-alives and compaction still work) until an operator compacts,
+    defragments and disarms the alarm (docs/operations.md)."""
+
+    member_fault = False
+
+
+class EtcdTooLarge(EtcdUnavailable):
+    """An answer exceeded gRPC's receive limit (4 MiB): the read must be paged."""
+
+    member_fault = False
+
+
+class EtcdCompacted(EtcdUnavailable):
+    """The revision asked for was compacted away: re-list at the current one."""
+
+    member_fault = False
+
+
+class EtcdRefused(EtcdUnavailable):
+    """Any other error etcd answered with (a request too large, permission denied): retrying
+    on another member will not help, and the caller's loop must not die of it either."""
+
+    member_fault = False
 
 
 class LeaseLost(RuntimeError):
     """etcd no longer knows the lease a write named: its owner's session is over."""
 
 
-# gRPC backs off reconnects exponentially up to 2 minutes by default; after a long etcd outage
-# the client would then sit out many seconds after etcd is back, longer than a lease TTL, and
-# every lease would lapse. Reconnect attempts stay at most a second apart instead.
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
+_NO_LEADER = ("no leader", "leader changed", "leader fail", "request timed out")
 
 
+def classify(error: BaseException, member: str) -> Exception | None:
+    """An error raised by an aetcd or gRPC call -> our type for it; None when it is not an
+    etcd error at all (a bug of ours, raised as it is)."""
+    if isinstance(error, (EtcdUnavailable, LeaseLost)):
+        return error
+    if isinstance(error, aexc.RevisionCompactedError):
+        return EtcdCompacted(f"etcd revision was compacted below {error.compacted_revision}")
+    cause = error if isinstance(error, rpc.AioRpcError) else error.__cause__
+    if isinstance(cause, rpc.AioRpcError):
+        code, details = cause.code(), cause.details() or ""
+    elif isinstance(error, aexc.ConnectionFailedError):
+        code, details = rpc.StatusCode.UNAVAILABLE, str(error)
+    elif isinstance(error, (aexc.ConnectionTimeoutError, aexc.WatchTimeoutError, TimeoutError,
+                            asyncio.TimeoutError)):
+        code, details = rpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time"
+    elif isinstance(error, (asyncio.CancelledError, grpc.aio.UsageError)) or (
+            type(error).__name__ == "CancelledError"):
+        # our own switch to another member closed the channel under this call
+        code, details = rpc.StatusCode.CANCELLED, "call cancelled"
+    elif isinstance(error, aexc.ClientError):
+        code, details = rpc.StatusCode.UNKNOWN, str(error)
+    else:
+        return None
+    return _by_code(code, details, member)
+
+
+def _by_code(code, details: str, member: str) -> Exception:
+    S = rpc.StatusCode
+    if code == S.RESOURCE_EXHAUSTED:
+        if "space exceeded" in details:
+            return EtcdNoSpace("etcd is out of space (NOSPACE alarm): it refuses writes until "
+                               "it is compacted, defragmented and the alarm disarmed "
+                               "(docs/operations.md)")
+        if "too many requests" in details:
+            return EtcdUnavailable(f"etcd at {member} is overloaded: {details}")
+        return EtcdTooLarge(f"an answer of etcd at {member} exceeded the client's receive "
+                            f"limit: {details}")
+    if code == S.UNAVAILABLE and any(s in details for s in _NO_LEADER):
+        return EtcdNoLeader(f"etcd at {member} has no leader ({details}): its quorum is lost "
+                            "or an election is under way")
+    if code in (S.UNAVAILABLE, S.CANCELLED, S.INTERNAL, S.UNKNOWN):
+        return EtcdUnavailable(f"etcd at {member} unavailable: {details}")
+    if code == S.DEADLINE_EXCEEDED:
+        return EtcdUnavailable(f"etcd at {member} unavailable: no answer in time")
+    if code == S.OUT_OF_RANGE and "compacted" in details:
+        return EtcdCompacted(f"etcd at {member}: {details}")
+    if code == S.NOT_FOUND and "lease not found" in details:
+        return LeaseLost(details)
+    return EtcdRefused(f"etcd at {member} refused the request: {code.name}: {details}")
+
+
+class OutageLog:
+    """What a retrying loop says about etcd: one line when an outage starts, one when its kind
+    changes (unreachable -> out of space), one when it ends. `consequence` tells the operator
+    what goes on meanwhile ("workers keep training"). Out of space ends with the first write
+    that goes through, not with a pass that only read."""
+
+    def __init__(self, etcd: "Etcd", logger: logging.Logger, consequence: str):
+        self._etcd = etcd
+        self._log = logger
+        self.consequence = consequence
+        self.since: float | None = None
+        self.kind: type | None = None
+
+    def failed(self, error: EtcdUnavailable) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+        if type(error) is not self.kind:
+            self.kind = type(error)
+            self._log.warning("%s; %s", error, self.consequence)
+
+    def ok(self, *, writes_ok: bool | None = None) -> float | None:
+        """A pass went through; returns how long etcd was away, if it was and is no more.
+        `writes_ok`: whether etcd takes writes again, when the caller knows better than the
+        client's last write (it has looked at the alarms)."""
+        if writes_ok is None:
+            writes_ok = not self._etcd.refusing_writes
+        if self.since is None or (self.kind is EtcdNoSpace and not writes_ok):
+            return None
+        away = time.monotonic() - self.since
+        self._log.info("etcd is back after %.1f s", away)
+        self.since, self.kind = None, None
+        return away
+
+
+# -- records -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class KV:
     key: str
@@ -83,6 +205,12 @@ class Snapshot:
         return {k: v for k, v in self.kvs.items() if k.startswith(prefix)}
 
 
+@dataclass(frozen=True, slots=True)
+class Alarm:
+    member_id: int
+    kind: str  # "NOSPACE" | "CORRUPT"
+
+
 def _kv(raw) -> KV:
     return KV(key=raw.key.decode(), value=raw.value, create_revision=raw.create_revision,
               mod_revision=raw.mod_revision, version=raw.version, lease=raw.lease)
@@ -98,6 +226,22 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"etcd endpoint {endpoint!r} is not HOST:PORT")
     return host, int(port)
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """'a:2379,b:2379,c:2379' -> the members as 'host:port'; each must be HOST:PORT."""
+    members = []
+    for entry in text.split(","):
+        try:
+            host, port = parse_endpoint(entry)
+        except UserError:
+            if "," not in text:
+                raise
+            raise UserError(f"etcd endpoint {entry!r} (in {text!r}) is not HOST:PORT") from None
+        members.append(f"{host}:{port}")
+    if len(set(members)) != len(members):
+        raise UserError(f"etcd endpoints {text!r} name a member twice")
+    return members
 
 
 # Compare builders for txn(): fenced writes compare a key's create revision (a leader's
@@ -127,52 +271,138 @@ def delete_op(key: str, *, prefix: bool = False):
     return aetcd.transactions.Delete(k, range_end=prefix_range_end(k) if prefix else None)
 
 
-_TRANSIENT = (aexc.ConnectionFailedError, aexc.ConnectionTimeoutError, aexc.InternalError,
-              EtcdUnavailable, asyncio.TimeoutError, TimeoutError)
+# -- the client --------------------------------------------------------------------------------
+# gRPC backs off reconnects exponentially up to 2 minutes by default; after a long etcd outage
+# the client would then sit out many seconds after etcd is back, longer than a lease TTL, and
+# every lease would lapse. Reconnect attempts stay at most a second apart instead.
+_CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+# etcd's "require leader" request metadata (clientv3.WithRequireLeader).
+_REQUIRE_LEADER = (("hasleader", "true"),)
+# Keys per range in a snapshot's first read; a larger prefix is paged. 1,000 node statuses of
+# ~1.4 KB fit well under gRPC's 4 MiB; a page that does not fit is halved.
+PAGE_KEYS = 1000
+
+
+class _Client(aetcd.Client):
+    """aetcd's client, whose requests and watches all ask for a member with a leader: a
+    member cut off from its quorum then answers "no leader" at once, and ends its watches,
+    instead of letting reads and lease refreshes hang until their deadline. Either way the
+    `Etcd` above moves on to another member."""
+
+    async def connect(self) -> None:
+        await super().connect()
+        # aetcd has no parameter for request metadata; it sends what these hold (its own use
+        # of them is authentication, which we do not use).
+        self.metadata = _REQUIRE_LEADER
+        self._watcher._metadata = _REQUIRE_LEADER
 
 
 class Etcd:
-    """A synchronous etcd v3 client. Every call raises EtcdUnavailable when etcd is away.
+    """A synchronous etcd v3 client. Every call raises EtcdUnavailable (or one of its kinds)
+    when etcd does not serve it, LeaseLost when a write names a lease etcd forgot.
 
-    `timeout_s` bounds each RPC: it must be shorter than the lease TTLs the caller keeps alive,
-    or one stuck call could let a lease lapse.
+    `endpoint` is one member or several ("a:2379,b:2379"). `timeout_s` bounds each RPC: it
+    must be shorter than the lease TTLs the caller keeps alive, or one stuck call could let a
+    lease lapse. A call tries each member at most once.
     """
 
     def __init__(self, endpoint: str, *, timeout_s: float = 3.0):
         self.endpoint = endpoint
-        host, port = parse_endpoint(endpoint)
+        self.members = parse_endpoints(endpoint)
         self.timeout_s = timeout_s
+        self._index = 0
+        self._generation = 0  # bumped at each switch of member
+        self._served = False  # the current member answered at least once
+        self._refusing_writes = False
+        self._switch_lock = asyncio.Lock()
+        self._closing: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="etcd-client")
         self._thread.start()
-        self._client: aetcd.Client = self._run(self._make(host, port), direct=True)
+        self._client: aetcd.Client = self._new_client(self.members[0])
         self._closed = False
 
-    async def _make(self, host: str, port: int) -> aetcd.Client:
-        return aetcd.Client(host=host, port=port, timeout=self.timeout_s,
-                            options=dict(_CHANNEL_OPTIONS))
+    @property
+    def member(self) -> str:
+        """The member this process talks to now."""
+        return self.members[self._index]
 
-    def _run(self, coro, *, direct: bool = False):
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def _new_client(self, member: str) -> aetcd.Client:
+        host, port = parse_endpoint(member)
+        return _Client(host=host, port=port, timeout=self.timeout_s,
+                       options=dict(_CHANNEL_OPTIONS))
+
+    async def _switch(self, generation: int, why: Exception) -> None:
+        """Drop the channel to a failed member and open one to the next. Callers that saw
+        the same failure switch once: the first one wins, the others find a newer generation."""
+        async with self._switch_lock:
+            if generation != self._generation or len(self.members) == 1:
+                return
+            old, index = self._client, (self._index + 1) % len(self.members)
+            if self._served:
+                log.warning("etcd member %s failed (%s); switching to %s", self.member, why,
+                            self.members[index])
+            self._client, self._index, self._served = (self._new_client(self.members[index]),
+                                                       index, False)
+            self._generation += 1
+        # Closed in the background: closing a channel to a dead member can take a while, and
+        # its calls in flight fail over by themselves.
+        task = asyncio.get_running_loop().create_task(self._close_quietly(old))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_quietly(client: aetcd.Client) -> None:
         try:
-            return fut.result(self.timeout_s + 2.0)
-        except _TRANSIENT as e:
-            fut.cancel()
-            raise EtcdUnavailable(f"etcd at {self.endpoint} unavailable: {e}") from e
-        except aexc.ClientError as e:
-            if "lease not found" in str(e):
-                raise LeaseLost(str(e)) from e
-            if "UNAVAILABLE" in str(e) or "Connection" in type(e).__name__:
-                raise EtcdUnavailable(f"etcd at {self.endpoint} unavailable: {e}") from e
-            raise
+            await asyncio.wait_for(client.close(), 5.0)
+        except (Exception, asyncio.CancelledError):
+            pass  # the channel of a dead member may not close cleanly; it is dropped anyway
+
+    def _run(self, call: Callable[[aetcd.Client], Awaitable]):
+        """Run `call(client)` on the loop; on a member's failure, again on the next member
+        (each at most once). When every member failed and one of them said it has no leader,
+        that is what is raised: the cluster has lost its quorum."""
+        errors: list[Exception] = []
+        overtaken = 0  # calls cut short by another thread's switch: not this member's fault
+        while True:
+            generation, client, member = self._generation, self._client, self.member
+            fut = asyncio.run_coroutine_threadsafe(call(client), self._loop)
+            try:
+                result = fut.result(self.timeout_s + 2.0)
+                self._served = True
+                return result
+            except (Exception, asyncio.CancelledError) as e:
+                fut.cancel()
+                error = classify(e, member)
+                if error is None:
+                    raise
+                cause = e
+            if generation != self._generation and overtaken < len(self.members):
+                overtaken += 1
+                continue
+            errors.append(error)
+            if isinstance(error, EtcdUnavailable) and error.member_fault and len(self.members) > 1:
+                asyncio.run_coroutine_threadsafe(self._switch(generation, error),
+                                                 self._loop).result(self.timeout_s + 2.0)
+                if len(errors) < len(self.members):
+                    continue
+                error = next((e for e in errors if isinstance(e, EtcdNoLeader)), error)
+            if error is cause:
+                raise error
+            raise error from cause
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self._run(self._client.close())
+            asyncio.run_coroutine_threadsafe(self._close_quietly(self._client),
+                                             self._loop).result(self.timeout_s + 3.0)
         except Exception:  # closing a client whose server is gone is not worth a traceback
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -180,62 +410,159 @@ class Etcd:
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: str) -> KV | None:
-        got = self._run(self._client.get(key.encode()))
+        got = self._run(lambda c: c.get(key.encode()))
         return None if got is None else _kv(got)
 
     def snapshot(self, prefixes: Sequence[str]) -> Snapshot:
-        """All keys under `prefixes` at a single revision (one read-only transaction)."""
-        ops = [rpc.RequestOp(request_range=rpc.RangeRequest(
-            key=p.encode(), range_end=prefix_range_end(p.encode()))) for p in prefixes]
+        """All keys under `prefixes` at a single revision: one read-only transaction, whose
+        ranges continue in pages at that revision when they hold more than PAGE_KEYS keys or
+        do not fit one answer."""
+        for _ in range(3):
+            try:
+                return self._snapshot(prefixes)
+            except EtcdCompacted:
+                continue  # compacted between two pages: read again at a newer revision
+        return self._snapshot(prefixes)
 
-        async def txn():
-            await self._client.connect()
-            return await self._client.kvstub.Txn(rpc.TxnRequest(success=ops),
-                                                 timeout=self.timeout_s)
-        try:
-            resp = self._run(txn())
-        except aetcd.rpc.AioRpcError as e:
-            raise EtcdUnavailable(f"etcd at {self.endpoint} unavailable: {e.code().name}") from e
+    def _snapshot(self, prefixes: Sequence[str]) -> Snapshot:
+        ranges = [(p.encode(), prefix_range_end(p.encode())) for p in prefixes]
+        ops = [rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end,
+                                                            limit=PAGE_KEYS))
+               for k, end in ranges]
         kvs: dict[str, KV] = {}
-        for r in resp.responses:
-            for raw in r.response_range.kvs:
-                kv = _kv(raw)
-                kvs[kv.key] = kv
-        return Snapshot(revision=resp.header.revision, kvs=kvs)
+        try:
+            resp = self._run(lambda c: self._unary(c, "kvstub", "Txn", rpc.TxnRequest(success=ops)))
+        except EtcdTooLarge:
+            revision, rest = 0, ranges
+        else:
+            revision, rest = resp.header.revision, []
+            for (_, end), r in zip(ranges, resp.responses):
+                got = r.response_range
+                for raw in got.kvs:
+                    kvs[raw.key.decode()] = _kv(raw)
+                if got.more:
+                    rest.append((got.kvs[-1].key + b"\0", end))
+        for start, end in rest:
+            revision = self._pages(start, end, revision, kvs)
+        return Snapshot(revision=revision, kvs=kvs)
+
+    def _pages(self, start: bytes, end: bytes, revision: int, into: dict[str, KV]) -> int:
+        """Read [start, end) at `revision` (0: the current one) page by page; returns the
+        revision read at."""
+        limit = PAGE_KEYS
+        while True:
+            req = rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=limit)
+            try:
+                resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
+            except EtcdTooLarge:
+                if limit == 1:
+                    raise
+                limit = max(1, limit // 4)
+                continue
+            revision = revision or resp.header.revision
+            for raw in resp.kvs:
+                into[raw.key.decode()] = _kv(raw)
+            if not resp.more or not resp.kvs:
+                return revision
+            start = resp.kvs[-1].key + b"\0"
+
+    async def _unary(self, client: aetcd.Client, stub: str, method: str, request):
+        """A call aetcd does not wrap (or wraps without paging): its stubs exist once
+        connected."""
+        await client.connect()
+        call = getattr(getattr(client, stub), method)
+        return await call(request, timeout=self.timeout_s, metadata=client.metadata)
 
     def get_prefix(self, prefix: str) -> Snapshot:
         return self.snapshot([prefix])
 
+    def revision(self) -> int:
+        """etcd's current revision, read without reading any key's value."""
+        req = rpc.RangeRequest(key=b"\0", count_only=True)
+        return self._run(lambda c: self._unary(c, "kvstub", "Range", req)).header.revision
+
     # -- writes --------------------------------------------------------------------------------
+    @property
+    def refusing_writes(self) -> bool:
+        """The last write etcd was asked for was refused for lack of space (NOSPACE): reads
+        still work then, so only a write that goes through tells that the alarm is over."""
+        return self._refusing_writes
+
+    def _write(self, call: Callable[[aetcd.Client], Awaitable]):
+        try:
+            result = self._run(call)
+        except EtcdNoSpace:
+            self._refusing_writes = True
+            raise
+        self._refusing_writes = False
+        return result
+
     def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:
         """Unconditional put; returns the new revision. Leaders use `txn` instead."""
-        return self._run(self._client.put(key.encode(), value, lease=lease)).header.revision
+        return self._write(lambda c: c.put(key.encode(), value, lease=lease)).header.revision
 
     def delete(self, key: str, *, prefix: bool = False) -> None:
         if prefix:
-            self._run(self._client.delete_prefix(key.encode()))
+            self._run(lambda c: c.delete_prefix(key.encode()))
         else:
-            self._run(self._client.delete(key.encode()))
+            self._run(lambda c: c.delete(key.encode()))
 
     def txn(self, compare: Iterable, success: Iterable = (), failure: Iterable = ()) -> bool:
-        ok, _ = self._run(self._client.transaction(list(compare), list(success), list(failure)))
+        compare, success, failure = list(compare), list(success), list(failure)
+        writes = any(isinstance(op, aetcd.transactions.Put) for op in success + failure)
+        ok, _ = (self._write if writes else self._run)(
+            lambda c: c.transaction(compare, success, failure))
         return bool(ok)
 
     # -- leases --------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
-        return self._run(self._client.lease(ttl_s)).id
+        return self._write(lambda c: c.lease(ttl_s)).id
 
     def refresh(self, lease_id: int) -> int:
         """Keep a lease alive; returns its remaining TTL, 0 or less when it has expired."""
-        reply = self._run(self._client.refresh_lease(lease_id))
+        reply = self._run(lambda c: c.refresh_lease(lease_id))
         return int(reply.TTL) if reply is not None else 0
 
     def revoke(self, lease_id: int) -> None:
         """Revoke a lease; one that is already gone is fine."""
         try:
-            self._run(self._client.revoke_lease(lease_id))
+            self._run(lambda c: c.revoke_lease(lease_id))
         except LeaseLost:
             pass
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def alarms(self) -> list[Alarm]:
+        """The cluster's raised alarms (NOSPACE, CORRUPT), any member's."""
+        req = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
+        resp = self._run(lambda c: self._unary(c, "maintenancestub", "Alarm", req))
+        return [Alarm(member_id=a.memberID, kind=rpc.AlarmType.Name(a.alarm))
+                for a in resp.alarms]
+
+    def disarm(self, alarm: Alarm) -> None:
+        """Operators' tool: clear an alarm once its cause is gone (after a defragmentation)."""
+        req = rpc.AlarmRequest(action=rpc.AlarmRequest.DEACTIVATE, memberID=alarm.member_id,
+                               alarm=rpc.AlarmType.Value(alarm.kind))
+        self._run(lambda c: self._unary(c, "maintenancestub", "Alarm", req))
+
+    def compact(self, revision: int) -> None:
+        """Drop the history before `revision` (keys' current values stay). Compacting to a
+        revision already compacted is fine."""
+        req = rpc.CompactionRequest(revision=revision)
+        try:
+            self._run(lambda c: self._unary(c, "kvstub", "Compact", req))
+        except EtcdCompacted:
+            pass
+
+    def defragment(self) -> None:
+        """Operators' tool: give the space compaction freed back to the file system, on the
+        member this client talks to. The member serves nothing while it runs."""
+        req = rpc.DefragmentRequest()
+        self._run(lambda c: self._unary(c, "maintenancestub", "Defragment", req))
+
+    def db_size(self) -> int:
+        """Bytes of the current member's database file (what --quota-backend-bytes limits)."""
+        resp = self._run(lambda c: self._unary(c, "maintenancestub", "Status", rpc.StatusRequest()))
+        return int(resp.dbSize)
 
     # -- watches -------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, *, start_revision: int,
@@ -243,9 +570,11 @@ class Etcd:
                      on_resync: Callable[[], int] | None = None) -> "Watch":
         """Call `on_events` for every change under `prefix` from `start_revision` on.
 
-        A broken stream is resumed from the last delivered revision + 1, so nothing is missed
-        or repeated. When that revision has been compacted away, `on_resync` is called: it must
-        re-list and return the revision to watch from (the snapshot revision + 1).
+        A broken stream is resumed from the last delivered revision + 1 (on another member if
+        this one failed), so nothing is missed or repeated. When that revision has been
+        compacted away, `on_resync` is called: it must re-list and return the revision to
+        watch from (the snapshot revision + 1); without it the watch goes on from the current
+        revision + 1 and the changes in between are lost.
         Callbacks run on the client's loop thread: keep them tiny (set an event, queue items).
         """
         w = Watch(self, prefix, start_revision, on_events, on_resync)
@@ -261,14 +590,15 @@ class Watch:
         self.prefix = prefix
         self.next_revision = start_revision
         self._on_events = on_events
-        self._on_resync = on_resync
+        self._on_resync = on_resync or (lambda: etcd.revision() + 1)
         self._cancelled = False
         self.task = None
 
     async def run(self) -> None:
-        client = self._etcd._client
         backoff = Backoff(initial_s=0.1, max_s=2.0)
         while not self._cancelled:
+            etcd = self._etcd
+            generation, client, member = etcd._generation, etcd._client, etcd.member
             try:
                 stream = await client.watch_prefix(self.prefix.encode(),
                                                    start_revision=self.next_revision)
@@ -280,19 +610,37 @@ class Watch:
                     if self._cancelled:
                         await stream.cancel()
                         return
-            except aexc.RevisionCompactedError:
-                if self._on_resync is None:
-                    raise
-                # The caller re-lists in a thread (it does blocking etcd calls on this loop).
-                self.next_revision = await asyncio.get_running_loop().run_in_executor(
-                    None, self._on_resync)
+                # The stream ended without an error: its channel was closed (a switch of
+                # member). Watch again on the current one.
             except asyncio.CancelledError:
                 return
-            except Exception as e:  # a broken stream: etcd restarting or unreachable
+            except Exception as e:
                 if self._cancelled:
                     return
+                error = classify(e, member) or e
+                if isinstance(error, (EtcdCompacted, EtcdTooLarge)):
+                    # Too large: the history to catch up on does not fit one answer; the
+                    # current state, re-listed in pages, does.
+                    await self._resync(backoff, error)
+                    continue
                 log.debug("watch on %s broke (%s); resuming from revision %d",
-                          self.prefix, e, self.next_revision)
+                          self.prefix, error, self.next_revision)
+                if isinstance(error, EtcdUnavailable) and error.member_fault:
+                    await etcd._switch(generation, error)
+            await asyncio.sleep(backoff.next())
+
+    async def _resync(self, backoff: "Backoff", why: Exception) -> None:
+        """The caller re-lists (blocking etcd calls, so in a thread, not on this loop) until
+        etcd answers; the watch goes on from the revision it returns."""
+        log.info("watch on %s cannot resume at revision %d (%s); re-listing", self.prefix,
+                 self.next_revision, why)
+        loop = asyncio.get_running_loop()
+        while not self._cancelled:
+            try:
+                self.next_revision = await loop.run_in_executor(None, self._on_resync)
+                return
+            except EtcdUnavailable as e:
+                log.debug("re-list of %s failed (%s); retrying", self.prefix, e)
                 await asyncio.sleep(backoff.next())
 
     def cancel(self) -> None:
@@ -342,8 +690,10 @@ class Session:
     hangs, or is partitioned). The keep-alive runs every ttl/3. When etcd says the lease is
     gone, `on_lost` is called once and the session is dead: the owner must stop acting on what
     it held (a leader stops leading) and start a new session.
-    While etcd is merely unreachable the session keeps trying: etcd restarts lease timers when
-    it comes back (FACTS.md), so a short outage does not cost the lease.
+    While etcd is merely unreachable, leaderless or out of space the session keeps trying:
+    etcd restarts lease timers when it elects a leader again (docs/constraints.md, "etcd and
+    its clients"), so a short outage does not cost the lease, and keep-alives work under the
+    NOSPACE alarm.
     """
 
     def __init__(self, etcd: Etcd, *, ttl_s: int, on_lost: Callable[[], None] | None = None):

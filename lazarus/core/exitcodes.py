@@ -10,4 +10,4 @@ from __future__ import annotations
 
 PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
 BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or corrupt
-INJECTED_FAULT = 43     # test fault injection (LAZARUS_FAIL_AT)
+INJECTED_FAULT = 43     # fault injection: a crash@STEP of lazarus.sim.trainer_faults

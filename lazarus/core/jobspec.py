@@ -11,10 +11,12 @@
     [policy]               # loss spikes, stragglers: lazarus.core.policy (optional)
     max_spikes = 3
 
-    [train]                # lazarus.trainer.config.TrainConfig; dp is derived from the nodes
-    model = "tiny"
-    tp = 1
+    [train]                # lazarus.core.trainconfig.TrainConfig, in sections
     steps = 100
+    [train.model]
+    name = "tiny"
+    [train.parallelism]    # dp is derived from the nodes
+    tp = 1
     ...
 
 The global batch is fixed by [train]; the data-parallel degree follows the number of live
@@ -23,6 +25,7 @@ nodes, so every node count the run may shrink to must divide it (checked here, u
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
@@ -33,6 +36,7 @@ from pathlib import Path
 from lazarus.core.errors import UserError
 from lazarus.core import policy as policies
 from lazarus.core.policy import SpikePolicy, StragglerPolicy
+from lazarus.core.trainconfig import TrainConfig
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
              "rendezvous_timeout_s", "id"}
@@ -63,11 +67,26 @@ class JobSpec:
 
     @property
     def tp(self) -> int:
-        return int(self.train.get("tp", 1))
+        return int(self.train.get("parallelism", {}).get("tp", 1))
 
-    def train_config_for(self, n_nodes: int) -> dict:
-        """The [train] table with dp set for a round of `n_nodes` nodes."""
-        return {**self.train, "dp": self.world_size(n_nodes) // self.tp}
+    def dp_for(self, n_nodes: int) -> int:
+        return self.world_size(n_nodes) // self.tp
+
+    def train_config_for(self, n_nodes: int, *, good_after_steps: int | None = None,
+                         skip_windows: list[list[int]] | None = None,
+                         lr_scale: tuple[float, int] | None = None) -> dict:
+        """The [train] table of a round of `n_nodes` nodes: parallelism.dp set for it, and
+        what the daemon orders: retention's good_after_steps and, after rollbacks, data windows
+        to skip and an lr x lr_scale[0] for lr_scale[1] steps."""
+        train = copy.deepcopy(self.train)
+        train.setdefault("parallelism", {})["dp"] = self.dp_for(n_nodes)
+        if good_after_steps is not None:
+            train.setdefault("checkpoint", {})["good_after_steps"] = good_after_steps
+        if skip_windows:
+            train.setdefault("data", {})["skip_windows"] = [list(w) for w in skip_windows]
+        if lr_scale is not None:
+            train.setdefault("optimizer", {}).update(lr_scale=lr_scale[0], lr_scale_steps=lr_scale[1])
+        return train
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -79,7 +98,7 @@ class JobSpec:
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"etcd job record is not JSON ({e})") from None
         # Sizes were checked when the job was submitted (and are checked again when the
-        # leader accepts it); re-checking here would import torch into every reader.
+        # leader accepts it): every reader need not re-check each node count.
         return from_dict(doc, source="etcd job record", check_sizes=False)
 
 
@@ -129,13 +148,14 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
 
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
     """Every node count from min_nodes to nodes must give a valid trainer config."""
-    from lazarus.trainer.config import TrainConfig  # imports torch (model sizes, TP fit)
-
-    if "dp" in spec.train:
-        raise UserError(f"{source}: [train] dp is derived from the node count; remove it")
-    tp = spec.tp
-    if isinstance(tp, bool) or not isinstance(spec.train.get("tp", 1), int) or tp < 1:
-        raise UserError(f"{source}: [train] tp must be a positive integer")
+    par = spec.train.get("parallelism", {})
+    if not isinstance(par, dict):
+        raise UserError(f"{source}: [train.parallelism] must be a table")
+    if "dp" in par:
+        raise UserError(f"{source}: [train.parallelism] dp is derived from the node count; remove it")
+    tp = par.get("tp", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"{source}: [train.parallelism] tp must be a positive integer")
     if spec.nproc_per_node % tp:
         raise UserError(f"{source}: tp={tp} must divide nproc_per_node={spec.nproc_per_node} "
                         "(tensor parallelism stays inside a node)")
@@ -143,7 +163,7 @@ def validate_sizes(spec: JobSpec, *, source: str) -> None:
         try:
             TrainConfig.from_dict(spec.train_config_for(n))
         except UserError as e:
-            raise UserError(f"{source}: with {n} node(s) (dp={spec.world_size(n) // tp}): {e}")
+            raise UserError(f"{source}: with {n} node(s) (dp={spec.dp_for(n)}): {e}")
 
 
 def load(path: str | Path) -> JobSpec:

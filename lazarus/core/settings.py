@@ -37,7 +37,8 @@ def add_etcd_args(p: argparse.ArgumentParser, *, etcd_help: str | None = None,
     """--etcd and --root, as every process that talks to etcd takes them; --lease-ttl too when
     `lease_ttl` gives its default."""
     p.add_argument("--etcd", default=os.environ.get(ETCD_ENV, DEFAULT_ETCD),
-                   help=etcd_help or f"etcd endpoint HOST:PORT (default %(default)s; env {ETCD_ENV})")
+                   help=etcd_help or "etcd endpoint HOST:PORT, or several members "
+                                     f"HOST:PORT,HOST:PORT,... (default %(default)s; env {ETCD_ENV})")
     p.add_argument("--root", default=DEFAULT_ROOT, help="key prefix in etcd (default %(default)s)")
     if lease_ttl is not None:
         p.add_argument("--lease-ttl", type=int, default=lease_ttl,

@@ -52,13 +52,12 @@ KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "g
 # What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
 GPU_FAULTS = {"gpu-xid": {"gpu": 0, "fault": "xid", "code": 79},
               "gpu-ecc": {"gpu": 0, "fault": "ecc-sbe-rising", "count": 10}}
-# Faults the trainer injects itself (through the job's [train] inject list), keyed on the
-# data it reads, so that they are reproducible and a rollback's skip really removes them.
+# Faults the ranks inject themselves (lazarus.sim.trainer_faults, through the trainer's phase
+# hooks): at a step, or keyed on the data a step reads, so that they are reproducible and a
+# rollback's skip really removes them.
 TRAINER_KINDS = ("hang", "loss-spike", "diverge", "slow-step", "slow-checkpoint")
 # Faults of the checkpoint filesystem, which every node of a local cluster shares: no target.
 DISK_KINDS = ("disk-full", "disk-free")
-# Names the slowdown script in the environment of a test rig's workers.
-SLOWDOWN_ENV = "LAZARUS_SLOWDOWN_FILE"
 # How much slower slow-rank makes a node: plainly a straggler at any sane margin.
 SLOW_FACTOR = 2.0
 _ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
@@ -107,7 +106,7 @@ def parse_schedule(spec: str) -> list[Fault]:
 def slowdown_script(workdir: Path, node: str) -> Path:
     """Where the workers of an agent started with --workdir WORKDIR (and the simulated GPU
     backend) read their slowdown: {"factor": F} makes every rank of the node compute F times
-    slower (lazarus.trainer.steptime.Slowdown) until the file goes."""
+    slower (lazarus.sim.trainer_faults.Slowdown) until the file goes."""
     return Path(workdir) / f"{node}.slowdown.json"
 
 

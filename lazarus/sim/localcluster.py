@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core import etcd as E
-from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
+from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
 from lazarus.core.jobspec import JobSpec
 from lazarus.sim.chaos import SLOWDOWN_ENV, inject_gpu_fault, inject_slowdown, slowdown_script
 from lazarus.sim.diskfault import Ballast, mount_small
@@ -61,7 +61,7 @@ class LocalCluster:
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level
         self.keys = Keys()
-        self.etcd_server: EmbeddedEtcd | None = None
+        self.etcd_server: EmbeddedEtcd | EmbeddedCluster | None = None
         self.etcd: E.Etcd | None = None
         self.daemons: list[Proc] = []
         self.api_addresses: list[str] = []  # one per daemon started, in order
@@ -94,8 +94,10 @@ class LocalCluster:
             out.close()
         return Proc(name=name, popen=popen, log=log)
 
-    def start_etcd(self) -> None:
-        self.etcd_server = EmbeddedEtcd(self.workdir / "etcd").start()
+    def start_etcd(self, server: EmbeddedEtcd | EmbeddedCluster | None = None) -> None:
+        """One embedded etcd, or `server` started by the caller (a several-member cluster:
+        every process then gets all of its members as --etcd)."""
+        self.etcd_server = server or EmbeddedEtcd(self.workdir / "etcd").start()
         self.etcd = E.Etcd(self.endpoint)
 
     def start_daemon(self) -> Proc:

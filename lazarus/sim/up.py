@@ -24,6 +24,7 @@ from lazarus.core import endpoint_file
 
 from lazarus.core import jobspec, settings
 from lazarus.core.errors import UserError
+from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 
@@ -103,8 +104,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
-         inject: list[str]) -> jobspec.JobSpec:
+def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobSpec:
     for name in ("nodes", "nproc_per_node", "tp", "steps", "global_batch", "seq_len"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -118,26 +118,23 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path,
     min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
     doc = {"job": {"name": "lazarus-up", "nodes": args.nodes, "min_nodes": min_nodes,
                    "nproc_per_node": args.nproc_per_node, "rendezvous_timeout_s": 120},
-           "train": {"model": args.model, "tp": args.tp, "steps": args.steps,
-                     "global_batch": args.global_batch, "seq_len": args.seq_len,
-                     "ckpt_dir": str(workdir / "checkpoints"), "ckpt_every": args.ckpt_every,
-                     "metrics": str(metrics), "warmup_steps": min(10, args.steps),
+           "train": {"steps": args.steps, "metrics": str(metrics),
+                     "model": {"name": args.model},
+                     "parallelism": {"tp": args.tp},
+                     "optimizer": {"warmup_steps": min(10, args.steps)},
+                     "data": {"global_batch": args.global_batch, "seq_len": args.seq_len},
+                     "checkpoint": {"dir": str(workdir / "checkpoints"), "every": args.ckpt_every},
                      # a short demo run: let the spike guard judge from step 8 on
-                     "guard_min_history": 8}}
+                     "guard": {"min_history": 8}}}
     if args.policy:
         doc["policy"] = _policy_args(args.policy)
-    stalls = {"slow-step": "step", "slow-checkpoint": "checkpoint"}
-    data_faults = [f for f in inject if not f.startswith(("hang@", *stalls))]
-    if data_faults:
-        doc["train"]["inject"] = data_faults
-    for f in inject:
-        kind, _, step = f.partition("@")
-        if kind in stalls:
-            doc["train"].setdefault("stalls", []).append(f"{stalls[kind]}@{step}")
-        if f.startswith("hang@"):
-            doc["train"]["hang_at_step"] = int(f.split("@")[1])
-            doc["train"]["hang_rank"] = world - 1
     return jobspec.from_dict(doc, source="lazarus up")
+
+
+def _rank_faults(faults: list[chaos.Fault], world: int) -> list[str]:
+    """The chaos schedule's trainer faults as the ranks inject them (lazarus.sim.trainer_faults):
+    a hang strikes the last rank."""
+    return [f"{f.kind}@{f.step}" + (f":{world - 1}" if f.kind == "hang" else "") for f in faults]
 
 
 def _agent_args(args: argparse.Namespace) -> list[str]:
@@ -216,12 +213,10 @@ def _small_checkpoint_fs(cluster: LocalCluster, job: jobspec.JobSpec,
     """disk-full's filesystem: room for the retained checkpoints and one in flight, and host
     monitors that fail once the next checkpoint no longer fits (their defaults, in GiB, are
     for real disks)."""
-    from lazarus.trainer.config import TrainConfig
-
     one = diskfault.checkpoint_bytes(args.model)
-    keep = TrainConfig.from_dict(job.train_config_for(args.nodes)).keep_last
+    keep = TrainConfig.from_dict(job.train_config_for(args.nodes)).checkpoint.keep_last
     size = diskfault.checkpoint_fs_bytes(one, keep)
-    cluster.small_checkpoint_fs(Path(job.train["ckpt_dir"]), size)
+    cluster.small_checkpoint_fs(Path(job.train["checkpoint"]["dir"]), size)
     cluster.agent_args += ["--min-free-mb", f"{one / diskfault.MiB:.2f}",
                            "--low-free-mb", f"{2 * one / diskfault.MiB:.2f}"]
     return (f"checkpoint dir on a {size // diskfault.MiB} MiB tmpfs of its own (disk-full); "
@@ -284,7 +279,7 @@ def run(args: argparse.Namespace) -> dict:
     if metrics.exists():
         metrics.unlink()  # this run's story only
     trainer_faults = [f for f in schedule if f.kind in chaos.TRAINER_KINDS]
-    job = _job(args, workdir, metrics, [f"{f.kind}@{f.step}" for f in trainer_faults])
+    job = _job(args, workdir, metrics)
     agent_args = _agent_args(args)
     say = print
     say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
@@ -303,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
         if any(f.kind in chaos.DISK_KINDS for f in schedule):
             say(_small_checkpoint_fs(cluster, job, args))
         cluster.agent_args += agent_args
+        cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()
         cluster.start_daemon()
         cluster.start_daemon()

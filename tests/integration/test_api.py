@@ -46,14 +46,14 @@ def stub(server):
 
 def _job_toml(nodes=2, min_nodes=1) -> str:
     return (f'[job]\nname = "api"\nnodes = {nodes}\nmin_nodes = {min_nodes}\nid = "J1"\n'
-            '[train]\nmodel = "tiny"\nglobal_batch = 4\nsteps = 50\n')
+            '[train]\nsteps = 50\n[train.model]\nname = "tiny"\n[train.data]\nglobal_batch = 4\n')
 
 
 def _populate(etcd: E.Etcd, keys: Keys, *, t0: float, incident: dict | None = None) -> None:
     """A run of job J1 in round 2 on n0, n1 (n2 a spare), after one recovered worker crash."""
     job = {"name": "api", "nodes": 2, "min_nodes": 1, "nproc_per_node": 2, "id": "J1",
            "max_restarts": 20, "rendezvous_timeout_s": 60.0,
-           "train": {"model": "tiny", "steps": 50, "global_batch": 4}}
+           "train": {"steps": 50, "model": {"name": "tiny"}, "data": {"global_batch": 4}}}
     etcd.put(keys.job, dumps(job))
     etcd.put(keys.accepted_job, dumps(job))
     etcd.put(keys.leader, dumps({"id": "leader-0", "pid": 4242, "host": "h", "api": "h:7070"}))
@@ -497,9 +497,11 @@ def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
             cluster.start_agent(node, nproc=1, role="active")
         cluster.submit(jobspec.from_dict(
             {"job": {"name": "api-e2e", "nodes": 2, "min_nodes": 1, "nproc_per_node": 1},
-             "train": {"model": "tiny", "global_batch": 8, "seq_len": 64, "steps": 40,
-                       "ckpt_every": 4, "warmup_steps": 4, "metrics": str(metrics),
-                       "ckpt_dir": str(cluster.workdir / "ckpt")}}, source="test"))
+             "train": {"steps": 40, "metrics": str(metrics), "model": {"name": "tiny"},
+                       "optimizer": {"warmup_steps": 4},
+                       "data": {"global_batch": 8, "seq_len": 64},
+                       "checkpoint": {"every": 4, "dir": str(cluster.workdir / "ckpt")}}},
+            source="test"))
         auth = [("authorization", f"Bearer {cluster.token}")]
         address = cluster.api_addresses[1]  # whichever leads, this one answers
         with grpc.insecure_channel(address) as ch:

@@ -22,7 +22,8 @@ from lazarus.trainer.session import Session
 def _job() -> jobspec.JobSpec:
     return jobspec.from_dict({"job": {"name": "t", "nodes": 2, "min_nodes": 1,
                                       "nproc_per_node": 1, "id": "J"},
-                              "train": {"model": "tiny", "global_batch": 4, "steps": 5}},
+                              "train": {"steps": 5, "model": {"name": "tiny"},
+                                        "data": {"global_batch": 4}}},
                              source="test")
 
 
@@ -135,16 +136,19 @@ def test_two_daemons_never_act_at_once(etcd, keys):
 
 
 @pytest.mark.parametrize("body, expect", [
-    ("[job]\nnodes = 2\n[train]\nmodel = 'tiny'\n", None),
+    ("[job]\nnodes = 2\n[train.model]\nname = 'tiny'\n", None),
     ("[job\nnodes=2", "not valid TOML"),
     ("[job]\nnodez = 2\n", "unknown key(s) in [job]: ['nodez']"),
-    ("[job]\nnodes = 2\n[train]\nmodle = 'tiny'\n", "unknown train setting 'modle'"),
+    ("[job]\nnodes = 2\n[train.model]\nnmae = 'tiny'\n", "unknown train setting 'model.nmae'"),
     ("[job]\nnodes = 1\nmin_nodes = 2\n", "min_nodes (2) is more than nodes (1)"),
-    ("[job]\nnodes = 2\nnproc_per_node = 2\n[train]\ntp = 4\n", "tp=4 must divide nproc_per_node=2"),
-    ("[job]\nnodes = 3\nmin_nodes = 1\n[train]\nglobal_batch = 4\n", "with 3 node(s) (dp=3)"),
+    ("[job]\nnodes = 2\nnproc_per_node = 2\n[train.parallelism]\ntp = 4\n",
+     "tp=4 must divide nproc_per_node=2"),
+    ("[job]\nnodes = 3\nmin_nodes = 1\n[train.data]\nglobal_batch = 4\n", "with 3 node(s) (dp=3)"),
     ("[job]\nnodes = 0\n", "[job] nodes must be an integer >= 1"),
-    ("[job]\nnodes = 1\n[train]\ndp = 4\n", "dp is derived from the node count"),
-    ("[job]\nnodes = 1\n[train]\nmodel = 'huge'\n", "huge"),
+    ("[job]\nnodes = 1\n[train.parallelism]\ndp = 4\n", "dp is derived from the node count"),
+    ("[job]\nnodes = 1\n[train.model]\nname = 'huge'\n", "huge"),
+    ("[job]\nnodes = 1\n[train]\nmodel = 'tiny'\n",
+     "train setting 'model' must be a table ([train.model])"),
 ])
 def test_submit_rejects_bad_job_files_with_one_line(tmp_path, body, expect, etcd):
     path = tmp_path / "job.toml"

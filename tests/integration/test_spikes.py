@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.core.exitcodes import INJECTED_FAULT
+from lazarus.sim.trainer_faults import DIVERGE_STEPS, worker_env
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
-from lazarus.trainer.train import FAULT_EXIT_CODE
-from lazarus.trainer.windows import DIVERGE_STEPS, window_of_step
+from lazarus.trainer.windows import window_of_step
 
 STEPS = 20
 SPIKE = 14        # loss-spike@SPIKE and diverge@SPIKE, after 13 calm steps of history
@@ -40,11 +41,9 @@ COMMON = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--mi
 SCALE = ["--lr-scale", "0.5", "--lr-scale-steps", "6"]   # steps 1..6, across the restart at 4
 
 
-def lazarus_train(args: list[str], *, fail_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LAZARUS_FAIL_AT", None)
-    if fail_at:
-        env["LAZARUS_FAIL_AT"] = fail_at
+def lazarus_train(args: list[str], *, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`faults`: what the ranks inject (lazarus.sim.trainer_faults), e.g. "loss-spike@14"."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(worker_env(faults) if faults else {})}
     metrics = Path(args[args.index("--metrics") + 1])
     ckpt = Path(args[args.index("--ckpt-dir") + 1]) if "--ckpt-dir" in args else None
     metrics_before = metrics.read_text() if metrics.exists() else ""
@@ -90,16 +89,16 @@ def spiked(tmp_path_factory):
     out, killed at step 5 (checkpoint at 4) and resumed by fresh processes."""
     tmp = tmp_path_factory.mktemp("spiked")
     dp2 = ["--nproc", "2", "--dp", "2"]
-    poisoned = train_ok(COMMON + dp2 + SCALE + ["--inject", f"loss-spike@{SPIKE}",
-                                                "--metrics", str(tmp / "poisoned.jsonl")])
+    poisoned = train_ok(COMMON + dp2 + SCALE + ["--metrics", str(tmp / "poisoned.jsonl")],
+                        faults=(f"loss-spike@{SPIKE}",))
     spikes = [r["spike"] for r in rows(tmp / "poisoned.jsonl") if r.get("skipped")]
     assert len(spikes) == 1, spikes
     # The reference is told the window the spiked run recorded, as the daemon would be.
     first, last = spikes[0]["window"]
     reference = COMMON + dp2 + SCALE + ["--skip-window", f"{first}:{last}", "--ckpt-dir", str(tmp / "ckpt"),
                                         "--ckpt-every", str(EVERY), "--metrics", str(tmp / "reference.jsonl")]
-    crashed = lazarus_train(reference, fail_at="5:0")
-    assert crashed.returncode == FAULT_EXIT_CODE, crashed.stderr[-3000:]
+    crashed = lazarus_train(reference, faults=("crash@5:0",))
+    assert crashed.returncode == INJECTED_FAULT, crashed.stderr[-3000:]
     resumed = train_ok(reference + ["--resume"])
     return {"poisoned": rows(tmp / "poisoned.jsonl"), "reference": rows(tmp / "reference.jsonl"),
             "poisoned_stdout": poisoned.stdout, "resumed_stdout": resumed.stdout}
@@ -149,14 +148,14 @@ def diverged(tmp_path_factory):
     run that skips that span from the start."""
     tmp = tmp_path_factory.mktemp("diverged")
     common = COMMON + ["--nproc", "1", "--ckpt-dir", str(tmp / "ckpt"), "--keep-last", "10"]
-    train_ok(common + ["--inject", f"diverge@{SPIKE}", "--ckpt-every", str(EVERY),
-                       "--metrics", str(tmp / "diverged.jsonl")])
+    train_ok(common + ["--ckpt-every", str(EVERY), "--metrics", str(tmp / "diverged.jsonl")],
+             faults=(f"diverge@{SPIKE}",))
     diverged = rows(tmp / "diverged.jsonl")
     windows = [r["spike"]["window"] for r in diverged if r.get("skipped")]
     span = f"{min(w[0] for w in windows)}:{max(w[1] for w in windows)}"
-    rolled = train_ok(COMMON + ["--nproc", "1", "--inject", f"diverge@{SPIKE}", "--skip-window", span,
+    rolled = train_ok(COMMON + ["--nproc", "1", "--skip-window", span,
                                 "--resume", str(tmp / "ckpt" / "step-00000012"),
-                                "--metrics", str(tmp / "rolled.jsonl")])
+                                "--metrics", str(tmp / "rolled.jsonl")], faults=(f"diverge@{SPIKE}",))
     train_ok(COMMON + ["--nproc", "1", "--skip-window", span, "--metrics", str(tmp / "reference.jsonl")])
     return {"diverged": diverged, "rolled": rows(tmp / "rolled.jsonl"), "rolled_stdout": rolled.stdout,
             "reference": rows(tmp / "reference.jsonl"), "span": span}

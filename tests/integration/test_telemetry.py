@@ -47,7 +47,7 @@ def populate(etcd, keys, t0: float) -> None:
     """Job J1 in round 2 on n0, n1 (n2 a spare): accepted at t0, running from t0+10, a worker
     crash at t0+38 (seen at t0+40), running again from t0+50; checkpoints at 10 and 20."""
     job = {"name": "tel", "nodes": 2, "min_nodes": 1, "nproc_per_node": 1, "id": "J1",
-           "train": {"model": "tiny", "steps": 50, "global_batch": 4}}
+           "train": {"steps": 50, "model": {"name": "tiny"}, "data": {"global_batch": 4}}}
     etcd.put(keys.job, dumps(job))
     etcd.put(keys.accepted_job, dumps(job))
     etcd.put(keys.status, RunStatus(job_id="J1", state="RUNNING", round=2, members=["n0", "n1"],

@@ -15,19 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.core.exitcodes import INJECTED_FAULT
+from lazarus.sim.trainer_faults import worker_env
 from lazarus.trainer.launch import job_from_args
-from lazarus.trainer.train import FAULT_EXIT_CODE
 
 N = 3  # steps before the crash; the runs go to 2N
 COMMON = ["--model", "tiny", "--steps", str(2 * N), "--global-batch", "8", "--micro-batch", "2",
           "--seq-len", "32", "--lr", "3e-3", "--warmup-steps", "2", "--seed", "5"]
 
 
-def lazarus_train(args: list[str], *, fail_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LAZARUS_FAIL_AT", None)
-    if fail_at:
-        env["LAZARUS_FAIL_AT"] = fail_at
+def lazarus_train(args: list[str], *, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`faults`: what the ranks inject (lazarus.sim.trainer_faults), e.g. "crash@4:0"."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(worker_env(faults) if faults else {})}
     return subprocess.run([sys.executable, "-m", "lazarus.cli", "train", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -86,9 +85,11 @@ def test_bad_input_is_one_line_and_exit_2(existing, args, message):
 
 def test_flags_override_the_job_file(tmp_path):
     job = tmp_path / "job.toml"
-    job.write_text('[train]\nmodel = "tiny"\nsteps = 7\ntp = 2\nglobal_batch = 4\n')
-    cfg, nproc = job_from_args(["--config", str(job), "--steps", "9", "--nproc", "4"])
-    assert (cfg.steps, cfg.tp, cfg.dp, cfg.global_batch, nproc) == (9, 2, 2, 4, 4)
+    job.write_text('[train]\nsteps = 7\n[train.model]\nname = "tiny"\n[train.parallelism]\ntp = 2\n'
+                   '[train.data]\nglobal_batch = 4\n')
+    cfg, nproc = job_from_args(["--config", str(job), "--steps", "9", "--nproc", "4", "--lr", "0.01"])
+    assert (cfg.steps, cfg.parallelism.tp, cfg.parallelism.dp, nproc) == (9, 2, 2, 4)
+    assert (cfg.model.name, cfg.data.global_batch, cfg.optimizer.lr) == ("tiny", 4, 0.01)
 
 
 # ---- exact resume and resharding ----
@@ -102,8 +103,8 @@ def runs(tmp_path_factory):
 
     ckpt = tmp / "ckpt"
     crashed = lazarus_train(COMMON + mesh + ["--metrics", str(tmp / "resumed.jsonl"), "--ckpt-dir", str(ckpt),
-                                             "--ckpt-every", str(N)], fail_at=f"{N + 1}:0")
-    assert crashed.returncode == FAULT_EXIT_CODE, crashed.stderr[-3000:]
+                                             "--ckpt-every", str(N)], faults=(f"crash@{N + 1}:0",))
+    assert crashed.returncode == INJECTED_FAULT, crashed.stderr[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{N:08d}"]
     shutil.copytree(ckpt, tmp / "ckpt-at-N")  # pristine, for the reshard runs
 

@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed as dist
 
-from lazarus.trainer.config import TrainConfig
+from lazarus.core.trainconfig import DataConfig, TrainConfig
 from lazarus.core.contract import WorkerAssignment
 
 
@@ -19,7 +19,7 @@ def test_parked_worker_runs_the_assignment_it_is_given(tmp_path):
     try:
         assert json.loads(worker.stdout.readline())["event"] == "parked"
         metrics = tmp_path / "m.jsonl"
-        train = TrainConfig(steps=2, seq_len=32, global_batch=2, metrics=str(metrics)).to_dict()
+        train = TrainConfig(steps=2, data=DataConfig(seq_len=32, global_batch=2), metrics=str(metrics)).to_dict()
         assignment = WorkerAssignment(rank=0, world_size=1, local_rank=0, round=7, store_host="127.0.0.1",
                                       store_port=store.port, train=train)
         worker.stdin.write(assignment.to_json() + "\n")

@@ -3,7 +3,7 @@
 import pytest
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.batching import plan_batches
+from lazarus.core.batching import plan_batches
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])

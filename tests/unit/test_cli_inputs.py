@@ -125,7 +125,7 @@ def test_chaos_needs_a_node():
 
 
 def test_chaos_slow_rank_is_read_by_the_workers_of_that_node(tmp_path):
-    from lazarus.trainer.steptime import Slowdown
+    from lazarus.sim.trainer_faults import Slowdown
     slow = Slowdown(str(chaos.slowdown_script(tmp_path, "n1")))
     assert slow.refresh() == 1.0                      # no script yet: full speed
     proc = lazarus("chaos", "slow-rank", "--node", "n1", "--workdir", str(tmp_path),

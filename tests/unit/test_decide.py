@@ -19,8 +19,8 @@ NOW = 1000.0
 def job(**kw) -> jobspec.JobSpec:
     j = {"name": "t", "nodes": 2, "min_nodes": 1, "nproc_per_node": 2, "id": "J",
          "rendezvous_timeout_s": 30, "max_restarts": 3, **kw}
-    return jobspec.from_dict({"job": j, "train": {"model": "tiny", "global_batch": 8,
-                                                  "steps": 10}}, source="test")
+    return jobspec.from_dict({"job": j, "train": {"steps": 10, "model": {"name": "tiny"},
+                                                  "data": {"global_batch": 8}}}, source="test")
 
 
 def node(name, role="active", nproc=2):
@@ -148,7 +148,7 @@ def test_lost_node_is_replaced_by_a_spare():
 def test_no_spare_shrinks_to_min_nodes_with_the_same_global_batch():
     st = dataclasses.replace(status(RUNNING), state=RECOVERING)
     rec = only(decide(NOW, view(status=st, nodes=("a",))).actions, StartRound).record
-    assert rec.members == ["a"] and rec.dp == 2 and rec.train["global_batch"] == 8
+    assert rec.members == ["a"] and rec.dp == 2 and rec.train["data"]["global_batch"] == 8
 
 
 def test_below_min_nodes_waits_then_fails():
@@ -282,7 +282,7 @@ def test_peer_lost_with_no_root_cause_recovers_after_the_grace():
 
 
 def test_a_submission_with_impossible_sizes_is_rejected_not_accepted():
-    bad = dataclasses.replace(job(), id="BAD", train={"model": "tiny", "global_batch": 3})
+    bad = dataclasses.replace(job(), id="BAD", train={"data": {"global_batch": 3}})
     d = decide(NOW, view(status=None, submitted=bad))
     assert kinds(d.actions) == ["RejectJob", "Emit:job_rejected"]
     assert "global" in d.reason or "batch" in d.reason

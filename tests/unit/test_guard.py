@@ -9,8 +9,8 @@ import random
 import pytest
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.config import TrainConfig
-from lazarus.trainer.guard import Guard, GuardConfig
+from lazarus.core.trainconfig import GuardConfig, TrainConfig
+from lazarus.trainer.guard import Guard
 
 
 def noisy(n: int, *, seed: int = 0, loss: float = 3.0, grad_norm: float = 1.5) -> list[tuple[float, float]]:
@@ -115,28 +115,28 @@ def test_state_round_trips_through_json_and_judges_alike():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"window": 0}, "guard_window must be at least 1, got 0"),
-    ({"window": -5}, "guard_window must be at least 1, got -5"),
-    ({"threshold": 1.0}, "guard_threshold must be greater than 1"),
-    ({"threshold": 0.5}, "guard_threshold must be greater than 1"),
-    ({"threshold": math.nan}, "guard_threshold must be greater than 1"),
-    ({"min_history": 0}, r"guard_min_history must be between 1 and guard_window \(50\), got 0"),
-    ({"min_history": 60}, r"guard_min_history must be between 1 and guard_window \(50\), got 60"),
-    ({"grad_ratio": 0.5}, "guard_grad_ratio must be at least 1, got 0.5"),
+    ({"window": 0}, "guard.window must be at least 1, got 0"),
+    ({"window": -5}, "guard.window must be at least 1, got -5"),
+    ({"threshold": 1.0}, "guard.threshold must be greater than 1"),
+    ({"threshold": 0.5}, "guard.threshold must be greater than 1"),
+    ({"threshold": math.nan}, "guard.threshold must be greater than 1"),
+    ({"min_history": 0}, r"guard.min_history must be between 1 and guard.window \(50\), got 0"),
+    ({"min_history": 60}, r"guard.min_history must be between 1 and guard.window \(50\), got 60"),
+    ({"grad_ratio": 0.5}, "guard.grad_ratio must be at least 1, got 0.5"),
 ])
 def test_bad_policy_is_a_user_error_naming_the_setting(settings, message):
     with pytest.raises(UserError, match=message):
         GuardConfig(**settings)
     with pytest.raises(UserError, match=message):
-        TrainConfig.from_dict({f"guard_{k}": v for k, v in settings.items()})
+        TrainConfig.from_dict({"guard": settings})
 
 
 def test_an_infinite_threshold_keeps_only_the_nonfinite_check():
     guard = warmed(GuardConfig(window=50, min_history=20, threshold=math.inf))
     assert guard.observe(1e6, 1e6) is None
     assert guard.observe(math.nan, 1.0) == "nonfinite_loss"
-    cfg = TrainConfig.from_dict({"guard_threshold": math.inf, "guard_window": 8, "guard_min_history": 4})
-    assert cfg.guard_config() == GuardConfig(threshold=math.inf, window=8, min_history=4)
+    cfg = TrainConfig.from_dict({"guard": {"threshold": math.inf, "window": 8, "min_history": 4}})
+    assert cfg.guard == GuardConfig(threshold=math.inf, window=8, min_history=4)
 
 
 def test_a_healthy_gradient_norm_that_triples_is_no_spike():

@@ -44,8 +44,9 @@ def test_repeated_spikes_roll_back_to_the_last_good_checkpoint_and_skip_the_wind
     d = decide(NOW, v)
     rec = only(d.actions, StartRound).record
     assert (rec.restore_step, rec.members) == (10, ["a", "b"])
-    assert rec.train["skip_windows"] == [[260, 283]]
-    assert rec.train["lr_scale"] == 0.5 and rec.train["lr_scale_steps"] == 10
+    assert rec.train["data"]["skip_windows"] == [[260, 283]]
+    assert rec.train["optimizer"]["lr_scale"] == 0.5 and rec.train["optimizer"]["lr_scale_steps"] == 10
+    assert rec.train["checkpoint"]["good_after_steps"] == 5 and rec.train["parallelism"]["dp"] == 4
     st = only(d.actions, SetStatus).status
     assert st.incident["kind"] == "loss_spike" and st.skip_windows == [[260, 283]]
     assert st.lr_scale_until == 20 and st.restarts == 1
@@ -58,7 +59,8 @@ def test_skip_windows_stay_in_every_later_round():
     st = only(decide(NOW, v).actions, SetStatus).status  # b lost
     rec = only(decide(NOW, view(status=st, nodes=("a",), spares=("s",))).actions,
                StartRound).record
-    assert rec.train["skip_windows"] == [[5, 9]]
+    assert rec.train["data"]["skip_windows"] == [[5, 9]]
+    assert "lr_scale" not in rec.train.get("optimizer", {})  # no lowered lr was ordered
 
 
 def test_spikes_of_an_older_round_do_not_count():

@@ -1,4 +1,4 @@
-"""Data windows left out or faulted, the lr-scale span, and how bad settings are named."""
+"""Data windows left out, the lr-scale span, and how bad settings are named."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.config import TrainConfig
+from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
 from lazarus.trainer.launch import job_from_args
 from lazarus.trainer.train import lr_scale_span
-from lazarus.trainer.windows import DIVERGE_STEPS, DataWindows, parse_injection, window_of_step
+from lazarus.trainer.windows import DataWindows, window_of_step
 
 SEQ = 8
 BATCH = 8
@@ -40,7 +40,7 @@ def test_window_of_a_step_counts_from_the_start_and_crosses_epochs(dataset):
 
 def test_skipped_windows_are_passed_over_without_using_a_step(dataset):
     plain, skipping = loader(dataset), loader(dataset)
-    windows = DataWindows(skipping, skip=[[8, 15], [20, 30]], inject=[], vocab_size=256)
+    windows = DataWindows(skipping, skip=[[8, 15], [20, 30]])
     # Step 1 reads [0, 7]; [8, 15] and [16, 23] (overlaps [20, 30]) and [24, 31] are left out.
     window, left_out = windows.next_window()
     assert (window["first"], left_out) == (0, [])
@@ -52,73 +52,26 @@ def test_skipped_windows_are_passed_over_without_using_a_step(dataset):
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(skipping.next_step(), plain.next_step()))
 
 
-def test_poison_is_garbage_keyed_on_the_window_and_the_same_on_any_mesh(dataset):
-    one = loader(dataset)
-    windows = DataWindows(one, skip=[], inject=["loss-spike@2"], vocab_size=256)
-    clean = windows.poison(windows.next_window()[0], one.next_step())
-    assert max(int(x.max()) for x, _ in clean) < 128  # the corpus is ASCII
-    poisoned_window = windows.next_window()[0]
-    poisoned = windows.poison(poisoned_window, one.next_step())
-    assert all(int(x.min()) >= 128 and torch.equal(x[:, 1:], y[:, :-1]) for x, y in poisoned)
-
-    # dp2 ranks together hold exactly the dp1 garbage, micro-batch by micro-batch.
-    halves = []
-    for rank in range(2):
-        ranked = loader(dataset, dp_rank=rank, dp_size=2)
-        ranked.skip(1)
-        w = DataWindows(ranked, skip=[], inject=["loss-spike@2"], vocab_size=256)
-        halves += w.poison(w.next_window()[0], ranked.next_step())
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(poisoned, halves))
-    # Keyed on the window, not the step: a run that skips that window never meets the poison.
-    skipping = loader(dataset)
-    w = DataWindows(skipping, skip=[[poisoned_window["first"], poisoned_window["last"]]],
-                    inject=["loss-spike@2"], vocab_size=256)
-    for _ in range(4):
-        batch = w.poison(w.next_window()[0], skipping.next_step())
-        assert max(int(x.max()) for x, _ in batch) < 128
-
-
-def test_diverge_poisons_consecutive_windows_until_they_are_skipped(dataset):
-    def poisoned_steps(skip: list[list[int]]) -> list[int]:
-        one = loader(dataset)
-        windows = DataWindows(one, skip=skip, inject=["diverge@3"], vocab_size=256)
-        return [step for step in range(1, 12)
-                if min(int(x.min()) for x, _ in windows.poison(windows.next_window()[0], one.next_step())) >= 128]
-
-    assert poisoned_steps([]) == list(range(3, 3 + DIVERGE_STEPS))
-    assert poisoned_steps([[16, 23]]) == list(range(3, 2 + DIVERGE_STEPS))  # one window fewer
-    assert poisoned_steps([[16, 8 * (2 + DIVERGE_STEPS) - 1]]) == []
-
-
 def test_lr_scale_span_starts_at_the_restore_step_and_survives_a_restart():
-    cfg = TrainConfig.from_dict({"lr_scale": 0.5, "lr_scale_steps": 10})
+    cfg = OptimizerConfig(lr_scale=0.5, lr_scale_steps=10)
     assert lr_scale_span(cfg, 0, {}) == (1, 10)
     assert lr_scale_span(cfg, 40, {"step": 40}) == (41, 50)  # a rollback with a new order
     # A checkpoint taken inside the span carries it: a restart continues, not restarts, it.
     assert lr_scale_span(cfg, 45, {"lr_scale": {"scale": 0.5, "first": 41, "last": 50}}) == (41, 50)
-    other = TrainConfig.from_dict({"lr_scale": 0.25, "lr_scale_steps": 10})
+    other = OptimizerConfig(lr_scale=0.25, lr_scale_steps=10)
     assert lr_scale_span(other, 45, {"lr_scale": {"scale": 0.5, "first": 41, "last": 50}}) == (46, 55)
-    assert lr_scale_span(TrainConfig(), 45, {"lr_scale": {"scale": 0.5, "first": 41, "last": 50}}) is None
-
-
-@pytest.mark.parametrize("spec", ["loss-spike@12", "diverge@1"])
-def test_injections_parse(spec):
-    kind, step = parse_injection(spec)
-    assert f"{kind}@{step}" == spec
+    assert lr_scale_span(OptimizerConfig(), 45, {"lr_scale": {"scale": 0.5, "first": 41, "last": 50}}) is None
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"inject": ["loss-spike@0"]}, "inject 'loss-spike@0' must be KIND@STEP"),
-    ({"inject": ["nan@3"]}, "KIND one of loss-spike, diverge"),
-    ({"inject": ["diverge"]}, "inject 'diverge' must be KIND@STEP"),
-    ({"inject": "diverge@3"}, "'inject' must be list of str"),
-    ({"skip_windows": [[5, 2]]}, r"skip_windows\[0\] must be \[first, last\] with 0 <= first <= last"),
-    ({"skip_windows": [[0, 7], [-1, 3]]}, r"skip_windows\[1\] must be"),
-    ({"skip_windows": [[1, 2, 3]]}, r"skip_windows\[0\] must be"),
-    ({"skip_windows": [[1.5, 2]]}, "'skip_windows' must be list of list of int"),
-    ({"skip_windows": [3, 4]}, "'skip_windows' must be list of list of int"),
-    ({"lr_scale": 0}, "lr_scale must be positive, got 0"),
-    ({"lr_scale_steps": -1}, "lr_scale_steps must not be negative, got -1"),
+    ({"data": {"skip_windows": [[5, 2]]}},
+     r"data.skip_windows\[0\] must be \[first, last\] with 0 <= first <= last"),
+    ({"data": {"skip_windows": [[0, 7], [-1, 3]]}}, r"data.skip_windows\[1\] must be"),
+    ({"data": {"skip_windows": [[1, 2, 3]]}}, r"data.skip_windows\[0\] must be"),
+    ({"data": {"skip_windows": [[1.5, 2]]}}, "'data.skip_windows' must be list of list of int"),
+    ({"data": {"skip_windows": [3, 4]}}, "'data.skip_windows' must be list of list of int"),
+    ({"optimizer": {"lr_scale": 0}}, "optimizer.lr_scale must be positive, got 0"),
+    ({"optimizer": {"lr_scale_steps": -1}}, "optimizer.lr_scale_steps must not be negative, got -1"),
 ])
 def test_bad_window_settings_are_named(settings, message):
     with pytest.raises(UserError, match=message):
@@ -127,11 +80,11 @@ def test_bad_window_settings_are_named(settings, message):
 
 def test_flags_and_job_file_agree(tmp_path):
     job = tmp_path / "job.toml"
-    job.write_text('[train]\ninject = ["loss-spike@7"]\nskip_windows = [[16, 23]]\nlr_scale = 0.5\n')
+    job.write_text('[train.data]\nskip_windows = [[16, 23]]\n[train.optimizer]\nlr_scale = 0.5\n')
     from_file, _ = job_from_args(["--config", str(job)])
-    from_flags, _ = job_from_args(["--inject", "loss-spike@7", "--skip-window", "16:23", "--lr-scale", "0.5"])
+    from_flags, _ = job_from_args(["--skip-window", "16:23", "--lr-scale", "0.5"])
     assert from_file == from_flags
-    assert (from_flags.inject, from_flags.skip_windows, from_flags.lr_scale) == (["loss-spike@7"], [[16, 23]], 0.5)
+    assert (from_flags.data.skip_windows, from_flags.optimizer.lr_scale) == ([[16, 23]], 0.5)
     assert TrainConfig.from_dict(from_flags.to_dict()) == from_flags
     with pytest.raises(UserError, match="--skip-window '16-23' must be FIRST:LAST"):
         job_from_args(["--skip-window", "16-23"])

@@ -3,13 +3,14 @@
 import pytest
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.config import TrainConfig
+from lazarus.core.trainconfig import ModelSpec, ParallelConfig, TrainConfig
 from lazarus.core.contract import WorkerAssignment
 
 
 def test_assignment_round_trips_through_json():
+    train = TrainConfig(model=ModelSpec(name="tiny"), parallelism=ParallelConfig(dp=2, tp=2)).to_dict()
     a = WorkerAssignment(rank=3, world_size=4, local_rank=1, round=12, store_host="10.0.0.2", store_port=29500,
-                         train=TrainConfig(model="tiny", dp=2, tp=2).to_dict(), restore="/ckpt/step-00000100",
+                         train=train, restore="/ckpt/step-00000100",
                          report_socket="/run/lazarus/agent.sock")
     assert WorkerAssignment.from_json(a.to_json()) == a
 
