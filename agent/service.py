@@ -311,7 +311,7 @@ class Agent:
             self._hang = None
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
-        self.health.watch_checkpoint_dir(rec.train.get("ckpt_dir"))
+        self.health.watch_checkpoint_dir(rec.train.get("checkpoint", {}).get("dir"))
         self.workers.launch(rec.round, assignments)
         log.info("round %d: started ranks %s%s", rec.round, ranks,
                  f", restoring step {rec.restore_step}" if rec.restore else "")

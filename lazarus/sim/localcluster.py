@@ -20,7 +20,8 @@ from pathlib import Path
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
 from lazarus.core.jobspec import JobSpec
-from lazarus.sim.chaos import SLOWDOWN_ENV, inject_gpu_fault, inject_slowdown, slowdown_script
+from lazarus.sim import trainer_faults
+from lazarus.sim.chaos import inject_gpu_fault, inject_slowdown, slowdown_script
 from lazarus.sim.diskfault import Ballast, mount_small
 from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
                              RunStatus)
@@ -71,6 +72,7 @@ class LocalCluster:
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
+        self.trainer_faults: list[str] = []  # what every rank injects (lazarus.sim.trainer_faults)
         self.ballast = None                # diskfault.Ballast, once small_checkpoint_fs ran
         workdir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -118,9 +120,10 @@ class LocalCluster:
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level, *self.agent_args],
-                           # An agent passes its environment on to its ranks: this is how
-                           # `lazarus chaos slow-rank` reaches the ranks of one node.
-                           env={SLOWDOWN_ENV: str(slowdown_script(self.workdir / "nodes", node))})
+                           # An agent passes its environment on to its ranks: this is how the
+                           # trainer faults, and `lazarus chaos slow-rank` on one node, reach them.
+                           env=trainer_faults.worker_env(
+                               self.trainer_faults, slowdown=slowdown_script(self.workdir / "nodes", node)))
         self.agents[node] = proc
         self._agent_spec[node] = (nproc, role)
         return proc
