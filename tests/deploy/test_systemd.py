@@ -1,14 +1,24 @@
 """The systemd units verify cleanly, rendered for this venv as README.md's "Deploy" section
-installs them (the ExecStart paths must exist: systemd-analyze checks them)."""
+installs them (the ExecStart paths must exist: systemd-analyze checks them), and their
+commands, with lazarus.env's settings, start a daemon and an agent that work together.
+systemd-analyze knows nothing of our flags; only running the commands does."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 UNITS = ("lazarus-daemon", "lazarus-agent")
@@ -77,3 +87,69 @@ def test_env_file_sets_every_variable_the_units_use():
         text = (DEPLOY / f"{unit}.service").read_text()
         used |= {part.split("}", 1)[0] for part in text.split("${")[1:]}
     assert used <= env, used - env
+
+
+def _exec_start(unit: Path, env: dict[str, str], specifiers: dict[str, str]) -> list[str]:
+    """ExecStart as systemd runs it: continuation lines joined, %-specifiers and ${VAR}
+    substituted (each ${VAR} one word), then split into words."""
+    text = unit.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    line = line.removeprefix("ExecStart=")
+    for spec, value in specifiers.items():
+        line = line.replace(spec, value)
+    return [re.sub(r"\$\{(\w+)\}", lambda m: env[m[1]], word) for word in shlex.split(line)]
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines()
+                if line and not line.startswith("#"))
+
+
+@pytest.mark.e2e
+def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
+    units = _render(tmp_path)
+    token = tmp_path / "credentials" / "token"
+    token.parent.mkdir()
+    token.write_text("deploy-test-token\n")
+    api = f"127.0.0.1:{free_port()}"
+    procs = []
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        # lazarus.env as shipped, but for this machine: its etcd, a local API, a spare node.
+        env = {**_env_file(DEPLOY / "lazarus.env"), "LAZARUS_ETCD": etcd.endpoint,
+               "LAZARUS_API": api, "LAZARUS_WORKDIR": str(tmp_path / "work"),
+               "LAZARUS_NPROC": "1", "LAZARUS_ROLE": "spare"}
+        specifiers = {"%H": "localhost", "%d": str(token.parent)}
+        try:
+            for unit in units:
+                log = open(tmp_path / f"{unit.stem}.log", "wb")
+                procs.append(subprocess.Popen(
+                    _exec_start(unit, env, specifiers), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                    env={**os.environ, **env}))
+                log.close()
+            nodes = _wait_for_nodes(api, token, procs, tmp_path)
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
+            for proc in procs:
+                proc.wait(timeout=60)
+    assert [(n["node"], n["role"], n["state"]) for n in nodes] == [("localhost", "spare", "spare")]
+    # Both stopped cleanly on SIGTERM, as TimeoutStopSec expects.
+    assert [proc.returncode for proc in procs] == [0, 0]
+
+
+def _wait_for_nodes(api: str, token: Path, procs: list[subprocess.Popen], logs: Path) -> list:
+    """`lazarus nodes --json` once the agent has registered (a hang guard, not a timing)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args[1]} exited; logs in {logs}"
+        out = subprocess.run([str(Path(sys.prefix) / "bin" / "lazarus"), "nodes", "--address",
+                              api, "--token-file", str(token), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            nodes = json.loads(out.stdout).get("nodes", [])
+            if nodes:
+                return nodes
+        time.sleep(0.5)
+    pytest.fail(f"no node registered; logs in {logs}")
