@@ -1,7 +1,7 @@
 """Hang benchmark (on demand): `pytest tests/bench/bench_hang.py -m bench -s`.
 
 In one run, on the same job (tiny model, 2 ranks, gloo, checkpoint every 4 steps), rank 1
-stops forever before its forward pass at step HANG_AT (the trainer's hang_at_step injection)
+stops forever before its forward pass at step HANG_AT (hang@STEP of lazarus.sim.trainer_faults)
 and rank 0 waits for it in FSDP's all-gather. Measured from the hang, that is from the moment
 rank 0's metrics line of the step before showed up (the hung rank stops a collective later),
 to detection, to the restart and to the next completed step:
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lazarus.core.records import EventRecord
 from lazarus.core.contract import PG_TIMEOUT_ENV
+from lazarus.sim.trainer_faults import worker_env
 from lazarus.sim.up import MetricsTail
 from tests.bench.runs import LONG_STEPS, lazarus_up, start_torchrun, stop
 
@@ -101,8 +102,8 @@ def _workers(proc) -> set[int]:
 def _torchrun(tmp: Path, pg_timeout_s: int, cap_s: float) -> dict | None:
     """None when the run did not restart within `cap_s` of the hang."""
     load = os.getloadavg()
-    proc, tail = start_torchrun(tmp, {**JOB, "hang_at_step": HANG_AT, "hang_rank": 1},
-                                env={PG_TIMEOUT_ENV: str(pg_timeout_s)})
+    proc, tail = start_torchrun(tmp, JOB, env={PG_TIMEOUT_ENV: str(pg_timeout_s),
+                                               **worker_env([f"hang@{HANG_AT}:1"])})
     hung_at = exited = restarted = None
     try:
         while proc.poll() is None:

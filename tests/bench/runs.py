@@ -13,7 +13,8 @@ from pathlib import Path
 from lazarus.sim import up
 from lazarus.sim.up import MetricsTail
 
-# The recovery benchmark's job: tiny model, 2 ranks (one per node), gloo.
+# The recovery benchmark's job, as `lazarus up` options: tiny model, 2 ranks (one per node),
+# gloo. start_torchrun turns it into the [train] table `lazarus up` would build.
 TRAIN = {"model": "tiny", "tp": 1, "global_batch": 8, "seq_len": 64, "ckpt_every": 4,
          "warmup_steps": 10}
 # The same with steps of about 0.6 s on 2 cores (0.1 s above): long enough that 3 x the
@@ -40,7 +41,11 @@ def start_torchrun(tmp: Path, train: dict, *, env: dict[str, str] | None = None,
     Stop it with `stop`."""
     tmp.mkdir(parents=True)
     metrics = tmp / "metrics.jsonl"
-    job = {**train, "dp": 2, "ckpt_dir": str(tmp / "ckpt"), "metrics": str(metrics)}
+    job = {"steps": train["steps"], "metrics": str(metrics), "model": {"name": train["model"]},
+           "parallelism": {"dp": 2, "tp": train["tp"]},
+           "optimizer": {"warmup_steps": train["warmup_steps"]},
+           "data": {"global_batch": train["global_batch"], "seq_len": train["seq_len"]},
+           "checkpoint": {"dir": str(tmp / "ckpt"), "every": train["ckpt_every"]}}
     (tmp / "train.json").write_text(json.dumps(job))
     script = Path(__file__).with_name("torchrun_worker.py")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -22,7 +22,7 @@ from lazarus.trainer.worker import run
 
 def main() -> int:
     train = json.loads(Path(sys.argv[1]).read_text())
-    latest = latest_checkpoint(Path(train["ckpt_dir"]))
+    latest = latest_checkpoint(Path(train["checkpoint"]["dir"]))
     a = WorkerAssignment(
         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ["LOCAL_RANK"]),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from lazarus.sim.localcluster import LocalCluster
+from lazarus.sim.trainer_faults import worker_env
 
 
 def losses(metrics: Path) -> dict[int, float]:
@@ -20,17 +22,37 @@ def losses(metrics: Path) -> dict[int, float]:
     return out
 
 
-def reference(tmp: Path, train: dict, *, nproc: int, dp: int, tp: int) -> dict[int, float]:
-    """The uninterrupted run of the same [train] table with `lazarus train`."""
+def train_table(steps: int, **sections: dict) -> dict:
+    """The [train] table of the e2e jobs (the shape `lazarus up` runs with these tests'
+    options), for `steps` steps; `sections` add to its sections, e.g. guard={"window": 8}."""
+    table = {"steps": steps, "model": {"name": "tiny"}, "parallelism": {"tp": 1},
+             "optimizer": {"warmup_steps": 10}, "data": {"global_batch": 8, "seq_len": 64},
+             "checkpoint": {"every": 4}}
+    for name, extra in sections.items():
+        table[name] = {**table.get(name, {}), **extra}
+    return table
+
+
+def reference(tmp: Path, train: dict, *, nproc: int, dp: int, tp: int,
+              faults: tuple[str, ...] = ()) -> dict[int, float]:
+    """The uninterrupted run of the same [train] table with `lazarus train`, its ranks injecting
+    `faults` (lazarus.sim.trainer_faults) as the cluster's did."""
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "ref.toml"
-    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in train.items()
-                     if k not in ("ckpt_dir", "ckpt_every", "metrics"))
-    cfg.write_text("[train]\n" + body + "\n")
+    # Where the cluster kept checkpoints and metrics is no business of the reference run.
+    lines = ["[train]"] + [f"{k} = {json.dumps(v)}" for k, v in train.items()
+                           if not isinstance(v, dict) and k != "metrics"]
+    for section, table in train.items():
+        kept = {k: v for k, v in table.items() if section != "checkpoint" or k not in ("dir", "every")} \
+            if isinstance(table, dict) else {}
+        if kept:
+            lines += [f"[train.{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in kept.items()]
+    cfg.write_text("\n".join(lines) + "\n")
     metrics = tmp / "ref.jsonl"
     proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "train", "--nproc", str(nproc),
                            "--dp", str(dp), "--tp", str(tp), "--config", str(cfg),
                            "--metrics", str(metrics)], capture_output=True, text=True,
+                          env={**os.environ, **(worker_env(faults) if faults else {})},
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return losses(metrics)

@@ -13,8 +13,7 @@ import sys
 import pytest
 
 from lazarus.core.records import CheckpointRecord, EventRecord
-from tests.e2e.helpers import losses, reference
-from tests.e2e.test_recovery import TRAIN
+from tests.e2e.helpers import losses, reference, train_table
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +73,5 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
 
     got = losses(work / "metrics.jsonl")
     assert sorted(got) == list(range(1, steps + 1))
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.helpers import reference
-from tests.e2e.test_recovery import TRAIN, run_up
+from tests.e2e.helpers import reference, train_table
+from tests.e2e.test_recovery import run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +23,5 @@ def test_degraded_gpu_planned_swap_and_failed_gpu_replacement(tmp_path):
     log = "".join((tmp_path / "up" / f"daemon-{i}.log").read_text() for i in (0, 1))
     assert "drain n1 after checkpoint step" in log       # planned: through a checkpoint
     assert "promote n3" in log                           # the failed node's replacement
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref

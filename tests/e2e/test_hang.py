@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.e2e.helpers import reference
-from tests.e2e.test_recovery import TRAIN, run_up
+from tests.e2e.helpers import reference, train_table
+from tests.e2e.test_recovery import run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +27,7 @@ def test_hang_is_detected_with_culprit_and_stacks_and_recovered(tmp_path):
     assert "_hang_here" in stacks                       # the stuck rank's own frame
     peer = (tmp_path / "up" / "nodes" / "hangs" / "round1-n0.txt").read_text()
     assert "=== rank 0" in peer
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref
 
 
@@ -50,6 +49,5 @@ def test_slow_first_step_and_slow_checkpoint_are_no_hang_but_a_hang_still_is(tmp
     events = [json.loads(line) for line in (tmp_path / "up" / "events.jsonl").open()]
     faults = [e["fields"].get("kind") for e in events if e["kind"] == "fault_detected"]
     assert faults == ["hang"]                       # the stalls raised nothing
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, reference, wait_for
-from tests.e2e.test_recovery import TRAIN, _last_step, _start
+from tests.e2e.helpers import losses, reference, train_table, wait_for
+from tests.e2e.test_recovery import _last_step, _start
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +46,5 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         assert final.state == "SUCCEEDED", final.reason
         kinds = [e.kind for e in cluster.new_events()]
     assert "paused" in kinds and "fault_detected" not in kinds
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert losses(metrics) == ref

@@ -15,12 +15,9 @@ from lazarus.core import jobspec
 from lazarus.sim.localcluster import LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim import up
-from tests.e2e.helpers import losses, reference, wait_for
+from tests.e2e.helpers import losses, reference, train_table, wait_for
 
 pytestmark = pytest.mark.e2e
-
-TRAIN = {"model": "tiny", "tp": 1, "global_batch": 8, "seq_len": 64, "ckpt_every": 4}
-
 
 def run_up(tmp_path, *argv):
     args = up._parse(["--workdir", str(tmp_path / "up"), "--quiet", "--seq-len", "64",
@@ -46,8 +43,7 @@ def test_worker_crash_and_node_loss_recover_bit_exact(tmp_path):
         tmp_path / "up" / "daemon-1.log").read_text()
     assert "promote n2" in events
 
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert sorted(got) == list(range(1, steps + 1))
     assert got == ref  # bit for bit: same mesh, resumed from checkpoints
 
@@ -63,8 +59,7 @@ def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path):
         tmp_path / "up" / "daemon-1.log").read_text()
     assert "shrink to 1 of 2" in log
     assert "grow to 2 node(s) at checkpoint step" in log and "(n1 joins)" in log
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert sorted(got) == list(range(1, steps + 1))
     resumed = lost["resumed_at_step"]
     for step in range(1, resumed):
@@ -81,11 +76,10 @@ def _start(cluster: LocalCluster, *, nodes: int, spares: int, steps: int, metric
     cluster.start_daemon()
     for i in range(nodes + spares):
         cluster.start_agent(f"n{i}", nproc=1, role=ROLE_ACTIVE if i < nodes else ROLE_SPARE)
+    train = train_table(steps, checkpoint={"dir": str(cluster.workdir / "ckpt")})
     job = jobspec.from_dict({"job": {"name": "e2e", "nodes": nodes, "min_nodes": 1,
                                      "nproc_per_node": 1, "rendezvous_timeout_s": 120},
-                             "train": {**TRAIN, "steps": steps, "warmup_steps": 10,
-                                       "ckpt_dir": str(cluster.workdir / "ckpt"),
-                                       "metrics": str(metrics)}}, source="test")
+                             "train": {**train, "metrics": str(metrics)}}, source="test")
     cluster.submit(job)
 
 
@@ -120,8 +114,7 @@ def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
         assert new_leader != leader
         # one lease TTL (3 s) plus the standby's polling and a loaded machine's slack
         assert failover_s < 3 * cluster.lease_ttl_s
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert losses(metrics) == ref
 
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.e2e.helpers import reference
-from tests.e2e.test_recovery import TRAIN, run_up
+from tests.e2e.helpers import reference, train_table
+from tests.e2e.test_recovery import run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -34,9 +34,8 @@ def test_spike_skipped_divergence_rolled_back_onto_the_reference(tmp_path):
     # one that skipped every window from the start.
     restore = rollbacks[-1]["restore_step"]
     windows = [f["skip_window"] for f in rollbacks]
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10,
-                                       "guard_min_history": 8,
-                                       "inject": ["loss-spike@20", "diverge@30"],
-                                       "skip_windows": windows}, nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps, guard={"min_history": 8},
+                                                  data={"skip_windows": windows}),
+                    faults=("loss-spike@20", "diverge@30"), nproc=2, dp=2, tp=1)
     for step in range(restore + 1, steps + 1):
         assert got[step] == ref[step], step

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.e2e.helpers import reference
-from tests.e2e.test_recovery import TRAIN, run_up
+from tests.e2e.helpers import reference, train_table
+from tests.e2e.test_recovery import run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,5 @@ def test_slow_node_is_flagged_and_swapped_for_the_spare(tmp_path):
     assert rounds == [["n0", "n1"], ["n0", "n2"]]
     log = "".join((tmp_path / "up" / f"daemon-{i}.log").read_text() for i in (0, 1))
     assert "drain n1 after checkpoint step" in log        # planned: through a checkpoint
-    ref = reference(tmp_path / "ref", {**TRAIN, "steps": steps, "warmup_steps": 10},
-                    nproc=2, dp=2, tp=1)
+    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref

@@ -125,3 +125,15 @@ def test_slowdown_multiplies_the_work_of_a_step(tmp_path):
     assert clock.stop() >= 0.15
     script.write_text("{half written")   # read again next step, full speed meanwhile
     assert slow.refresh() == 1.0
+
+
+def test_lazarus_up_hands_its_trainer_faults_to_the_ranks(monkeypatch):
+    from lazarus.sim import chaos, up
+
+    schedule = chaos.parse_schedule("kill-node@3,hang@14,slow-step@1,slow-checkpoint@8,loss-spike@20")
+    faults = up._rank_faults([f for f in schedule if f.kind in chaos.TRAINER_KINDS], world=4)
+    for key, value in worker_env(faults).items():
+        monkeypatch.setenv(key, value)
+    (injector,) = hooks.from_env()._hooks
+    assert injector.faults == [TrainerFault("slow-step", 1), TrainerFault("slow-checkpoint", 8),
+                               TrainerFault("hang", 14, 3), TrainerFault("loss-spike", 20)]
