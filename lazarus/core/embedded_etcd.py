@@ -91,6 +91,7 @@ class EmbeddedEtcd:
     def launch(self) -> None:
         """Start the process without waiting: a cluster member is healthy only once a
         majority of its peers runs too."""
+        assert not self.running, f"etcd {self.name} already runs (pid {self.proc.pid})"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         client = f"http://127.0.0.1:{self.client_port}"
         cmd = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),

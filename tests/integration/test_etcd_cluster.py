@@ -1,0 +1,141 @@
+"""A training run through etcd's bad days: a 3-member etcd cluster losing one member, then its
+quorum, and an etcd that runs out of space. Real etcd processes, a real daemon and agents,
+gloo ranks; faults are SIGKILLs and a database filled from the test.
+
+What must hold each time: nothing is evicted or restarted because etcd was impaired, the
+ranks keep stepping, and the run finishes SUCCEEDED once etcd is whole again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from lazarus.core import etcd as E
+from lazarus.core import jobspec
+from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd
+from lazarus.core.records import ROLE_ACTIVE
+from lazarus.sim.localcluster import LocalCluster
+from tests.e2e.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+
+MiB = 1 << 20
+
+
+def start(cluster: LocalCluster, server, *, steps: int, metrics: Path) -> None:
+    cluster.start_etcd(server)
+    cluster.start_daemon()
+    for node in ("n0", "n1"):
+        cluster.start_agent(node, nproc=1, role=ROLE_ACTIVE)
+    cluster.submit(jobspec.from_dict({
+        "job": {"name": "etcd-weather", "nodes": 2, "nproc_per_node": 1,
+                "rendezvous_timeout_s": 120},
+        "train": {"steps": steps, "metrics": str(metrics), "model": {"name": "tiny"},
+                  "data": {"global_batch": 8, "seq_len": 64},
+                  "checkpoint": {"dir": str(cluster.workdir / "ckpt"), "every": 5}}},
+        source="test"))
+
+
+def last_step(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_steps(metrics: Path, at_least: int, *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while last_step(metrics) < at_least:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def finish(cluster: LocalCluster, *, timeout: float = 60):
+    return wait_for(cluster, lambda st: st.status and st.status.state in ("SUCCEEDED", "FAILED")
+                    and st.status, timeout=timeout, what="the run to finish")
+
+
+def logs(cluster: LocalCluster) -> str:
+    return "".join(p.read_text() for p in sorted(cluster.workdir.glob("*.log")))
+
+
+def assert_untouched(cluster: LocalCluster, final, steps: int, metrics: Path) -> None:
+    """Finished in its first round: no fault seen, nobody evicted, no step replayed."""
+    assert final.state == "SUCCEEDED", final.reason
+    assert (final.round, final.restarts) == (1, 0), final
+    kinds = [e.kind for e in cluster.new_events()]
+    assert "fault_detected" not in kinds, kinds
+    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert rows == list(range(1, steps + 1))
+
+
+def test_one_member_of_three_killed_mid_run_changes_nothing(tmp_path):
+    steps, metrics = 40, tmp_path / "metrics.jsonl"
+    with EmbeddedCluster(tmp_path / "etcd") as members, \
+            LocalCluster(tmp_path / "cluster") as cluster:
+        start(cluster, members, steps=steps, metrics=metrics)
+        wait_steps(metrics, 5, timeout=90, what="step 5")
+        members.members[0].kill()  # the member every process talks to first
+        final = finish(cluster)
+        assert_untouched(cluster, final, steps, metrics)
+        assert "switching to" in logs(cluster)  # they moved to another member
+
+
+def test_majority_lost_stops_control_not_training_and_quorum_back_resumes_it(tmp_path):
+    steps, metrics = 60, tmp_path / "metrics.jsonl"
+    with EmbeddedCluster(tmp_path / "etcd") as members, \
+            LocalCluster(tmp_path / "cluster") as cluster:
+        start(cluster, members, steps=steps, metrics=metrics)
+        wait_steps(metrics, 5, timeout=90, what="step 5")
+        members.members[0].kill()
+        members.members[1].kill()
+        lost_at, step_at_loss = time.monotonic(), last_step(metrics)
+        # Training goes on without etcd, for longer than any lease lives.
+        wait_steps(metrics, step_at_loss + 8, timeout=60, what="steps without quorum")
+        while time.monotonic() - lost_at < cluster.lease_ttl_s + 2:
+            time.sleep(0.2)
+        assert all(p.alive for p in [*cluster.agents.values(), *cluster.daemons])
+        assert last_step(metrics) < steps, "the run ended before quorum came back: more steps"
+        members.restart(0)
+        members.restart(1)
+        final = finish(cluster)
+        assert_untouched(cluster, final, steps, metrics)
+        text = logs(cluster)
+        assert "has no leader" in text and "workers keep training" in text
+        assert "etcd is back after" in text
+
+
+def test_nospace_is_survived_told_and_cleared(tmp_path):
+    steps, metrics = 60, tmp_path / "metrics.jsonl"
+    with EmbeddedEtcd(tmp_path / "etcd", quota_bytes=16 * MiB) as server, \
+            LocalCluster(tmp_path / "cluster") as cluster:
+        start(cluster, server, steps=steps, metrics=metrics)
+        wait_steps(metrics, 5, timeout=90, what="step 5")
+        etcd = cluster.etcd
+        blob = b"x" * (MiB - 1024)
+        with pytest.raises(E.EtcdNoSpace):
+            for n in range(64):
+                etcd.put(f"/ballast/{n:03d}", blob)
+        full_at = last_step(metrics)
+        wait_steps(metrics, full_at + 8, timeout=60, what="steps while etcd refuses writes")
+        deadline = time.monotonic() + 30
+        while "raised the NOSPACE alarm" not in logs(cluster):
+            assert time.monotonic() < deadline, "the daemon did not tell the alarm"
+            time.sleep(0.2)
+        assert all(p.alive for p in [*cluster.agents.values(), *cluster.daemons])
+        assert last_step(metrics) < steps, "the run ended before the alarm was cleared"
+        # The operator's way out (docs/operations.md): compact, defragment, disarm.
+        etcd.delete("/ballast/", prefix=True)
+        etcd.compact(etcd.revision())
+        etcd.defragment()
+        for alarm in etcd.alarms():
+            etcd.disarm(alarm)
+        final = finish(cluster)
+        events = {e.kind: e for e in cluster.new_events()}
+        assert "etcd_alarm" in events, sorted(events)
+        assert events["etcd_alarm"].fields["alarm"] == "NOSPACE"
+        assert final.state == "SUCCEEDED" and (final.round, final.restarts) == (1, 0), final
+        assert "fault_detected" not in events
+        assert "etcd is out of space (NOSPACE alarm)" in logs(cluster)
