@@ -1,8 +1,10 @@
-"""The FSDP2 + TP trainer, and the small API a user's own training script adopts:
+"""The FSDP2 + TP trainer, and the small API a user's own training script adopts
+(trainer/examples/plain_fsdp.py is a whole script that does):
 
     session = lazarus.trainer.connect()
-    session.report(step, loss, grad_norm, tokens)
-    if session.should_checkpoint(step): ...
+    session.report(step=step, loss=loss, grad_norm=gn, tokens=n, step_time_s=dt)
+    if session.should_checkpoint(step, every=100): ...   # agree across ranks, then save
+    if session.may_commit(step): ...                      # the fencing check before a commit
 """
 
 from lazarus.trainer.session import Session, connect
