@@ -25,7 +25,7 @@ from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.errors import UserError
 from lazarus.core.records import Keys, writer_id
 from lazarus.daemon import api, executor, telemetry
-from lazarus.daemon.compaction import COMPACT_EVERY_S, Compactor
+from lazarus.daemon.compaction import COMPACT_EVERY_S, KEEP_HISTORY_S, Compactor
 from lazarus.daemon.decide import decide
 from lazarus.daemon.etcdhealth import EtcdHealth
 from lazarus.daemon.leader import Leadership
@@ -129,6 +129,10 @@ def main(argv: list[str]) -> int:
                            lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds")
     p.add_argument("--job", help="submit this job file (TOML) at start")
     p.add_argument("--data-dir", help="embedded etcd data directory")
+    p.add_argument("--compact-every", type=float, default=COMPACT_EVERY_S, metavar="SECONDS",
+                   help="the leader compacts etcd's history this often, keeping the last "
+                        f"{KEEP_HISTORY_S:.0f} s of it; 0: never, when etcd compacts itself "
+                        "(default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--api", default="127.0.0.1:7070",
                    help="serve the gRPC API on HOST:PORT (port 0: any free port; 'off': no "
@@ -155,6 +159,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logs.setup(args.log_level, "daemon")
     settings.check_lease_ttl(args.lease_ttl)
+    if not args.compact_every >= 0:
+        raise UserError(f"--compact-every must be 0 (never) or a number of seconds, got {args.compact_every}")
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
     token = (endpoint_file.load_token(args.token_file) if args.token_file
@@ -182,7 +188,7 @@ def main(argv: list[str]) -> int:
         if job is not None:
             E.retry(lambda: etcd.put(keys.job, job.to_json()), deadline_s=30)
             log.info("submitted job %s (%s)", job.name, job.id)
-        daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl)
+        daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl, compact_every_s=args.compact_every)
         tel_cfg = TelemetryConfig(otlp_endpoint=args.otlp_endpoint or None,
                                   metrics_host=args.metrics_host, metrics_port=args.metrics_port)
         if tel_cfg.enabled:

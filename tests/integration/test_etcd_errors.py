@@ -1,6 +1,7 @@
 """lazarus.core.etcd against real etcd servers: a full database (NOSPACE), reads larger than
-gRPC's 4 MiB, compacted watches, the leader's compaction, and a 3-member cluster losing one
-member, then its quorum. No training here (tests/integration/test_etcd_cluster.py has it)."""
+gRPC's 4 MiB, compacted watches, the leader's compaction, a 3-member cluster losing one
+member, then its quorum; and what the leader holds back while etcd is impaired. No training
+here (tests/integration/test_etcd_cluster.py has it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import pytest
 
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd
+from lazarus.core.records import RECOVERING, RUNNING, EventRecord, Keys, NodeRecord, RunStatus
+from lazarus.daemon.actions import Decision, SetStatus
 from lazarus.daemon.compaction import Compactor
+from lazarus.daemon.etcdhealth import EtcdHealth, lease_grace_s
+from lazarus.daemon.leader import Leadership
+from lazarus.daemon.view import ClusterView
 
 MiB = 1 << 20
 
@@ -174,5 +180,38 @@ def test_a_client_of_three_members_rides_out_one_loss_and_tells_a_lost_quorum(tm
             assert etcd.refresh(session.lease) > 0
             watch.cancel()
             session.close()
+        finally:
+            etcd.close()
+
+
+def test_the_leader_holds_evictions_through_nospace_and_records_the_alarm(tmp_path):
+    with EmbeddedEtcd(tmp_path / "etcd", quota_bytes=16 * MiB) as server:
+        etcd = E.Etcd(server.endpoint)
+        keys = Keys("/t/")
+        try:
+            leadership = Leadership(etcd, keys, ttl_s=3, identity={"id": "test"})
+            assert leadership.campaign()
+            health = EtcdHealth(etcd, keys, writer="test", alarm_poll_s=0)
+            view = ClusterView(status=RunStatus(job_id="J", state=RUNNING, round=1,
+                                                members=["n0", "n1"]))
+            view.nodes = {"n0": NodeRecord(node="n0", host="h", nproc=1, lease_ttl_s=2)}
+            lost = RunStatus(job_id="J", state=RECOVERING, round=1, members=["n0", "n1"],
+                             incident={"kind": "node_lost", "culprit": "n1"})
+            evict = Decision([SetStatus(lost)], "node(s) n1 lost (agent lease expired)")
+            health.poll(leadership)
+            assert health.hold(evict, view) is None  # etcd is fine: a lost node is lost
+            fill(etcd, "/ballast/")
+            health.poll(leadership)
+            assert "holding the eviction of n1" in health.hold(evict, view)
+            free(etcd, "/ballast/")
+            health.poll(leadership)  # the alarm is gone: the leader writes it down
+            events = [EventRecord.from_json(kv.value)
+                      for kv in etcd.get_prefix(keys.events).kvs.values()]
+            assert [(e.kind, e.fields["alarm"]) for e in events] == [("etcd_alarm", "NOSPACE")]
+            # still held for a lease TTL (+1 s): an agent may not have re-registered yet
+            assert health.hold(evict, view) is not None
+            time.sleep(lease_grace_s(view))
+            assert health.hold(evict, view) is None
+            leadership.resign()
         finally:
             etcd.close()

@@ -96,6 +96,8 @@ def test_record_round_trip():
     (["agent", "--nproc", "0"], "--nproc must be at least 1"),
     (["agent", "--role", "boss"], "--role must be active or spare"),
     (["daemon", "--etcd", "nonsense"], "is not HOST:PORT"),
+    (["daemon", "--etcd", "a:2379,b"], "etcd endpoint 'b' (in 'a:2379,b') is not HOST:PORT"),
+    (["daemon", "--compact-every", "-1"], "--compact-every must be 0 (never) or a number"),
 ])
 def test_bad_command_lines(args, expect, tmp_path):
     if args[0] == "up":
