@@ -283,7 +283,8 @@ _CHANNEL_OPTIONS = {
 # etcd's "require leader" request metadata (clientv3.WithRequireLeader).
 _REQUIRE_LEADER = (("hasleader", "true"),)
 # Keys per range in a snapshot's first read; a larger prefix is paged. 1,000 node statuses of
-# ~1.4 KB fit well under gRPC's 4 MiB; a page that does not fit is halved.
+# ~1.4 KB fit well under gRPC's 4 MiB; when an answer does not fit, the client reads smaller
+# pages from then on.
 PAGE_KEYS = 1000
 
 
@@ -318,6 +319,7 @@ class Etcd:
         self._generation = 0  # bumped at each switch of member
         self._served = False  # the current member answered at least once
         self._refusing_writes = False
+        self._page_keys = PAGE_KEYS
         self._switch_lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -415,8 +417,8 @@ class Etcd:
 
     def snapshot(self, prefixes: Sequence[str]) -> Snapshot:
         """All keys under `prefixes` at a single revision: one read-only transaction, whose
-        ranges continue in pages at that revision when they hold more than PAGE_KEYS keys or
-        do not fit one answer."""
+        ranges continue in pages at that revision when they hold more keys than a page or do
+        not fit one answer."""
         for _ in range(3):
             try:
                 return self._snapshot(prefixes)
@@ -427,12 +429,13 @@ class Etcd:
     def _snapshot(self, prefixes: Sequence[str]) -> Snapshot:
         ranges = [(p.encode(), prefix_range_end(p.encode())) for p in prefixes]
         ops = [rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end,
-                                                            limit=PAGE_KEYS))
+                                                            limit=self._page_keys))
                for k, end in ranges]
         kvs: dict[str, KV] = {}
         try:
             resp = self._run(lambda c: self._unary(c, "kvstub", "Txn", rpc.TxnRequest(success=ops)))
         except EtcdTooLarge:
+            self._page_keys = max(1, self._page_keys // 4)
             revision, rest = 0, ranges
         else:
             revision, rest = resp.header.revision, []
@@ -449,15 +452,15 @@ class Etcd:
     def _pages(self, start: bytes, end: bytes, revision: int, into: dict[str, KV]) -> int:
         """Read [start, end) at `revision` (0: the current one) page by page; returns the
         revision read at."""
-        limit = PAGE_KEYS
         while True:
-            req = rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=limit)
+            req = rpc.RangeRequest(key=start, range_end=end, revision=revision,
+                                   limit=self._page_keys)
             try:
                 resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
             except EtcdTooLarge:
-                if limit == 1:
+                if self._page_keys == 1:
                     raise
-                limit = max(1, limit // 4)
+                self._page_keys = max(1, self._page_keys // 4)
                 continue
             revision = revision or resp.header.revision
             for raw in resp.kvs:

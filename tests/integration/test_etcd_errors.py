@@ -79,9 +79,9 @@ def test_nospace_refuses_writes_only_and_is_one_line_until_it_is_cleared(tmp_pat
 
 
 def test_reads_larger_than_grpc_allows_are_paged_at_one_revision(etcd, keys):
-    # ~4.8 MB under one prefix (more than gRPC's 4 MiB) plus a small one
-    value = b"v" * 1500
-    names = [f"{keys.nodestatus}n{i:04d}" for i in range(3200)]
+    # 7.2 MB under one prefix: more than gRPC's 4 MiB, and so is a first page of 1,000 keys
+    value = b"v" * 6000
+    names = [f"{keys.nodestatus}n{i:04d}" for i in range(1200)]
     for i in range(0, len(names), 100):
         etcd.txn([], [E.put_op(n, value) for n in names[i:i + 100]])
     etcd.put(keys.status, b"{}")
