@@ -37,22 +37,27 @@ from lazarus.agent.workers import Workers
 
 log = logging.getLogger("lazarus.agent")
 
-# Node status carries the latest step; writing it more often than this would make every
-# node an etcd writer per step, which the design forbids at scale.
-STATUS_PERIOD_S = 1.0
+# Node status is written at once on a change of state (workers, health, a hang, a long phase,
+# a spike), else at most once a period while the step moves, with the throughput summary: the
+# write budget (docs/architecture.md, "Write budget") is 0.1 writes/s per node in steady
+# state. Liveness is the lease alone; nothing reads the age of a status as a sign of life.
+STATUS_PERIOD_S = 15.0
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
 
 
 class Agent:
     """`lease_ttl_s`: how long after this agent dies the daemon declares the node lost. Must be
-    longer than a stall of this process (GC, swap), or a live node gets evicted."""
+    longer than a stall of this process (GC, swap), or a live node gets evicted.
+    `status_period_s`: how stale the step and throughput in the node status may get while
+    nothing else changes; a straggler is seen up to this much later."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                  workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = settings.LEASE_TTL_S,
                  park: bool = True, gpu_backend: str = "auto",
                  gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
-                 host_limits: dict | None = None, monitors: bool = True):
+                 host_limits: dict | None = None, monitors: bool = True,
+                 status_period_s: float = STATUS_PERIOD_S):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -60,6 +65,7 @@ class Agent:
         self.etcd, self.keys = etcd, keys
         self.node, self.nproc, self.role, self.host = node, nproc, role, host
         self.lease_ttl_s = lease_ttl_s
+        self.status_period_s = status_period_s
         self.workdir = workdir
         # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
         # or throughput monitoring here, and no progress reports from the workers.
@@ -371,14 +377,15 @@ class Agent:
             throughput=throughput, long_phase=long_phase)
 
     def publish(self, *, force: bool = False) -> None:
-        """Write node status on a change of worker state at once, else at most once a period."""
+        """Write node status on a change of state at once, else at most once a period."""
         status = self.node_status()
         state = (status.workers, status.round, status.failed_rank, len(status.spikes),
                  status.health.get("state"), status.hang is not None,
                  bool(status.long_phase.get("since")))
         now = time.time()
         if not force and state == self._published_state and (
-                status.step == self._published_step or now - self._published_at < STATUS_PERIOD_S):
+                status.step == self._published_step
+                or now - self._published_at < self.status_period_s):
             return
         assert self.session is not None
         try:
@@ -462,9 +469,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--monitors", choices=("on", "off"), default="on",
                    help="GPU, host, hang and throughput monitors and the workers' progress "
                         "reports; 'off' exists to measure what they cost")
+    p.add_argument("--status-period", type=float, default=STATUS_PERIOD_S,
+                   help="seconds between node status writes while only the step moves (a "
+                        "change of state is written at once) (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
+    if not args.status_period > 0:
+        raise UserError("--status-period must be positive")
     if args.nproc < 1:
         raise UserError("--nproc must be at least 1")
     settings.check_lease_ttl(args.lease_ttl)
@@ -480,7 +492,8 @@ def main(argv: list[str]) -> int:
                   park=not args.no_park, gpu_backend=args.gpu_backend,
                   gpu_faults=args.gpu_faults,
                   hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor),
-                  host_limits=host_limits, monitors=args.monitors == "on")
+                  host_limits=host_limits, monitors=args.monitors == "on",
+                  status_period_s=args.status_period)
     try:
         agent.run(stop)
     finally:

@@ -243,7 +243,7 @@ class NodeStatus(_Record):
     window: list = field(default_factory=list)  # data cursors [first, last] of the last step
     health: dict = field(default_factory=dict)  # monitors: {"state", "gpu": {...}, "host": {...}}
     hang: dict | None = None    # the round's hang report (lazarus.agent.hang.HangVerdict + stacks)
-    throughput: dict = field(default_factory=dict)  # lazarus.agent.throughput summary()
+    throughput: dict = field(default_factory=dict)  # lazarus.core.throughput summary()
     # A local rank in a checkpoint or an eval: {"since": wall time it entered (0: none now),
     # "until": wall time the last such phase ended}. Peers elsewhere wait for it meanwhile.
     long_phase: dict = field(default_factory=dict)

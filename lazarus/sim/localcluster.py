@@ -30,6 +30,9 @@ from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatu
 # Shorter than the production default (core.settings.LEASE_TTL_S): on one machine there is no
 # network to wait out, and a node loss shows within a demo's attention span.
 LOCAL_LEASE_TTL_S = 3
+# Node status refresh while only the step moves (the agent's default is 15 s, for the write
+# budget): a demo's steps take milliseconds, and its stragglers show within its few seconds.
+LOCAL_STATUS_PERIOD_S = 1.0
 
 
 @dataclass(slots=True)
@@ -119,7 +122,8 @@ class LocalCluster:
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
-                            self.log_level, *self.agent_args],
+                            self.log_level, "--status-period", str(LOCAL_STATUS_PERIOD_S),
+                            *self.agent_args],
                            # An agent passes its environment on to its ranks: this is how the
                            # trainer faults, and `lazarus chaos slow-rank` on one node, reach them.
                            env=trainer_faults.worker_env(
