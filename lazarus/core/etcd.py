@@ -23,6 +23,7 @@ What lives here and nowhere else:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -107,8 +108,8 @@ def classify(error: BaseException, member: str) -> Exception | None:
     elif isinstance(error, (aexc.ConnectionTimeoutError, aexc.WatchTimeoutError, TimeoutError,
                             asyncio.TimeoutError)):
         code, details = rpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time"
-    elif isinstance(error, (asyncio.CancelledError, grpc.aio.UsageError)) or (
-            type(error).__name__ == "CancelledError"):
+    elif isinstance(error, (asyncio.CancelledError, concurrent.futures.CancelledError,
+                            grpc.aio.UsageError)):
         # our own switch to another member closed the channel under this call
         code, details = rpc.StatusCode.CANCELLED, "call cancelled"
     elif isinstance(error, aexc.ClientError):
