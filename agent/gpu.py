@@ -6,9 +6,9 @@ The monitor is split so the policy can be tested without a GPU:
     backend.xid_events() -> [(i, xid)]    Xid errors since the last call (an NVML event set)
     assess(previous, sample, thresholds)  -> GpuVerdict: healthy / degraded / failed + reasons
 
-`failed` means the node must be cordoned and swapped now (DESIGN.md's failure table): a
-critical Xid, an uncorrectable ECC error, a pending or failed row remap, a GPU off the bus,
-NVLink errors at a rate that breaks collectives. `degraded` means it still works but is
+`failed` means the node must be cordoned and swapped now (docs/architecture.md, "Failure
+classes"): a critical Xid, an uncorrectable ECC error, a pending or failed row remap, a GPU off
+the bus, NVLink errors at a rate that breaks collectives. `degraded` means it still works but is
 heading there or running slow: correctable ECC errors rising, thermal or power slowdown, a
 PCIe link below its maximum; the daemon answers with a checkpoint and a planned swap.
 """

@@ -1,9 +1,9 @@
 """The agent's worker processes: a pool of parked warm workers, and the group of one round.
 
 A parked worker has already paid for process start and `import torch` + the trainer (1.5-4 s
-here, FACTS.md); it waits on stdin for one assignment line. Promotion (a spare joining, or
-a restart after a crash) hands assignments to parked workers, so a recovery costs a process
-group init and a checkpoint load, not a cold start. The pool refills right after.
+here, docs/constraints.md); it waits on stdin for one assignment line. Promotion (a spare
+joining, or a restart after a crash) hands assignments to parked workers, so a recovery costs
+a process group init and a checkpoint load, not a cold start. The pool refills right after.
 
 Every worker gets PR_SET_PDEATHSIG: when the agent dies (a node lost), its workers die too,
 as they would with the host.

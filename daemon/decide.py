@@ -5,7 +5,7 @@ acting twice on the same view is harmless (the executor's compare on run/status 
 second attempt a no-op) and a sequence of changes the loop never saw does not matter.
 The clock is an argument; nothing here reads etcd, the clock or the environment.
 
-Failure classes handled here (DESIGN.md's table):
+Failure classes handled here (docs/architecture.md, "Failure classes"):
   worker crash    -> same members, new round, restore the last committed checkpoint
   node lost       -> evict, promote a spare (else shrink to >= min_nodes), new round
   rendezvous stuck-> members that did not join are treated as lost

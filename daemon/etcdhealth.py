@@ -4,9 +4,9 @@ while etcd is impaired.
 A node's absence from etcd (its lease gone, its status missing) shows its death only while
 etcd works. When etcd refuses writes (the NOSPACE alarm), has lost its quorum or cannot be
 reached, a live agent may fail to refresh or re-register, and etcd restarts lease timers when
-it elects a leader again (FACTS.md). So while etcd is impaired, and for one lease TTL after,
-the leader holds every decision that would evict a node: training goes on as it is, since no
-worker is stopped unless a round record says so.
+it elects a leader again (docs/constraints.md, "etcd and its clients"). So while etcd is
+impaired, and for one lease TTL after, the leader holds every decision that would evict a
+node: training goes on as it is, since no worker is stopped unless a round record says so.
 
 The NOSPACE alarm cannot be recorded in etcd while it lasts (etcd refuses the write): the
 leader logs it at once and writes an `etcd_alarm` event when the alarm is cleared, saying how

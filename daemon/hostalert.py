@@ -1,5 +1,5 @@
-"""Host alerts, as pure policy (DESIGN.md: disk full / checkpoint dir unwritable / mount lost
--> alert; the run goes on).
+"""Host alerts, as pure policy (docs/architecture.md, "Failure classes": disk full /
+checkpoint dir unwritable / mount lost -> alert; the run goes on).
 
 A member whose host monitor fails (lazarus.agent.host: no room for the next checkpoint, the
 directory unwritable or gone, a required mount missing, memory nearly exhausted) is alerted

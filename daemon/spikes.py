@@ -1,10 +1,11 @@
 """Loss-spike policy: when the trainer guard keeps skipping steps, roll back. Pure.
 
-The trainer handles one spike alone (it skips that batch, DESIGN.md). Spikes that repeat
-within `window_steps` mean the model or the data went bad: restore the last GOOD checkpoint
-(no spike within `good_after_steps` after it, so one taken just before the trouble is never
-used), skip the data window the spikes came from in every later round, optionally lower the LR
-for a while, and mark the checkpoints of the abandoned stretch as not good.
+The trainer handles one spike alone: it skips that batch (docs/architecture.md, "Failure
+classes"). Spikes that repeat within `window_steps` mean the model or the data went bad:
+restore the last GOOD checkpoint (no spike within `good_after_steps` after it, so one taken
+just before the trouble is never used), skip the data window the spikes came from in every
+later round, optionally lower the LR for a while, and mark the checkpoints of the abandoned
+stretch as not good.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ writes heartbeats: a job's keys vanish `state_ttl` seconds after its last agent 
 then a finished job's rendezvous stays closed, so give each job its own --rdzv-id.
 
 Restarts: torch's agent shares one TCP store server with its workers across restarts, and on
-CPU restarted workers then read the dead workers' keys (FACTS.md). This backend turns that
-sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless you set it) so every attempt's rank 0
-hosts a fresh store.
+CPU restarted workers then read the dead workers' keys (docs/constraints.md, "torch and torch
+elastic"). This backend turns that sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless
+you set it) so every attempt's rank 0 hosts a fresh store.
 
 --rdzv-conf options, besides torch's join_timeout, last_call_timeout, close_timeout,
 heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt: see RendezvousEtcdConfig.

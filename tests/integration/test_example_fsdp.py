@@ -3,8 +3,9 @@ runs it: torchrun with two gloo ranks, alone, under Lazarus's etcd rendezvous, a
 real node agent that fences its commits.
 
 About 1 torchrun launch in 40 here ends with a rank aborting in C++ teardown after the script
-finished ("terminate called without an active exception", FACTS.md). `launch` accepts a
-non-zero exit only with that message AND the script's last line printed: the work was done.
+finished ("terminate called without an active exception", docs/constraints.md). `launch`
+accepts a non-zero exit only with that message AND the script's last line printed: the work
+was done.
 """
 
 import os

@@ -51,8 +51,8 @@ def lazarus_train(args: list[str], *, faults: tuple[str, ...] = ()) -> subproces
     command = [sys.executable, "-m", "lazarus.cli", "train", *args]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     if "terminate called without an active exception" in result.stderr:
-        # A known gloo teardown abort (about 1 launch in 40, see FACTS.md) after the work is
-        # done; one retry from the same files tells it apart from a real failure.
+        # A known gloo teardown abort (about 1 launch in 40, see docs/constraints.md) after
+        # the work is done; one retry from the same files tells it apart from a real failure.
         print("retrying once after a gloo abort at exit")
         metrics.write_text(metrics_before)
         if ckpt is not None:

@@ -4,9 +4,9 @@ Two torchrun processes on this machine play two nodes; their workers talk gloo. 
 finds the backend through the `torchrun.handlers` entry point of the installed package.
 
 About 1 launch in 40 here ends with a rank aborting in C++ teardown after the script finished
-("terminate called without an active exception", FACTS.md). `run_job` accepts a non-zero
-exit only with that message AND every rank's result printed: the work was done. Any other
-failure fails the test.
+("terminate called without an active exception", docs/constraints.md). `run_job` accepts a
+non-zero exit only with that message AND every rank's result printed: the work was done. Any
+other failure fails the test.
 """
 
 import os

@@ -34,8 +34,8 @@ def lazarus_train(args: list[str], *, faults: tuple[str, ...] = ()) -> subproces
 def train_ok(args: list[str]) -> subprocess.CompletedProcess:
     result = lazarus_train(args)
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
-        # A known gloo teardown abort (about 1 launch in 40, see FACTS.md) after the work is
-        # done; one retry tells it apart from a real failure.
+        # A known gloo teardown abort (about 1 launch in 40, see docs/constraints.md) after
+        # the work is done; one retry tells it apart from a real failure.
         print("retrying once after a gloo abort at exit")
         result = lazarus_train(args)
     assert result.returncode == 0, result.stderr[-3000:]
