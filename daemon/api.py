@@ -27,6 +27,7 @@ import grpc
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.daemon import health
+from lazarus.daemon.history import History, merged_events
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
@@ -103,11 +104,15 @@ def _unary(method):
 
 
 class LazarusServicer(pb_grpc.LazarusServicer):
+    """`history`: the daemon's archive of what retention moved out of etcd; events are
+    served from it and etcd together."""
+
     def __init__(self, etcd: E.Etcd, keys: Keys, *, served_by: str,
-                 max_streams: int = MAX_STREAMS):
+                 max_streams: int = MAX_STREAMS, history: History | None = None):
         self.etcd = etcd
         self.keys = keys
         self.served_by = served_by
+        self.history = history
         self._streams = threading.BoundedSemaphore(max_streams)
 
     def _snapshot(self) -> E.Snapshot:
@@ -131,8 +136,10 @@ class LazarusServicer(pb_grpc.LazarusServicer):
     # -- reads ---------------------------------------------------------------------------------
     @_unary
     def GetRunHealth(self, request, context):
-        return health.run_health(self._snapshot(), self.keys, now=time.time(),
-                                 served_by=self.served_by)
+        snap = self._snapshot()
+        return health.run_health(snap, self.keys, now=time.time(), served_by=self.served_by,
+                                 all_events=[ev for _, ev in merged_events(
+                                     self.history, snap, self.keys)])
 
     @_unary
     def ListNodes(self, request, context):
@@ -184,7 +191,7 @@ class LazarusServicer(pb_grpc.LazarusServicer):
             return msg if not kinds or ev.kind in kinds else None
 
         snap = self.etcd.get_prefix(self.keys.events)
-        backlog = [snap.kvs[k] for k in sorted(snap.kvs)]
+        backlog = [kv for kv, _ in merged_events(self.history, snap, self.keys)]
         if request.follow:
             inbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -360,7 +367,8 @@ def _read(path: str, what: str) -> bytes:
 def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None,
           client_ca: str | None = None, served_by: str | None = None,
-          max_streams: int = MAX_STREAMS) -> tuple[grpc.Server, int]:
+          max_streams: int = MAX_STREAMS,
+          history: History | None = None) -> tuple[grpc.Server, int]:
     """Start the API on `address` (HOST:PORT; port 0 = any free port); returns the started
     server and the port it bound. token None = no authentication. TLS when tls_cert and
     tls_key are given; with client_ca, clients must present a certificate it signed."""
@@ -379,7 +387,7 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
                          options=options, maximum_concurrent_rpcs=4 * (max_streams + 8))
     pb_grpc.add_LazarusServicer_to_server(
         LazarusServicer(etcd, keys, served_by=served_by or writer_id(),
-                        max_streams=max_streams), server)
+                        max_streams=max_streams, history=history), server)
     try:
         if tls_cert is not None:
             creds = grpc.ssl_server_credentials(

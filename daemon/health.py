@@ -132,7 +132,10 @@ def _leader(snap: E.Snapshot, keys: Keys) -> pb.Leader | None:
                      and 0 <= pid < 2**63 else 0)
 
 
-def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str) -> pb.RunHealth:
+def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str,
+               all_events: list[EventRecord] | None = None) -> pb.RunHealth:
+    """`all_events`: the run's events, oldest first, when there are more than etcd's (the
+    daemon's history of pruned ones, lazarus.daemon.history); by default the snapshot's."""
     view = parse(snap, keys)
     h = pb.RunHealth(revision=snap.revision, served_by=served_by,
                      paused=keys.pause in snap.kvs, draining=_drains(snap, keys))
@@ -162,8 +165,9 @@ def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str) -> p
                 kind=str(inc.get("kind", "")), culprit=str(inc.get("culprit", "")),
                 fault_at=_number(inc.get("fault_at")), detected_at=_number(inc.get("detected_at")),
                 round=int(_number(inc.get("round"))), reason=st.reason))
-        h.goodput, h.wall_time_s, h.productive_time_s = goodput(
-            [ev for _, ev in events(snap, keys)], st.job_id, now)
+        if all_events is None:
+            all_events = [ev for _, ev in events(snap, keys)]
+        h.goodput, h.wall_time_s, h.productive_time_s = goodput(all_events, st.job_id, now)
         mine = [c for c in view.checkpoints if c.job_id == st.job_id]
         if mine:
             h.last_checkpoint.CopyFrom(checkpoint_message(mine[-1]))

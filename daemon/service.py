@@ -28,7 +28,9 @@ from lazarus.daemon import api, executor, telemetry
 from lazarus.daemon.compaction import COMPACT_EVERY_S, KEEP_HISTORY_S, Compactor
 from lazarus.daemon.decide import decide
 from lazarus.daemon.etcdhealth import EtcdHealth
+from lazarus.daemon.history import History
 from lazarus.daemon.leader import Leadership
+from lazarus.daemon.retention import Pruner, Retention
 from lazarus.daemon.telemetry import TelemetryConfig
 from lazarus.daemon.view import parse
 
@@ -38,11 +40,14 @@ log = logging.getLogger("lazarus.daemon")
 class Daemon:
     """`tick_s` bounds how late a timeout is noticed; `lease_ttl_s` is how long a dead leader
     blocks its standbys (the failover time). `on_pass(is_leader)` runs after every pass of the
-    loop (telemetry); etcd being unreachable there is retried like in the pass itself."""
+    loop (telemetry); etcd being unreachable there is retried like in the pass itself.
+    `history`: where the leader keeps what it prunes from etcd past `retention`
+    (lazarus.daemon.retention); None: nothing is pruned."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = settings.LEASE_TTL_S, tick_s: float = 0.5,
                  on_pass: Callable[[bool], None] | None = None,
-                 compact_every_s: float = COMPACT_EVERY_S):
+                 compact_every_s: float = COMPACT_EVERY_S, history: History | None = None,
+                 retention: Retention | None = None):
         self.etcd = etcd
         self.keys = keys
         self.tick_s = tick_s
@@ -58,6 +63,7 @@ class Daemon:
         self.etcd_health = EtcdHealth(etcd, keys, writer=self.writer)
         self.compactor = Compactor(etcd, every_s=compact_every_s, consumed=lambda: (
             self._watch.next_revision - 1 if self._watch is not None else 0))
+        self.pruner = Pruner(etcd, keys, history, retention)
 
     def _prefixes(self) -> list[str]:
         k = self.keys
@@ -111,6 +117,7 @@ class Daemon:
                 if self.on_pass is not None:
                     self.on_pass(self.leadership.is_leader)
                 self.compactor.tick(leading=self.leadership.is_leader)
+                self.pruner.tick(self.leadership)
                 self.etcd_health.ok()
                 backoff.reset()
             except E.EtcdUnavailable as e:
@@ -128,7 +135,16 @@ def main(argv: list[str]) -> int:
                                         "(default %(default)s)",
                            lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds")
     p.add_argument("--job", help="submit this job file (TOML) at start")
-    p.add_argument("--data-dir", help="embedded etcd data directory")
+    p.add_argument("--data-dir", type=Path,
+                   help="the daemon's data: history/ (what the leader prunes from etcd; share "
+                        "the dir between a leader and its standbys to keep one history) and, "
+                        "with --etcd embedded, etcd's data (default: the embedded etcd's temp "
+                        "dir, else $LAZARUS_HOME/daemon or ~/.lazarus/daemon)")
+    p.add_argument("--retention", default="", metavar="KIND=N,...",
+                   help="what etcd keeps before the leader moves it to the history: "
+                        "events=N,rounds=N,checkpoints=N (newest kept), days=D (older "
+                        "events and checkpoint records go) (default: events=1000,rounds=50,"
+                        "checkpoints=50,days=7)")
     p.add_argument("--compact-every", type=float, default=COMPACT_EVERY_S, metavar="SECONDS",
                    help="the leader compacts etcd's history this often, keeping the last "
                         f"{KEEP_HISTORY_S:.0f} s of it; 0: never, when etcd compacts itself "
@@ -161,6 +177,7 @@ def main(argv: list[str]) -> int:
     settings.check_lease_ttl(args.lease_ttl)
     if not args.compact_every >= 0:
         raise UserError(f"--compact-every must be 0 (never) or a number of seconds, got {args.compact_every}")
+    retention = Retention.parse(args.retention)
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
     token = (endpoint_file.load_token(args.token_file) if args.token_file
@@ -178,6 +195,9 @@ def main(argv: list[str]) -> int:
         embedded = EmbeddedEtcd(args.data_dir).start()
         endpoint = embedded.endpoint
         log.info("embedded etcd at %s", endpoint)
+    # History belongs with the etcd it came from: a throwaway embedded etcd, a throwaway one.
+    history = History.at(args.data_dir or (embedded.data_dir if embedded else
+                                           endpoint_file.default_path().parent / "daemon"), keys)
     etcd = E.Etcd(endpoint)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -188,7 +208,8 @@ def main(argv: list[str]) -> int:
         if job is not None:
             E.retry(lambda: etcd.put(keys.job, job.to_json()), deadline_s=30)
             log.info("submitted job %s (%s)", job.name, job.id)
-        daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl, compact_every_s=args.compact_every)
+        daemon = Daemon(etcd, keys, lease_ttl_s=args.lease_ttl, compact_every_s=args.compact_every,
+                        history=history, retention=retention)
         tel_cfg = TelemetryConfig(otlp_endpoint=args.otlp_endpoint or None,
                                   metrics_host=args.metrics_host, metrics_port=args.metrics_port)
         if tel_cfg.enabled:
@@ -202,7 +223,8 @@ def main(argv: list[str]) -> int:
         if args.api != "off":
             server, port = api.serve(etcd, keys, address=args.api, token=token,
                                      tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                     client_ca=args.tls_client_ca, served_by=daemon.writer)
+                                     client_ca=args.tls_client_ca, served_by=daemon.writer,
+                                     history=history)
             address = _advertised(args.api, port)
             daemon.leadership.identity["api"] = address  # GetRunHealth names the leader's API
             log.info("API on %s%s", address, " (TLS)" if args.tls_cert else "")

@@ -1,13 +1,14 @@
 """`lazarus report`: one self-contained HTML page (optionally a PNG of it) telling a run's story.
 
-    lazarus report WORKDIR_OR_METRICS [--events FILE | --etcd HOST:PORT] [--out report.html]
-                   [--png report.png]
+    lazarus report WORKDIR_OR_METRICS [--events FILE | --etcd HOST:PORT [--history DIR]]
+                   [--out report.html] [--png report.png]
 
 The loss curve by step, with faults, recoveries, skipped batches and checkpoints marked, and a
 table of incidents. Inputs: the trainer's metrics (JSON lines: step, loss, ..., `skipped` on a
 batch the guard rejected), the run's events (JSON lines of EventRecord, as `lazarus up` leaves
 in events.jsonl, or read from etcd) and its checkpoint records (checkpoints.jsonl beside the
-events file, or etcd).
+events file, or etcd). What the daemon's retention moved out of etcd is in its history files
+(lazarus.daemon.history): --history DIR (the daemon's --data-dir) adds them to etcd's.
 
 Metrics carry steps, events carry wall times; they meet at the restores: a recovery's round
 restores step r (round_started's restore_step), so its first trained step is r + 1, and the
@@ -94,9 +95,18 @@ def _records(path: Path, cls) -> list:
     return out
 
 
-def read_etcd(endpoint: str, keys: Keys) -> tuple[list[EventRecord], list[CheckpointRecord]]:
+def read_etcd(endpoint: str, keys: Keys, history: Path | None = None
+              ) -> tuple[list[EventRecord], list[CheckpointRecord]]:
+    """Events and checkpoint records in etcd, and in the daemon's history under `history`
+    (its data dir) when given."""
+    # gRPC and the etcd client load only when etcd is read: a report from files needs neither
     from lazarus.core import etcd as E
-    from lazarus.daemon import health
+    from lazarus.daemon.history import CHECKPOINTS, History, merged_events
+    archive = None
+    if history is not None:
+        if not history.is_dir():
+            raise UserError(f"--history {history}: no such directory (the daemon's --data-dir)")
+        archive = History.at(history, keys)
     client = E.Etcd(endpoint)
     try:
         snap = client.snapshot([keys.events, keys.checkpoints])
@@ -105,12 +115,14 @@ def read_etcd(endpoint: str, keys: Keys) -> tuple[list[EventRecord], list[Checkp
     finally:
         client.close()
     ckpts = []
-    for _, kv in sorted(snap.prefix(keys.checkpoints).items()):
+    stored = {**(archive.read(CHECKPOINTS) if archive is not None else {}),
+              **snap.prefix(keys.checkpoints)}
+    for _, kv in sorted(stored.items()):
         try:
             ckpts.append(CheckpointRecord.from_json(kv.value))
         except RecordError:
             continue
-    return [ev for _, ev in health.events(snap, keys)], ckpts
+    return [ev for _, ev in merged_events(archive, snap, keys)], ckpts
 
 
 def last_run(events: list[EventRecord], ckpts: list[CheckpointRecord]):
@@ -420,7 +432,8 @@ def screenshot(html_path: Path, png_path: Path, *, size=(1200, 800)) -> bool:
 # -- command ---------------------------------------------------------------------------------
 
 def write(source: Path, *, events: Path | None = None, etcd: str | None = None,
-          root: str = DEFAULT_ROOT, out: Path | None = None) -> Path:
+          root: str = DEFAULT_ROOT, out: Path | None = None,
+          history: Path | None = None) -> Path:
     """Build the report of the run in `source` (a workdir or a metrics file); returns its path."""
     metrics = source / "metrics.jsonl" if source.is_dir() else source
     if not metrics.is_file():
@@ -428,8 +441,10 @@ def write(source: Path, *, events: Path | None = None, etcd: str | None = None,
                         "the metrics file)")
     folder = metrics.parent
     ckpts: list[CheckpointRecord] = []
+    if history is not None and etcd is None:
+        raise UserError("--history goes with --etcd (it adds to what etcd holds)")
     if etcd is not None:
-        evs, ckpts = read_etcd(etcd, Keys(root))
+        evs, ckpts = read_etcd(etcd, Keys(root), history)
     else:
         events = events or folder / "events.jsonl"
         if not events.is_file():
@@ -451,12 +466,15 @@ def main(argv: list[str]) -> int:
     src.add_argument("--events", type=Path, help="events as JSON lines (default: events.jsonl "
                      "next to the metrics)")
     src.add_argument("--etcd", help="read events and checkpoints from etcd at HOST:PORT")
+    p.add_argument("--history", type=Path, help="with --etcd: also the events and checkpoint "
+                   "records the daemon moved out of etcd, from its data dir (--data-dir)")
     p.add_argument("--root", default=DEFAULT_ROOT, help="key prefix in etcd (default %(default)s)")
     p.add_argument("--out", type=Path, help="the HTML page (default: report.html next to the "
                    "metrics)")
     p.add_argument("--png", type=Path, help="also a screenshot of the page (needs chromium)")
     args = p.parse_args(argv)
-    out = write(args.source, events=args.events, etcd=args.etcd, root=args.root, out=args.out)
+    out = write(args.source, events=args.events, etcd=args.etcd, root=args.root, out=args.out,
+                history=args.history)
     print(out)
     if args.png is not None:
         if screenshot(out, args.png):

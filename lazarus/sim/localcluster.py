@@ -111,7 +111,9 @@ class LocalCluster:
                            ["daemon", "--etcd", self.endpoint, "--lease-ttl",
                             str(self.lease_ttl_s), "--log-level", self.log_level,
                             "--api", api, "--token-file", str(self.token_file),
-                            "--endpoint-file", ""])
+                            "--endpoint-file", "",
+                            # one data dir for the leader and its standbys: one history
+                            "--data-dir", str(self.workdir / "daemon")])
         self.daemons.append(proc)
         self.api_addresses.append(api)
         return proc
