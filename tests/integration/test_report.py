@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from lazarus import cli
+from lazarus.core import etcd as E
 from lazarus.core.records import CheckpointRecord, EventRecord
+from lazarus.daemon.history import CHECKPOINTS, EVENTS, History
 from lazarus.ops.report import CHROMIUM_FLAGS
 
 CHROMIUM = shutil.which("chromium")
@@ -168,3 +170,35 @@ def test_chromium_renders_the_report_with_every_marker(tmp_path):
     assert len(colours) > 20  # text, a curve and coloured markers, not a blank page
     assert bytes.fromhex("c62828") in colours or any(  # the fault lines' red is on it
         c[0] > 180 and c[1] < 80 and c[2] < 80 for c in colours)
+
+
+def test_report_from_etcd_and_the_daemons_history_tells_the_whole_run(etcd, keys, tmp_path,
+                                                                       capsys):
+    """Retention moved the run's first half out of etcd: with the daemon's data dir
+    (--history), the report is the one the whole run's files give."""
+    write_run(tmp_path)
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "files.html")]) == 0
+    evs = [line.encode() for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    ckpts = [line.encode() for line in (tmp_path / "checkpoints.jsonl").read_text().splitlines()]
+    kvs = [(f"{keys.events}{int(EventRecord.from_json(v).time * 1e9):020d}-d-{i}", v)
+           for i, v in enumerate(evs)]
+    kvs += [(keys.checkpoint_key(CheckpointRecord.from_json(v).step), v) for v in ckpts]
+    pruned = kvs[:7] + kvs[len(evs):len(evs) + 4]
+    for key, value in kvs:
+        etcd.put(key, value)
+    history = History.at(tmp_path / "data", keys)
+    for kind, prefix in ((EVENTS, keys.events), (CHECKPOINTS, keys.checkpoints)):
+        history.append(kind, [E.KV(key=k, value=v, create_revision=1, mod_revision=1,
+                                   version=1, lease=0) for k, v in pruned if k.startswith(prefix)])
+    for key, _ in pruned:
+        etcd.delete(key)
+    argv = ["report", str(tmp_path), "--etcd", etcd.endpoint, "--root", keys.root]
+    assert cli.main([*argv, "--out", str(tmp_path / "etcd-only.html")]) == 0
+    assert cli.main([*argv, "--history", str(tmp_path / "data"),
+                     "--out", str(tmp_path / "both.html")]) == 0
+    capsys.readouterr()
+    whole = (tmp_path / "files.html").read_text()
+    assert (tmp_path / "both.html").read_text() == whole
+    assert (tmp_path / "etcd-only.html").read_text() != whole
+    assert cli.main([*argv, "--history", str(tmp_path / "nowhere")]) == 2
+    assert "--history" in capsys.readouterr().err

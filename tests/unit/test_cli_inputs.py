@@ -98,6 +98,9 @@ def test_record_round_trip():
     (["daemon", "--etcd", "nonsense"], "is not HOST:PORT"),
     (["daemon", "--etcd", "a:2379,b"], "etcd endpoint 'b' (in 'a:2379,b') is not HOST:PORT"),
     (["daemon", "--compact-every", "-1"], "--compact-every must be 0 (never) or a number"),
+    (["daemon", "--retention", "events=0"], "--retention events must be at least 1"),
+    (["daemon", "--retention", "weeks=2"], "--retention: unknown kind 'weeks'"),
+    (["agent", "--status-period", "0"], "--status-period must be positive"),
 ])
 def test_bad_command_lines(args, expect, tmp_path):
     if args[0] == "up":
