@@ -176,7 +176,8 @@ def main(argv: list[str]) -> int:
     logs.setup(args.log_level, "daemon")
     settings.check_lease_ttl(args.lease_ttl)
     if not args.compact_every >= 0:
-        raise UserError(f"--compact-every must be 0 (never) or a number of seconds, got {args.compact_every}")
+        raise UserError("--compact-every must be 0 (never) or a number of seconds, got "
+                        f"{args.compact_every}")
     retention = Retention.parse(args.retention)
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
