@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
         tel_cfg = TelemetryConfig(otlp_endpoint=args.otlp_endpoint or None,
                                   metrics_host=args.metrics_host, metrics_port=args.metrics_port)
         if tel_cfg.enabled:
-            tel = telemetry.start(tel_cfg, etcd, keys, served_by=daemon.writer)
+            tel = telemetry.start(tel_cfg, etcd, keys, served_by=daemon.writer, history=history)
             daemon.on_pass = tel.on_pass
             if tel.metrics_port is not None:
                 log.info("Prometheus metrics on http://%s:%d/metrics", args.metrics_host,

@@ -45,6 +45,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from lazarus.core import etcd as E
 from lazarus.daemon import health
+from lazarus.daemon.history import History, merged_events
 from lazarus.daemon.view import parse
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
@@ -265,12 +266,15 @@ class TelemetryConfig:
 
 
 class Telemetry:
-    """Fed once per loop pass (`on_pass`) by the daemon; reads its own snapshot."""
+    """Fed once per loop pass (`on_pass`) by the daemon; reads its own snapshot. `history`:
+    the daemon's archive of events pruned from etcd, which the goodput still counts."""
 
     def __init__(self, etcd: E.Etcd | None, keys: Keys, *, served_by: str,
                  tracer_provider: TracerProvider, meter_provider: MeterProvider,
-                 closers: Iterable = (), metrics_port: int | None = None):
+                 closers: Iterable = (), metrics_port: int | None = None,
+                 history: History | None = None):
         self.etcd, self.keys, self.served_by = etcd, keys, served_by
+        self.history = history
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
         meter = meter_provider.get_meter("lazarus")
         self.incidents = IncidentTracer(tracer_provider.get_tracer("lazarus"), meter)
@@ -287,7 +291,9 @@ class Telemetry:
                      now=time.time())
 
     def observe(self, snap: E.Snapshot, *, leader: bool, now: float) -> None:
-        h = health.run_health(snap, self.keys, now=now, served_by=self.served_by)
+        h = health.run_health(snap, self.keys, now=now, served_by=self.served_by,
+                              all_events=None if self.history is None else [
+                                  ev for _, ev in merged_events(self.history, snap, self.keys)])
         self.metrics.update(h, now)
         # Incidents that ended before this daemon first looked were reported by whoever led
         # then; so were those that end while this daemon is a standby.
@@ -317,7 +323,8 @@ def _progress(snap: E.Snapshot, keys: Keys, h: pb.RunHealth) -> RoundProgress:
                          step_time_s=max(ns.step_time_s for ns in current) if training else None)
 
 
-def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str) -> Telemetry:
+def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str,
+          history: History | None = None) -> Telemetry:
     """Providers and exporters as `cfg` asks; the caller calls shutdown() at the end."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     resource = Resource.create({"service.name": "lazarus-daemon",
@@ -355,4 +362,4 @@ def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str) -> 
         closers.append(close_server)
     return Telemetry(etcd, keys, served_by=served_by, tracer_provider=tracer_provider,
                      meter_provider=MeterProvider(resource=resource, metric_readers=readers),
-                     closers=closers, metrics_port=port)
+                     closers=closers, metrics_port=port, history=history)

@@ -107,6 +107,11 @@ def test_a_long_run_keeps_a_bounded_keyspace_and_its_whole_history(etcd, keys, t
         assert kinds.count("fault_detected") == ROUNDS
         assert len(listed) == len(archived) + len(in_etcd)
         assert [ev["time"] for ev in listed] == sorted(ev["time"] for ev in listed)
+        # the run's acceptance left etcd long ago: its goodput still counts from there
+        rc = client.status_main(["--address", f"127.0.0.1:{port}", "--token", TOKEN, "--json"])
+        health = json.loads(capsys.readouterr().out)
+        assert rc == 0 and health["goodput"] >= 0
+        assert health["wall_time_s"] >= listed[-1]["time"] - listed[0]["time"]
     finally:
         stop.set()
         loop.join(timeout=10)
