@@ -3,7 +3,8 @@
     observe (one snapshot at revision R) -> decide(now, view) -> apply (one fenced txn)
 
 A watch on our key root only wakes the loop; a periodic tick covers timeouts. The daemon holds
-no state that is not in etcd, so a standby that wins the election simply carries on.
+no state that is not in etcd, so a standby that wins the election simply carries on. (Its data
+dir keeps only the history that retention moved out of etcd: nothing decide() reads.)
 """
 
 from __future__ import annotations
