@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,24 +21,10 @@ from lazarus.sim.trainer_faults import (
     worker_env,
 )
 from lazarus.trainer import hooks
-from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
 from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
 
-SEQ = 8
-BATCH = 8
-
-
-@pytest.fixture
-def dataset(tmp_path: Path) -> TokenDataset:
-    d = tmp_path / "corpus"
-    d.mkdir()
-    write_corpus(d, [np.arange(0, 801) % 128], vocab_size=256)
-    return TokenDataset(d, SEQ)  # 100 sequences: 12 steps of 8 per epoch
-
-
-def loader(ds: TokenDataset, *, dp_rank: int = 0, dp_size: int = 1, micro_batch: int = 2) -> SequenceLoader:
-    return SequenceLoader(ds, seed=3, global_batch=BATCH, dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch)
+from tests.unit.small_corpus import BATCH, SEQ, dataset, loader  # noqa: F401 (fixture)
 
 
 def test_fault_specs_parse():

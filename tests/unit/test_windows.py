@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
-from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
 from lazarus.trainer.launch import job_from_args
 from lazarus.trainer.train import lr_scale_span
 from lazarus.trainer.windows import DataWindows, window_of_step
 
-SEQ = 8
-BATCH = 8
-
-
-@pytest.fixture
-def dataset(tmp_path: Path) -> TokenDataset:
-    d = tmp_path / "corpus"
-    d.mkdir()
-    write_corpus(d, [np.arange(0, 801) % 128], vocab_size=256)
-    return TokenDataset(d, SEQ)  # 100 sequences: 12 steps of 8 per epoch
-
-
-def loader(ds: TokenDataset, *, dp_rank: int = 0, dp_size: int = 1, micro_batch: int = 2) -> SequenceLoader:
-    return SequenceLoader(ds, seed=3, global_batch=BATCH, dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch)
+from tests.unit.small_corpus import BATCH, SEQ, dataset, loader  # noqa: F401 (fixture)
 
 
 def test_window_of_a_step_counts_from_the_start_and_crosses_epochs(dataset):
