@@ -1,8 +1,10 @@
 """The agent's end of the worker channel: a unix socket, one JSON object per line.
 
-Workers send `step` reports (fire and forget), `may_commit` (answered: is your round still
-current?) and `committed`. The agent can push `checkpoint_requested` to every connected rank.
-See lazarus.trainer.session for the worker's side.
+Workers send `hello` on each connection, `step` and `progress` reports (fire and forget),
+`may_commit` (answered: is your round still current?), `committed` and `checkpoint_failed`.
+The agent can push `checkpoint_requested` to every connected rank. When the agent goes away,
+its workers reconnect to the same path, where the next agent of the node listens (lazarus.
+agent.adopt). See lazarus.trainer.session for the worker's side.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Channel:
             except OSError:
                 return
             with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
                 self._conns[conn] = threading.Lock()
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="channel-conn").start()
@@ -78,10 +83,23 @@ class Channel:
                 pass
 
     def close(self) -> None:
+        """Stop listening and hang up on every worker: they then wait for the next agent on
+        the same path (lazarus.trainer.session)."""
         self._closed = True
+        # Unlinked and shut down first: a worker that reconnects at once must not reach this
+        # agent again (a blocked accept() keeps a closed listening socket alive).
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._server.close()
         with self._lock:
             for conn in self._conns:
+                try:
+                    # close() alone leaves the socket open while a reader thread holds it
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 conn.close()
-        if os.path.exists(self.path):
-            os.unlink(self.path)

@@ -22,15 +22,24 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+from typing import NoReturn
 
-from lazarus.core.contract import PROGRESS_ENV, RANK_ENV, ROUND_ENV, SOCKET_ENV
+from lazarus.core import exitcodes
+from lazarus.core.contract import AGENT_GRACE_ENV, PROGRESS_ENV, RANK_ENV, ROUND_ENV, SOCKET_ENV
+from lazarus.trainer import exitnote
 
 
 # Requests that wait for the agent's answer. The agent answers from etcd state it already
 # watches, so this is a local round trip; the bound only matters if the agent is wedged.
 _REPLY_TIMEOUT_S = 10.0
+# How often a rank whose agent went away looks for the next one on the same socket path.
+_RECONNECT_EVERY_S = 0.2
+# Reports that must reach an agent, even one that restarts: held while none is there and sent
+# to the next one. Step and progress reports are dropped instead: the next one supersedes them.
+_KEEP = ("committed", "checkpoint_failed")
 
 
 class Session:
@@ -38,61 +47,145 @@ class Session:
 
     `round` is the rendezvous round this worker belongs to: the fencing token the agent checks
     before it lets this rank commit a checkpoint. A worker of an old round is refused.
+
+    `agent_grace_s`: how long the rank waits for an agent once the channel closed. An agent
+    that restarts (an upgrade, a crash of the agent alone) binds the same socket path again
+    and the rank reconnects; meanwhile it trains on, but starts no checkpoint (nobody could
+    say whether its round is still current). Past the grace the process exits with
+    exitcodes.ORPHANED: its agent is gone for good and the run has gone on without this node.
+    None: no reconnecting (the rank trains on alone; a script of the user's own without one).
     """
 
     def __init__(self, *, socket_path: str | None, rank: int, round: int,
-                 publish_progress: bool = True):
+                 publish_progress: bool = True, agent_grace_s: float | None = None):
         self.rank = rank
         self.round = round
         self.publish_progress = publish_progress
-        self._lock = threading.Lock()
+        self._path = socket_path
+        self._grace_s = agent_grace_s
+        self._lock = threading.Lock()          # guards _sock and _held
         self._request_lock = threading.Lock()  # one request in flight: replies come in order
         self._checkpoint_requested = threading.Event()
         self._replies: queue.Queue[dict] = queue.Queue()
         self._sock: socket.socket | None = None
+        self._up = threading.Event()           # an agent is connected now
+        self._held: list[dict] = []
+        self._closed = False
         if socket_path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(socket_path)
-            self._sock = sock
+            self._attach(sock)
             threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
                              name="lazarus-session").start()
-            self._send({"type": "hello", "pid": os.getpid()})
+
+    def _attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            held, self._held = self._held, []
+        self._send({"type": "hello", "pid": os.getpid()})
+        for msg in held:
+            self._send(msg)
+        self._up.set()
 
     def _read_loop(self, sock: socket.socket) -> None:
         # The agent pushes requests (a checkpoint now) besides answering ours; one reader
         # thread sorts them so neither the training loop nor a reply ever waits on the other.
-        with sock.makefile("r", encoding="utf-8") as rfile:
-            for line in rfile:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if msg.get("type") == "checkpoint_requested":
-                    self._checkpoint_requested.set()
-                else:
-                    self._replies.put(msg)
-        self._replies.put({"type": "closed"})
+        while True:
+            try:
+                with sock.makefile("r", encoding="utf-8") as rfile:
+                    for line in rfile:
+                        try:
+                            msg = json.loads(line)
+                        except ValueError:
+                            continue
+                        if msg.get("type") == "checkpoint_requested":
+                            self._checkpoint_requested.set()
+                        else:
+                            self._replies.put(msg)
+            except OSError:
+                pass
+            self._detach(sock)
+            self._replies.put({"type": "closed"})  # a request waiting for a reply gives up
+            if self._closed or self._grace_s is None:
+                return
+            sock = self._await_agent()
+            if sock is None:
+                return
+
+    def _detach(self, sock: socket.socket) -> None:
+        self._up.clear()
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+        sock.close()
+
+    def _await_agent(self) -> socket.socket | None:
+        """The next agent's connection (None: this session was closed meanwhile), or the end
+        of this process once the grace is over."""
+        assert self._path is not None and self._grace_s is not None
+        print(f"rank {self.rank} round {self.round}: the agent is gone; waiting up to "
+              f"{self._grace_s:.0f} s for it to come back", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self._grace_s
+        while time.monotonic() < deadline:
+            if self._closed:
+                return None
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self._path)
+            except OSError:  # no socket yet, or the dead agent's file: nobody listens
+                sock.close()
+                time.sleep(_RECONNECT_EVERY_S)
+                continue
+            self._attach(sock)
+            print(f"rank {self.rank} round {self.round}: reconnected to the agent",
+                  file=sys.stderr, flush=True)
+            return sock
+        self._give_up()
+
+    def _give_up(self) -> NoReturn:
+        print(f"rank {self.rank} round {self.round}: no agent came back within "
+              f"{self._grace_s:.0f} s; stopping (the run goes on without this node)",
+              file=sys.stderr, flush=True)
+        exitnote.exit_now(exitcodes.ORPHANED)
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        """Whether this rank runs under an agent (for the life of the session, whether or not
+        the agent is reachable this moment: every rank must take the same code path)."""
+        return self._path is not None and not self._closed
 
     def _send(self, msg: dict) -> None:
-        if self._sock is None:
+        if self._path is None:
             return
         msg = {"rank": self.rank, "round": self.round, **msg}
         data = (json.dumps(msg, allow_nan=True) + "\n").encode()
-        try:
-            with self._lock:
-                self._sock.sendall(data)
-        except OSError:
-            # The agent is gone: the node is being torn down and this process with it (its
-            # parent death signal). Training must not die on a report it could not send.
-            self._sock = None
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                if msg["type"] in _KEEP:
+                    self._held.append(msg)
+                return
+            try:
+                sock.sendall(data)
+            except OSError:
+                # The agent is gone: training must not die on a report it could not send.
+                # The reader sees the socket close and waits for the next agent.
+                if msg["type"] in _KEEP:
+                    self._held.append(msg)
+
+    def _wait_for_agent(self) -> bool:
+        """Block until an agent is connected (True without one: nothing to wait for); False
+        if none comes within the grace, or at once when this session does not reconnect."""
+        if self._path is None or self._up.is_set():
+            return True
+        return self._grace_s is not None and self._up.wait(self._grace_s)
 
     def _request(self, msg: dict) -> dict:
-        assert self._sock is not None
         with self._request_lock:
+            if not self._wait_for_agent():
+                raise ConnectionError("no agent")
+            while not self._replies.empty():  # a "closed" left by an earlier disconnect
+                self._replies.get_nowait()
             self._send(msg)
             reply = self._replies.get(timeout=_REPLY_TIMEOUT_S)
         if reply.get("type") == "closed":
@@ -116,7 +209,7 @@ class Session:
     def progress(self, step: int, phase: str, seq: int, op: str = "") -> None:
         """Where this rank is now (lazarus.agent.hang): the agent notices a rank that stops
         moving, and which rank the others wait for. One small write per phase change."""
-        if self._sock is not None and self.publish_progress:
+        if self.publish_progress:
             self._send({"type": "progress", "step": int(step), "phase": phase, "seq": int(seq),
                         "since": time.monotonic(), "op": op})
 
@@ -126,15 +219,21 @@ class Session:
         Every rank must call this at the same step so that all ranks agree (a save is
         collective); the daemon's request reaches all agents, and rank 0's answer is the one
         the trainer broadcasts.
+
+        While the agent is away (it restarts) a save waits here for the next one: a rank
+        whose agent never comes back must not write into the checkpoint dir that the run,
+        going on without it, may be writing too.
         """
         periodic = every > 0 and step % every == 0
         requested = self._checkpoint_requested.is_set()
         self._checkpoint_requested.clear()
+        if (periodic or requested) and not self._wait_for_agent() and self._grace_s is not None:
+            self._give_up()
         return periodic or requested
 
     def may_commit(self, step: int) -> bool:
         """Ask whether this rank's round is still the current one (the fencing check)."""
-        if self._sock is None:
+        if self._path is None:
             return True
         try:
             return bool(self._request({"type": "may_commit", "step": int(step)}).get("ok"))
@@ -156,12 +255,14 @@ class Session:
         return math.isfinite(loss)
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._send({"type": "bye"})
-                self._sock.close()
-            finally:
-                self._sock = None
+        if self._closed:
+            return
+        self._closed = True  # before the socket closes: the reader must not wait for an agent
+        self._send({"type": "bye"})
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
 
 def connect(*, rank: int | None = None, round: int | None = None,
@@ -173,4 +274,5 @@ def connect(*, rank: int | None = None, round: int | None = None,
         rank=int(env.get(RANK_ENV, env.get("RANK", "0"))) if rank is None else rank,
         round=int(env.get(ROUND_ENV, "0")) if round is None else round,
         publish_progress=env.get(PROGRESS_ENV, "on") != "off",
+        agent_grace_s=float(env[AGENT_GRACE_ENV]) if env.get(AGENT_GRACE_ENV) else None,
     )

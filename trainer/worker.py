@@ -19,6 +19,7 @@ from lazarus.core import exitcodes
 from lazarus.core.contract import ASSIGNMENT_ENV, PG_TIMEOUT_ENV, STACKS_ENV, WorkerAssignment
 from lazarus.core.errors import CheckpointError, UserError
 from lazarus.core.trainconfig import TrainConfig
+from lazarus.trainer import exitnote
 from lazarus.trainer import hooks as phase_hooks
 
 # How long init waits for the store and for every peer of the round to show up.
@@ -78,17 +79,21 @@ def run(assignment: WorkerAssignment) -> int:
     device = device_type()
     if device == "cuda":
         torch.cuda.set_device(a.local_rank)
+    # Connected before the rendezvous: from here on a rank whose agent is gone for good stops
+    # itself (lazarus.trainer.session), even while it waits for peers that never come.
+    session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
+    # The store is needed until the process groups exist (train() makes them all before its
+    # first step): a rank outlives a restart of the agent that hosts the store.
     store = dist.TCPStore(a.store_host, a.store_port, world_size=a.world_size, is_master=False,
                           timeout=STORE_TIMEOUT, wait_for_workers=False)
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
-    session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
     try:
         train(cfg, session=session, restore=a.restore, hooks=hooks)
     except CheckpointError as e:
         # The daemon marks this checkpoint bad and restores an older one.
         print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)
-        os._exit(exitcodes.BAD_CHECKPOINT)
+        exitnote.exit_now(exitcodes.BAD_CHECKPOINT)
     except Exception as e:
         if not is_peer_failure(e):
             raise
@@ -96,7 +101,7 @@ def run(assignment: WorkerAssignment) -> int:
         # os._exit: tearing down a process group whose peer is gone can block.
         print(f"rank {a.rank} round {a.round}: a peer is gone ({str(e).splitlines()[0][:200]})",
               file=sys.stderr, flush=True)
-        os._exit(exitcodes.PEER_LOST)
+        exitnote.exit_now(exitcodes.PEER_LOST)
     finally:
         session.close()
     dist.destroy_process_group()
@@ -157,5 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         assignment = WorkerAssignment.from_json(os.environ[ASSIGNMENT_ENV])
     else:
         raise UserError(f"no assignment: pass --assignment FILE, --park, or set {ASSIGNMENT_ENV}")
-    return run(assignment)
+    try:
+        code = run(assignment)
+    except BaseException as e:
+        exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
+        raise
+    exitnote.record(code)
+    return code
 

@@ -29,6 +29,11 @@ ASSIGNMENT_ENV = "LAZARUS_ASSIGNMENT"
 # Workers dump their stacks (faulthandler, on SIGUSR1) into the directory this names, one file
 # per pid (`dump_path`).
 STACKS_ENV = "LAZARUS_STACKS_DIR"
+# Seconds a rank waits for its agent once their channel closed (the agent died, or restarts
+# for an upgrade) before it stops itself: one lease TTL and a margin, so an agent back within
+# its TTL finds its ranks and adopts them, and a node whose agent stays away leaves no orphans.
+# Unset: the rank never reconnects and trains on without an agent.
+AGENT_GRACE_ENV = "LAZARUS_AGENT_GRACE_S"
 # Seconds a collective may block before the process group gives up (default: the store
 # timeout). Under an agent the hang detector acts long before; plain torchrun has nothing else.
 PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
@@ -37,6 +42,12 @@ PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
 def dump_path(dump_dir: str | Path, pid: int) -> Path:
     """Where worker `pid` writes its stacks when the agent sends SIGUSR1."""
     return Path(dump_dir) / f"stacks-{pid}.txt"
+
+
+def exit_note_path(dump_dir: str | Path, pid: int) -> Path:
+    """Where worker `pid` leaves its exit code before it exits: an agent that adopted it (not
+    its parent, so it cannot wait for it) reads it there to tell a crash from a clean end."""
+    return Path(dump_dir) / f"exit-{pid}.json"
 
 
 # --- the assignment -------------------------------------------------------------------------
