@@ -27,9 +27,12 @@ from lazarus.core.errors import UserError
 from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, EventRecord,
                              Keys, NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
+from lazarus.agent.adopt import (Left, LeftRank, NodeLock, adopt, forget, record_path,
+                                 start_time)
 from lazarus.agent.channel import Channel
 from lazarus.agent.hang import HangConfig, HangDetector
-from lazarus.core.contract import PROGRESS_ENV, STACKS_ENV, Progress, WorkerAssignment
+from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Progress,
+                                   WorkerAssignment)
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.stacks import capture
@@ -44,6 +47,9 @@ log = logging.getLogger("lazarus.agent")
 STATUS_PERIOD_S = 15.0
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
+# Ranks whose agent is gone wait one lease TTL and this much for the next one before they
+# stop (lazarus.agent.adopt): an agent back within the TTL still needs a moment to listen.
+ORPHAN_MARGIN_S = 5.0
 
 
 class Agent:
@@ -71,20 +77,32 @@ class Agent:
         # or throughput monitoring here, and no progress reports from the workers.
         self.monitors = monitors
         workdir.mkdir(parents=True, exist_ok=True)
-        import torch.distributed as dist  # the agent hosts a round's store when it is first
-
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.channel = Channel(str(workdir / f"{node}.sock"), on_message=self._on_message)
+        self._node_lock = NodeLock(workdir / f"{node}.lock", node)
+        # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
+        # is resumed first, before the slow start-up below: the node must not lapse meanwhile.
+        self._left_path = record_path(workdir, node)
+        left = Left.load(self._left_path)
+        self.session: E.Session | None = None
+        self.wake = threading.Event()
+        self._resume_lease = left.lease if left is not None else None
+        self._registered = False            # the node record names this process
+        if left is not None:
+            try:
+                self._new_session()
+            except E.EtcdUnavailable:
+                pass  # register() tries again
         self.health = NodeHealth(gpu_backend=gpu_backend, gpus=nproc,
                                  fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json",
                                  host_limits=host_limits)
-        env = {**os.environ, "LAZARUS_AGENT_SOCKET": self.channel.path, "LAZARUS_NODE": node,
-               STACKS_ENV: str(workdir / "stacks" / node)}
+        sock = str(workdir / f"{node}.sock")
+        env = {**os.environ, "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
+               STACKS_ENV: str(workdir / "stacks" / node),
+               AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S)}
         if not monitors:
             env[PROGRESS_ENV] = "off"
-        self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node, park=park)
-        self.session: E.Session | None = None
-        self.wake = threading.Event()
+        self.stacks_dir = workdir / "stacks" / node
+        self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node,
+                               notes_dir=self.stacks_dir, park=park)
         self._lock = threading.Lock()       # guards the step fields the channel updates
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
         self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
@@ -94,20 +112,39 @@ class Agent:
         self._world_size = 1
         self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
         self._hang: dict | None = None      # this round's hang report, once made
-        self.stacks_dir = workdir / "stacks" / node
+        self._checkpoint_dir: str | None = None
+        self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
         self._published_state: tuple | None = None
         self._published_step = -1
         self._published_at = 0.0
         self._watches: list[E.Watch] = []
         self.outage = E.OutageLog(etcd, log, "workers keep training")
+        if left is not None:
+            self._adopt(left)
+        # Listening before the store's slow import: adopted ranks reconnect at once.
+        self.channel = Channel(sock, on_message=self._on_message)
+        import torch.distributed as dist  # the agent hosts a round's store when it is first
+
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
     # -- registration ------------------------------------------------------------------------
+    def _new_session(self) -> None:
+        self.session = E.Session(self.etcd, ttl_s=self.lease_ttl_s, on_lost=self.wake.set,
+                                 resume=self._resume_lease)
+        if self._resume_lease is not None:
+            log.info("lease %x of the previous agent %s", self._resume_lease,
+                     "resumed: no node loss" if self.session.resumed else
+                     "had expired: the node was lost; a new lease")
+        self._resume_lease = None  # only a predecessor's lease, and only once
+        self._registered = False
+
     def register(self) -> None:
-        if self.session is not None and not self.session.lost.is_set():
+        if self.session is None or self.session.lost.is_set():
+            self._new_session()
+        if self._registered:
             return
-        self.session = E.Session(self.etcd, ttl_s=self.lease_ttl_s,
-                                 on_lost=self.wake.set)
+        assert self.session is not None
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
                          gpu_backend=self.health.backend_name, lease_ttl_s=self.lease_ttl_s)
@@ -116,7 +153,9 @@ class Agent:
         except E.LeaseLost:
             self.session.mark_lost()
             raise E.EtcdUnavailable("lease lost while registering; retrying") from None
+        self._registered = True
         self._published_state = None  # the new lease has no status key yet
+        self._save_left()  # it names the lease
         log.info("registered %s (%s, %d ranks, store port %d)", self.node, self.role,
                  self.nproc, self.store.port)
 
@@ -294,6 +333,7 @@ class Agent:
                          f"round {status.round} is current" if newer else
                          f"run is {status.state if status else 'gone'}")
                 self.workers.stop()
+                self._save_left()
         if mine and (self.workers.group is None or self.workers.group.round != rec.round):
             self._launch(rec)
         # Refill at once, even while a round starts: the next fault may come any second, and
@@ -318,7 +358,9 @@ class Agent:
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
         self.health.watch_checkpoint_dir(rec.train.get("checkpoint", {}).get("dir"))
+        self._checkpoint_dir = rec.train.get("checkpoint", {}).get("dir")
         self.workers.launch(rec.round, assignments)
+        self._save_left()
         log.info("round %d: started ranks %s%s", rec.round, ranks,
                  f", restoring step {rec.restore_step}" if rec.restore else "")
 
@@ -403,6 +445,7 @@ class Agent:
         while not stop.is_set() and not rev:
             try:
                 self.register()
+                self._resume_status()
                 rev = self.etcd.snapshot([self.keys.root + "run/"]).revision
             except E.EtcdUnavailable as e:
                 self.outage.failed(e)
@@ -434,11 +477,74 @@ class Agent:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self.workers.shutdown()
+        """Stop. Ranks still training are left running for the next agent of this node (an
+        upgrade is a stop and a start), under the lease, which is kept: refreshed once more
+        here, it gives the next agent a whole TTL to come back. Otherwise the lease is revoked
+        and the node leaves at once."""
+        g = self.workers.group
+        leave = g is not None and g.alive
+        self.workers.shutdown(leave_ranks=leave)
         self.health.close()
         self.channel.close()
+        if not leave:
+            forget(self._left_path)
         if self.session is not None:
-            self.session.close()
+            if leave:
+                try:
+                    self.etcd.refresh(self.session.lease)
+                except (E.EtcdUnavailable, E.LeaseLost):
+                    pass
+                log.info("leaving round %d ranks (pids %s) running: an agent of %s back within "
+                         "%d s adopts them, else they stop by themselves", g.round,
+                         " ".join(map(str, g.pids())), self.node, self.lease_ttl_s)
+            self.session.close(revoke=not leave)
+        self._node_lock.release()
+
+    # -- ranks that outlive this agent (lazarus.agent.adopt) ---------------------------------
+    def _save_left(self) -> None:
+        """Write down the running round's ranks for a next agent of this node; forget them
+        once the round is stopped. On each launch, stop and new lease: rare writes."""
+        g = self.workers.group
+        if g is None or self.session is None:
+            forget(self._left_path)
+            return
+        ranks = [LeftRank(local_rank=lr, rank=g.ranks[lr], pid=p.pid,
+                          started=getattr(p, "started", None) or start_time(p.pid) or 0.0)
+                 for lr, p in sorted(g.procs.items())]
+        Left(node=self.node, round=g.round, job_id=self._job_id, world_size=self._world_size,
+             lease=self.session.lease, channel=self.channel.path,
+             checkpoint_dir=self._checkpoint_dir, agent_pid=os.getpid(),
+             ranks=ranks).save(self._left_path)
+
+    def _adopt(self, left: Left) -> None:
+        procs = adopt(left, self.stacks_dir)
+        self.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
+        self._job_id, self._world_size = left.job_id, left.world_size
+        self._checkpoint_dir = left.checkpoint_dir
+        self.health.watch_checkpoint_dir(left.checkpoint_dir)
+        self._adopted_round = left.round
+        running = [p.pid for p in procs.values() if p.poll() is None]
+        log.info("adopted round %d ranks %s left by agent pid %d: %s", left.round,
+                 [r.rank for r in left.ranks], left.agent_pid,
+                 f"pids {' '.join(map(str, running))} running" if running else
+                 "all of them exited meanwhile")
+
+    def _resume_status(self) -> None:
+        """Carry on the adopted round's node status where the previous agent left it (the
+        step, loss and data window until the ranks' next report), not from step 0."""
+        if self._adopted_round is None:
+            return
+        kv = self.etcd.get(self.keys.nodestatus_key(self.node))
+        self._adopted_round, round_ = None, self._adopted_round
+        try:
+            old = NodeStatus.from_json(kv.value) if kv is not None else None
+        except RecordError:
+            old = None
+        if old is None or old.round != round_:
+            return
+        with self._lock:
+            self._step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
+                          "tokens_per_s": old.tokens_per_s, "window": old.window}
 
 
 def main(argv: list[str]) -> int:

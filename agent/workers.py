@@ -5,8 +5,10 @@ here, docs/constraints.md); it waits on stdin for one assignment line. Promotion
 joining, or a restart after a crash) hands assignments to parked workers, so a recovery costs
 a process group init and a checkpoint load, not a cold start. The pool refills right after.
 
-Every worker gets PR_SET_PDEATHSIG: when the agent dies (a node lost), its workers die too,
-as they would with the host.
+Ranks outlive the agent: each runs in a session of its own, without a parent-death signal,
+so that an agent restart (an upgrade, a crash of the agent alone) costs no recovery; the next
+agent adopts them (lazarus.agent.adopt), and ranks whose agent stays away stop by themselves
+(lazarus.trainer.session). Parked workers end with the agent: the stdin they wait on closes.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazarus.core.contract import WorkerAssignment
-from lazarus.core.embedded_etcd import die_with_parent
+from lazarus.agent.adopt import AdoptedRank
+from lazarus.core.contract import WorkerAssignment, exit_note_path
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ PARK_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--park"]
 class Group:
     """The workers of one round on this node."""
     round: int
-    procs: dict[int, subprocess.Popen]          # local rank -> process
+    procs: dict[int, subprocess.Popen | AdoptedRank]  # local rank -> process
     ranks: dict[int, int]                       # local rank -> global rank
     exit_codes: dict[int, int] = field(default_factory=dict)
     fault_at: float = 0.0
@@ -57,12 +59,15 @@ class Group:
 
 
 class Workers:
-    """`nproc` is the number of ranks this node runs; `park` keeps that many warm workers."""
+    """`nproc` is the number of ranks this node runs; `park` keeps that many warm workers.
+    `notes_dir`: where ranks leave their exit codes (lazarus.core.contract.exit_note_path)."""
 
-    def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, park: bool = True):
+    def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, notes_dir: Path,
+                 park: bool = True):
         self.nproc = nproc
         self.env = env
         self.log_dir = log_dir
+        self.notes_dir = notes_dir
         self.park = park
         self.parked: list[subprocess.Popen] = []
         self.group: Group | None = None
@@ -71,9 +76,11 @@ class Workers:
     def _spawn(self) -> subprocess.Popen:
         out = open(self.log_dir / f"worker-{time.time_ns()}.log", "ab")
         try:
+            # A session of its own: a signal to the agent's process group (a terminal's
+            # Ctrl-C, a supervisor's stop) does not reach the ranks.
             return subprocess.Popen(PARK_CMD, stdin=subprocess.PIPE, stdout=out,
                                     stderr=subprocess.STDOUT, env=self.env,
-                                    preexec_fn=die_with_parent, start_new_session=False)
+                                    start_new_session=True)
         finally:
             out.close()
 
@@ -104,6 +111,12 @@ class Workers:
         self.group = Group(round=round_, procs=procs, ranks=ranks)
         return self.group
 
+    def adopt(self, round_: int, procs: dict[int, AdoptedRank], ranks: dict[int, int]) -> Group:
+        """Take over the ranks a previous agent of this node left running."""
+        assert self.group is None, "adopt before launching anything"
+        self.group = Group(round=round_, procs=dict(procs), ranks=dict(ranks))
+        return self.group
+
     def poll(self) -> bool:
         """Collect exits of the current group; True when something changed."""
         g = self.group
@@ -114,6 +127,7 @@ class Workers:
             if local_rank not in g.exit_codes and (code := proc.poll()) is not None:
                 g.exit_codes[local_rank] = code
                 changed = True
+                exit_note_path(self.notes_dir, proc.pid).unlink(missing_ok=True)
                 if code != 0 and g.first_failure is None:
                     g.fault_at = time.time()
                     g.first_failure = local_rank
@@ -136,8 +150,11 @@ class Workers:
             proc.wait()
         self.group = None
 
-    def shutdown(self) -> None:
-        self.stop()
+    def shutdown(self, *, leave_ranks: bool = False) -> None:
+        """Stop every worker; with `leave_ranks`, the parked ones only (the round's ranks
+        wait for the next agent)."""
+        if not leave_ranks:
+            self.stop()
         for proc in self.parked:
             proc.kill()
         for proc in self.parked:

@@ -700,11 +700,21 @@ class Session:
     NOSPACE alarm.
     """
 
-    def __init__(self, etcd: Etcd, *, ttl_s: int, on_lost: Callable[[], None] | None = None):
+    def __init__(self, etcd: Etcd, *, ttl_s: int, on_lost: Callable[[], None] | None = None,
+                 resume: int | None = None):
+        """`resume`: a lease a predecessor of this process held (an agent restarted within
+        its TTL): kept if etcd still has it, so the keys under it never vanish; else a new
+        lease is granted."""
         assert ttl_s >= 2, "a lease shorter than 2 s cannot be refreshed reliably"
         self.etcd = etcd
         self.ttl_s = ttl_s
-        self.lease = etcd.grant(ttl_s)
+        self.resumed = False
+        if resume:
+            try:
+                self.resumed = etcd.refresh(resume) > 0
+            except LeaseLost:
+                pass
+        self.lease = resume if self.resumed else etcd.grant(ttl_s)
         self._on_lost = on_lost
         self._stop = threading.Event()
         self.lost = threading.Event()

@@ -2,7 +2,8 @@
 cluster. The same names serve `lazarus up --chaos` and the tests.
 
     kill-worker@STEP[:NODE]   SIGKILL one training rank (of NODE, else of the last member)
-    kill-node@STEP[:NODE]     SIGKILL a node's agent; its workers die with it, its lease lapses
+    kill-node@STEP[:NODE]     SIGKILL a node's agent, then its ranks (a host lost); its lease
+                              lapses
     kill-daemon@STEP          SIGKILL the leading daemon; a standby must take over
     revive-node@STEP[:NODE]   start a killed node's agent again (default: the last one
                               killed); it joins the run at the next checkpoint boundary
@@ -39,6 +40,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazarus.agent.adopt import left_ranks
 from lazarus.agent.gpu_sim import add_fault
 from lazarus.core import etcd as E
 from lazarus.core import settings
@@ -192,4 +194,8 @@ def main(argv: list[str]) -> int:
     except ProcessLookupError:
         raise UserError(f"{args.kind}: pid {pid} is not running on this host") from None
     print(f"{args.kind}: killed pid {pid}")
+    if args.kind == "kill-node":  # ranks outlive their agent alone (lazarus.agent.adopt)
+        for rank in left_ranks(Path(args.workdir), args.node):
+            rank.kill()
+            print(f"{args.kind}: killed rank pid {rank.pid}")
     return 0

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
 from lazarus.core.jobspec import JobSpec
@@ -192,10 +193,25 @@ class LocalCluster:
         return f"{node} pid {pid}"
 
     def kill_node(self, node: str) -> str:
+        """The host is lost: its agent, then its ranks (they would outlive the agent alone,
+        waiting for the next one). The agent goes first, or it would report their deaths."""
+        self.kill_agent(node)
+        self._kill_ranks(node)
+        return node
+
+    def kill_agent(self, node: str, sig: int = signal.SIGKILL) -> str:
+        """Stop the node's agent alone (SIGTERM: as for an upgrade); its ranks train on."""
         proc = self.agents[node]
-        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.send_signal(sig)
         proc.popen.wait()
         return node
+
+    def _kill_ranks(self, node: str) -> None:
+        ranks = left_ranks(self.workdir / "nodes", node)
+        for rank in ranks:
+            rank.kill()
+        for rank in ranks:
+            rank.wait()
 
     def gpu_fault(self, node: str, kind: str) -> str:
         inject_gpu_fault(self.workdir / "nodes", node, kind)
@@ -247,6 +263,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+        for node in self.agents:  # ranks a stopped agent left running for its successor
+            self._kill_ranks(node)
         if self.etcd is not None:
             self.etcd.close()
             self.etcd = None
