@@ -262,6 +262,10 @@ class Session:
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader: close() alone would not
+            except OSError:
+                pass
             sock.close()
 
 
