@@ -518,6 +518,24 @@ class Etcd:
             lambda c: c.transaction(compare, success, failure))
         return bool(ok)
 
+    def txn_revision(self, compare: Iterable, success: Iterable) -> int | None:
+        """`txn` for a writer that waits to see its write come back through a watch: None
+        when a compare failed (nothing written), else the revision its changes are at (0 when
+        they changed nothing: deletes of keys that were not there)."""
+        compare, success = list(compare), list(success)
+        writes = any(isinstance(op, aetcd.transactions.Put) for op in success)
+        ok, responses = (self._write if writes else self._run)(
+            lambda c: c.transaction(compare, success, []))
+        if not ok:
+            return None
+        changed = [0]
+        for r in responses:
+            kind = r.WhichOneof("response")
+            if kind == "response_put" or (kind == "response_delete_range"
+                                          and r.response_delete_range.deleted):
+                changed.append(getattr(r, kind).header.revision)
+        return max(changed)
+
     # -- leases --------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         return self._write(lambda c: c.lease(ttl_s)).id
