@@ -1,7 +1,8 @@
 """The operator API (proto/lazarus/v1/lazarus.proto), served by every daemon.
 
-Reads come from one etcd snapshot (daemon.health), so a standby answers like the leader and
-names it. Commands are etcd writes on the keys of lazarus.core.records (cordon/, commands/...);
+Reads come from the daemon's cached view of etcd (daemon.view.LiveView; every daemon, leader
+or standby, keeps one current from a watch), first brought up to etcd's current revision, so a
+standby answers like the leader and names it, and a read sees every write made before it. Commands are etcd writes on the keys of lazarus.core.records (cordon/, commands/...);
 the leader's reconcile loop acts on them. Nothing here holds state of the run.
 
 A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
@@ -28,6 +29,7 @@ from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.daemon import health
 from lazarus.daemon.history import History, merged_events
+from lazarus.daemon.view import ClusterView, LiveView
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
@@ -46,6 +48,9 @@ MAX_REASON_LEN = 256
 MAX_CHECKPOINT_LIMIT = 100_000
 # How often a quiet event stream looks whether its client is still there.
 STREAM_POLL_S = 1.0
+# How long a read waits for the cache to catch up with etcd; a change outside our key root
+# moves etcd's revision without ever reaching our watch, and costs a read that much.
+CATCH_UP_S = 0.5
 
 
 class _QuietUnparsable(logging.Filter):
@@ -104,19 +109,21 @@ def _unary(method):
 
 
 class LazarusServicer(pb_grpc.LazarusServicer):
-    """`history`: the daemon's archive of what retention moved out of etcd; events are
-    served from it and etcd together."""
+    """`views`: the cached view reads come from (the daemon's own); `history`: the daemon's
+    archive of what retention moved out of etcd; events are served from it and etcd
+    together."""
 
-    def __init__(self, etcd: E.Etcd, keys: Keys, *, served_by: str,
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, served_by: str, views: LiveView,
                  max_streams: int = MAX_STREAMS, history: History | None = None):
         self.etcd = etcd
         self.keys = keys
         self.served_by = served_by
+        self.views = views
         self.history = history
         self._streams = threading.BoundedSemaphore(max_streams)
 
-    def _snapshot(self) -> E.Snapshot:
-        return self.etcd.snapshot(health.prefixes(self.keys))
+    def _view(self) -> ClusterView:
+        return self.views.fresh(CATCH_UP_S)
 
     def _status(self) -> RunStatus | None:
         kv = self.etcd.get(self.keys.status)
@@ -136,24 +143,22 @@ class LazarusServicer(pb_grpc.LazarusServicer):
     # -- reads ---------------------------------------------------------------------------------
     @_unary
     def GetRunHealth(self, request, context):
-        snap = self._snapshot()
-        return health.run_health(snap, self.keys, now=time.time(), served_by=self.served_by,
-                                 all_events=[ev for _, ev in merged_events(
-                                     self.history, snap, self.keys)])
+        view = self._view()
+        return health.run_health(view, now=time.time(), served_by=self.served_by,
+                                 all_events=health.with_history(self.history, view))
 
     @_unary
     def ListNodes(self, request, context):
-        snap = self._snapshot()
-        return pb.ListNodesResponse(nodes=health.list_nodes(snap, self.keys, now=time.time()),
-                                    revision=snap.revision)
+        view = self._view()
+        return pb.ListNodesResponse(nodes=health.list_nodes(view, now=time.time()),
+                                    revision=view.revision)
 
     @_unary
     def ListCheckpoints(self, request, context):
         if not 0 <= request.limit <= MAX_CHECKPOINT_LIMIT:
             raise _invalid(f"limit: must be 0..{MAX_CHECKPOINT_LIMIT}, got {request.limit}")
-        snap = self.etcd.snapshot([self.keys.checkpoints])
         return pb.ListCheckpointsResponse(
-            checkpoints=health.list_checkpoints(snap, self.keys, limit=request.limit))
+            checkpoints=health.list_checkpoints(self._view(), limit=request.limit))
 
     def WatchEvents(self, request, context):
         try:
@@ -367,11 +372,12 @@ def _read(path: str, what: str) -> bytes:
 def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None,
           client_ca: str | None = None, served_by: str | None = None,
-          max_streams: int = MAX_STREAMS,
-          history: History | None = None) -> tuple[grpc.Server, int]:
+          max_streams: int = MAX_STREAMS, history: History | None = None,
+          views: LiveView | None = None) -> tuple[Server, int]:
     """Start the API on `address` (HOST:PORT; port 0 = any free port); returns the started
     server and the port it bound. token None = no authentication. TLS when tls_cert and
-    tls_key are given; with client_ca, clients must present a certificate it signed."""
+    tls_key are given; with client_ca, clients must present a certificate it signed.
+    `views`: the daemon's cached view; without one the server keeps its own."""
     if (tls_cert is None) != (tls_key is None):
         raise UserError("TLS needs both --tls-cert and --tls-key")
     if client_ca is not None and tls_cert is None:
@@ -385,8 +391,11 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
                                                     thread_name_prefix="api"),
                          interceptors=[TokenAuth(token)] if token else [],
                          options=options, maximum_concurrent_rpcs=4 * (max_streams + 8))
+    own = views is None
+    if views is None:
+        views = LiveView(etcd, keys)  # lists etcd at the first read
     pb_grpc.add_LazarusServicer_to_server(
-        LazarusServicer(etcd, keys, served_by=served_by or writer_id(),
+        LazarusServicer(etcd, keys, served_by=served_by or writer_id(), views=views,
                         max_streams=max_streams, history=history), server)
     try:
         if tls_cert is not None:
@@ -403,4 +412,18 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
     if port == 0:
         raise UserError(f"--api {address}: cannot listen there")
     server.start()
-    return server, port
+    return Server(server, views if own else None), port
+
+
+class Server:
+    """The started gRPC server; stopping it also stops the cache it keeps, if it keeps one."""
+
+    def __init__(self, server: grpc.Server, views: LiveView | None):
+        self.grpc = server
+        self._views = views
+
+    def stop(self, grace: float | None):
+        """Like grpc.Server.stop: returns an event set once the server has stopped."""
+        if self._views is not None:
+            self._views.stop()
+        return self.grpc.stop(grace)

@@ -1,7 +1,7 @@
 """Carries out a Decision as ONE etcd transaction, fenced twice:
 
 - on the leader's epoch (create_revision of the leader key): a deposed leader writes nothing;
-- on run/status's mod revision as read in the snapshot: a decision taken on a stale view
+- on run/status's mod revision as read in the view: a decision taken on a stale view
   (or the same decision applied twice) fails instead of acting again.
 """
 
@@ -58,8 +58,11 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
 
 
 def apply(etcd: E.Etcd, keys: Keys, leadership: Leadership, decision: Decision,
-          view: ClusterView, *, now: float, writer: str) -> bool:
-    """True when the transaction committed."""
+          view: ClusterView, *, now: float, writer: str) -> int | None:
+    """The revision the transaction committed at (0: it changed nothing), None when it did
+    not commit. The daemon's next decision waits until its view holds that revision: the
+    compare on run/status alone would not stop a decision that leaves run/status as it is
+    (an event, a drain request) from being taken twice on a view that lags its own write."""
     ops = operations(keys, decision, view, now=now, writer=writer)
     compare = [leadership.fence(), E.mod_revision_is(keys.status, view.status_mod_revision)]
-    return etcd.txn(compare, ops)
+    return etcd.txn_revision(compare, ops)

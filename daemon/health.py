@@ -1,6 +1,6 @@
-"""What the API reports, read from one etcd snapshot: run health, nodes, events, checkpoints.
+"""What the API reports from one view (daemon.view): run health, nodes, events, checkpoints.
 
-Pure functions of the snapshot and the clock, so every daemon (leader or standby) answers the
+Pure functions of the view and the clock, so every daemon (leader or standby) answers the
 same way, and tests can feed them records directly. Garbage records are skipped, as in
 daemon.view.
 """
@@ -14,31 +14,22 @@ from google.protobuf import struct_pb2
 from lazarus.core import etcd as E
 from lazarus.daemon import stragglers
 from lazarus.daemon.decide import health_of
-from lazarus.daemon.view import ClusterView, parse
+from lazarus.daemon.history import History
+from lazarus.daemon.view import ClusterView, prefixes  # noqa: F401 (what the API reads)
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.core.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, Keys,
-                             RecordError, RunStatus)
+from lazarus.core.records import RUNNING, TERMINAL, CheckpointRecord, EventRecord, RunStatus
 
 # Node.state values beyond the worker states an agent reports.
 SPARE, CORDONED, LOST, STARTING = "spare", "cordoned", "lost", "starting"
 
 
-def prefixes(keys: Keys) -> list[str]:
-    """Everything the API reads, in one snapshot (not torchrun's keys, which can be many)."""
-    return [keys.leader, keys.job, keys.root + "run/", keys.rounds, keys.nodes,
-            keys.nodestatus, keys.checkpoints, keys.cordon, keys.root + "commands/",
-            keys.events]
-
-
-def events(snap: E.Snapshot, keys: Keys) -> list[tuple[E.KV, EventRecord]]:
-    """Readable events, oldest first (keys start with the writer's time in ns)."""
-    out = []
-    for key, kv in sorted(snap.prefix(keys.events).items()):
-        try:
-            out.append((kv, EventRecord.from_json(kv.value, key)))
-        except RecordError:
-            continue
-    return out
+def with_history(history: History | None, view: ClusterView) -> list[EventRecord]:
+    """The run's events, oldest first: those retention moved to the daemon's history
+    (lazarus.daemon.history) and the view's (etcd's copy when both hold a key)."""
+    if history is None:
+        return [ev for _, ev in view.events]
+    merged = {**history.events(), **{kv.key: (kv, ev) for kv, ev in view.events}}
+    return [merged[key][1] for key in sorted(merged)]
 
 
 def goodput(evs: list[EventRecord], job_id: str, now: float) -> tuple[float, float, float]:
@@ -84,13 +75,14 @@ def goodput(evs: list[EventRecord], job_id: str, now: float) -> tuple[float, flo
     return (productive / wall if wall > 0 else 0.0), wall, productive
 
 
-def node_state(node: str, view: ClusterView) -> str:
+def node_state(node: str, view: ClusterView, members: set[str]) -> str:
+    """`members`: the run's members (a set: this is asked of every node)."""
     st = view.status
     if node in view.cordoned:
         return CORDONED
     if node not in view.nodes:
         return LOST
-    if st is None or node not in st.members:
+    if st is None or node not in members:
         return SPARE
     ns = view.node_status.get(node)
     if ns is not None and ns.round == st.round:
@@ -98,8 +90,8 @@ def node_state(node: str, view: ClusterView) -> str:
     return STARTING
 
 
-def _drains(snap: E.Snapshot, keys: Keys) -> list[str]:
-    return sorted(k[len(keys.drains):] for k in snap.prefix(keys.drains))
+def _drains(view: ClusterView) -> list[str]:
+    return sorted(view.drains)
 
 
 def checkpoint_message(rec: CheckpointRecord) -> pb.Checkpoint:
@@ -115,8 +107,8 @@ def event_message(kv: E.KV, ev: EventRecord) -> pb.Event:
                     round=ev.round, state=ev.state, fields=fields)
 
 
-def _leader(snap: E.Snapshot, keys: Keys) -> pb.Leader | None:
-    kv = snap.kvs.get(keys.leader)
+def _leader(view: ClusterView) -> pb.Leader | None:
+    kv = view.leader
     if kv is None:
         return None
     try:
@@ -132,14 +124,13 @@ def _leader(snap: E.Snapshot, keys: Keys) -> pb.Leader | None:
                      and 0 <= pid < 2**63 else 0)
 
 
-def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str,
+def run_health(view: ClusterView, *, now: float, served_by: str,
                all_events: list[EventRecord] | None = None) -> pb.RunHealth:
     """`all_events`: the run's events, oldest first, when there are more than etcd's (the
-    daemon's history of pruned ones, lazarus.daemon.history); by default the snapshot's."""
-    view = parse(snap, keys)
-    h = pb.RunHealth(revision=snap.revision, served_by=served_by,
-                     paused=keys.pause in snap.kvs, draining=_drains(snap, keys))
-    leader = _leader(snap, keys)
+    daemon's history of pruned ones, lazarus.daemon.history); by default the view's."""
+    h = pb.RunHealth(revision=view.revision, served_by=served_by,
+                     paused=view.pause_revision is not None, draining=_drains(view))
+    leader = _leader(view)
     if leader is not None:
         h.leader.CopyFrom(leader)
         h.served_by_leader = leader.id == served_by
@@ -166,7 +157,7 @@ def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str,
                 fault_at=_number(inc.get("fault_at")), detected_at=_number(inc.get("detected_at")),
                 round=int(_number(inc.get("round"))), reason=st.reason))
         if all_events is None:
-            all_events = [ev for _, ev in events(snap, keys)]
+            all_events = [ev for _, ev in view.events]
         h.goodput, h.wall_time_s, h.productive_time_s = goodput(all_events, st.job_id, now)
         mine = [c for c in view.checkpoints if c.job_id == st.job_id]
         if mine:
@@ -176,8 +167,9 @@ def run_health(snap: E.Snapshot, keys: Keys, *, now: float, served_by: str,
             h.last_good_checkpoint.CopyFrom(checkpoint_message(good[-1]))
     else:
         h.goodput = -1.0
+    members = set(st.members) if st is not None else set()
     for node in _node_names(view):
-        state = node_state(node, view)
+        state = node_state(node, view, members)
         h.nodes_by_state[state] = h.nodes_by_state[state] + 1
     return h
 
@@ -191,14 +183,17 @@ def _node_names(view: ClusterView) -> list[str]:
     return sorted(set(view.nodes) | set(lost))
 
 
-def list_nodes(snap: E.Snapshot, keys: Keys, *, now: float) -> list[pb.Node]:
-    view = parse(snap, keys)
-    drains = set(_drains(snap, keys))
+def list_nodes(view: ClusterView, *, now: float) -> list[pb.Node]:
+    drains = set(view.drains)
     slow = _stragglers(view)
+    members = set(view.status.members) if view.status is not None else set()
+    positions: dict[str, int] = {}  # node -> its place in the round (its ranks follow)
+    for i, name in enumerate(view.round.members if view.round is not None else []):
+        positions.setdefault(name, i)
     out = []
     for name in _node_names(view):
         try:
-            out.append(_node(name, view, drains, now, slow))
+            out.append(_node(name, view, drains, now, slow, members, positions))
         except (ValueError, TypeError):  # a number out of the wire's range: a garbage record
             continue
     return out
@@ -217,9 +212,10 @@ def _stragglers(view: ClusterView) -> dict[str, str]:
     return {s.node: s.reason for s in sorted(found, key=lambda s: -s.ratio)}
 
 
-def _node(name: str, view: ClusterView, drains: set[str], now: float,
-          slow: dict[str, str]) -> pb.Node:
-    node = pb.Node(node=name, state=node_state(name, view), cordoned=name in view.cordoned,
+def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict[str, str],
+          members: set[str], positions: dict[str, int]) -> pb.Node:
+    node = pb.Node(node=name, state=node_state(name, view, members),
+                   cordoned=name in view.cordoned,
                    draining=name in drains, registered=name in view.nodes,
                    last_report_age_s=-1.0)
     rec = view.nodes.get(name)
@@ -227,8 +223,9 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float,
         node.host, node.role, node.nproc, node.pid = rec.host, rec.role, rec.nproc, rec.pid
         node.lease_ttl_s = rec.lease_ttl_s
         node.registered_for_s = max(0.0, now - rec.started_at) if rec.started_at else 0.0
-    if view.round is not None and name in view.round.members:
-        node.ranks.extend(view.round.ranks_of(name))
+    if name in positions:
+        per = view.round.nproc_per_node
+        node.ranks.extend(range(positions[name] * per, (positions[name] + 1) * per))
     ns = view.node_status.get(name)
     if ns is not None:
         node.round, node.step, node.loss = ns.round, ns.step, ns.loss
@@ -251,8 +248,7 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float,
     return node
 
 
-def list_checkpoints(snap: E.Snapshot, keys: Keys, *, limit: int) -> list[pb.Checkpoint]:
-    view = parse(snap, keys)
+def list_checkpoints(view: ClusterView, *, limit: int) -> list[pb.Checkpoint]:
     out = []
     for rec in view.checkpoints[-limit:] if limit else view.checkpoints:
         try:

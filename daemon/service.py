@@ -1,10 +1,13 @@
 """`lazarus daemon`: the reconcile loop around decide(), plus leader election.
 
-    observe (one snapshot at revision R) -> decide(now, view) -> apply (one fenced txn)
+    observe (the cached view at revision R) -> decide(now, view) -> apply (one fenced txn)
 
-A watch on our key root only wakes the loop; a periodic tick covers timeouts. The daemon holds
-no state that is not in etcd, so a standby that wins the election simply carries on. (Its data
-dir keeps only the history that retention moved out of etcd: nothing decide() reads.)
+The view comes from an informer (lazarus.daemon.cache): etcd is listed once, and a watch on
+our key root keeps the copy current; a change only wakes the loop, and passes woken by changes
+are rate-limited, so a burst of writes costs a few passes. A periodic tick covers timeouts.
+The daemon holds no state that is not in etcd, so a standby that wins the election simply
+carries on. (Its data dir keeps only the history that retention moved out of etcd: nothing
+decide() reads.)
 """
 
 from __future__ import annotations
@@ -33,62 +36,86 @@ from lazarus.daemon.history import History
 from lazarus.daemon.leader import Leadership
 from lazarus.daemon.retention import Pruner, Retention
 from lazarus.daemon.telemetry import TelemetryConfig
-from lazarus.daemon.view import parse
+from lazarus.daemon.view import LiveView
 
 log = logging.getLogger("lazarus.daemon")
 
 
+# Passes woken by changes are at least this far apart: when every agent reports at once (a
+# new round), the changes gather into a few passes instead of one pass each.
+MIN_PASS_S = 0.2
+# How long `step()` waits for the cache to catch up with etcd (a change outside our root never
+# arrives through our watch, so the wait must end), and how long a pass waits to see the
+# daemon's own last write come back through the watch before it gives up its turn.
+CATCH_UP_S = 0.5
+OWN_WRITE_S = 1.0
+
+
 class Daemon:
     """`tick_s` bounds how late a timeout is noticed; `lease_ttl_s` is how long a dead leader
-    blocks its standbys (the failover time). `on_pass(is_leader)` runs after every pass of the
-    loop (telemetry); etcd being unreachable there is retried like in the pass itself.
-    `history`: where the leader keeps what it prunes from etcd past `retention`
-    (lazarus.daemon.retention); None: nothing is pruned."""
+    blocks its standbys (the failover time). `min_pass_s`: passes woken by changes are at
+    least this far apart (the tick and the daemon's own writes are not held back), so a
+    decision may come up to that much later than the change it answers. `on_pass(is_leader)`
+    runs after every pass of the loop (telemetry); etcd being unreachable there is retried
+    like in the pass itself. `history`: where the leader keeps what it prunes from etcd past
+    `retention` (lazarus.daemon.retention); None: nothing is pruned.
+
+    Every daemon, leader or standby, keeps `views`: its informer's copy of etcd (listed once,
+    then kept current by a watch; lazarus.daemon.cache) parsed into views, which its passes
+    decide from and its API and telemetry read."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, lease_ttl_s: int = settings.LEASE_TTL_S, tick_s: float = 0.5,
+                 min_pass_s: float = MIN_PASS_S,
                  on_pass: Callable[[bool], None] | None = None,
                  compact_every_s: float = COMPACT_EVERY_S, history: History | None = None,
                  retention: Retention | None = None):
         self.etcd = etcd
         self.keys = keys
         self.tick_s = tick_s
+        self.min_pass_s = min_pass_s
         self.on_pass = on_pass
         self.writer = writer_id()
         self.leadership = Leadership(etcd, keys, ttl_s=lease_ttl_s, identity={
             "id": self.writer, "pid": os.getpid(), "host": socket.gethostname()})
         self.wake = threading.Event()
+        self.views = LiveView(etcd, keys, on_change=self.wake.set)
+        self.passes = 0          # passes that decided (for tests and benchmarks)
+        self._written = 0        # the revision of our last write
+        self._again = False      # our own write changed the state: the next pass at once
         self._last_reason = ""
         self._ignored_logged: set[str] = set()
-        self._watch: E.Watch | None = None
-        # etcd's own health (outages, alarms: no evictions meanwhile) and its compaction
+        # etcd's own health (outages, alarms: no evictions meanwhile) and its compaction, up
+        # to what our informer has consumed
         self.etcd_health = EtcdHealth(etcd, keys, writer=self.writer)
-        self.compactor = Compactor(etcd, every_s=compact_every_s, consumed=lambda: (
-            self._watch.next_revision - 1 if self._watch is not None else 0))
+        self.compactor = Compactor(etcd, every_s=compact_every_s,
+                                   consumed=lambda: self.views.informer.revision)
         self.pruner = Pruner(etcd, keys, history, retention)
 
-    def _prefixes(self) -> list[str]:
-        k = self.keys
-        # Everything the policy reads; events are write-only for the controller.
-        return [k.job, k.root + "run/", k.rounds, k.nodes, k.nodestatus, k.checkpoints, k.cordon,
-                k.root + "commands/"]
-
-    def _start_watch(self) -> None:
-        def resync() -> int:
-            self.wake.set()  # the pass re-reads everything; the watch needs a revision only
-            return self.etcd.revision() + 1
-
-        rev = E.retry(lambda: self.etcd.snapshot([self.keys.leader]), deadline_s=3600).revision
-        self._watch = self.etcd.watch_prefix(self.keys.root, start_revision=rev + 1,
-                                             on_events=lambda _evs: self.wake.set(),
-                                             on_resync=resync)
-
     def step(self) -> None:
-        """One pass of the loop (also what tests call)."""
+        """One pass over etcd's state as of the call (what tests and tools call): the cache
+        catches up with etcd's current revision first."""
+        self._pass(catch_up_s=CATCH_UP_S)
+
+    def _pass(self, *, catch_up_s: float) -> None:
+        informer = self.views.informer
+        informer.start()
+        # One read of etcd per pass, as when a pass read a snapshot: an outage shows here,
+        # and the leader holds evictions through it (EtcdHealth).
+        current = self.etcd.revision()
+        if catch_up_s:
+            informer.wait_for(current, catch_up_s)
+        if not informer.wait_for(self._written, OWN_WRITE_S):
+            # Deciding on a view without our own last write could take a decision twice
+            # (executor.apply): the watch will bring it, and wake us.
+            log.debug("the cache is not yet at our write of revision %d", self._written)
+            return
         if not self.leadership.is_leader:
             if not self.leadership.campaign():
+                self.views.current()  # a standby's API reads it: keep it parsed
                 return
             self._last_reason = ""
-        view = parse(self.etcd.snapshot(self._prefixes()), self.keys)
+        view = self.views.current()
+        self.passes += 1
         for key, why in view.ignored.items():
             if key not in self._ignored_logged:
                 self._ignored_logged.add(key)
@@ -100,21 +127,32 @@ class Daemon:
             self._last_reason = decision.reason
         if not decision.actions or self.etcd_health.hold(decision, view):
             return
-        if executor.apply(self.etcd, self.keys, self.leadership, decision, view, now=now,
-                          writer=self.writer):
+        written = executor.apply(self.etcd, self.keys, self.leadership, decision, view, now=now,
+                                 writer=self.writer)
+        if written is not None:
+            self._written = max(self._written, written)
+            self._again = True
             self.wake.set()  # our own write changed the state: look again at once
         elif self.leadership.check():
-            self.wake.set()  # the view was stale; a fresh one will tell
+            self.wake.set()  # the view was stale; the watch brings a newer one
 
     def run(self, stop: threading.Event) -> None:
-        self._start_watch()
         backoff = E.Backoff(initial_s=0.1, max_s=2.0)
+        not_before = 0.0
+        self._again = True  # the first pass at once: it lists etcd
+        self.wake.set()
         while not stop.is_set():
-            self.wake.wait(self.tick_s)
+            woken = self.wake.wait(self.tick_s)
+            if woken and not self._again:
+                # A change woke us: let the changes that follow it gather into this pass.
+                if stop.wait(max(0.0, not_before - time.monotonic())):
+                    break
             self.wake.clear()
+            self._again = False
+            not_before = time.monotonic() + self.min_pass_s
             try:
                 self.etcd_health.poll(self.leadership)  # reads: works under NOSPACE too
-                self.step()
+                self._pass(catch_up_s=0.0)
                 if self.on_pass is not None:
                     self.on_pass(self.leadership.is_leader)
                 self.compactor.tick(leading=self.leadership.is_leader)
@@ -124,8 +162,7 @@ class Daemon:
             except E.EtcdUnavailable as e:
                 self.etcd_health.failed(e)
                 stop.wait(backoff.next())
-        if self._watch is not None:
-            self._watch.cancel()
+        self.views.stop()
         self.leadership.resign()
 
 
@@ -215,7 +252,8 @@ def main(argv: list[str]) -> int:
         tel_cfg = TelemetryConfig(otlp_endpoint=args.otlp_endpoint or None,
                                   metrics_host=args.metrics_host, metrics_port=args.metrics_port)
         if tel_cfg.enabled:
-            tel = telemetry.start(tel_cfg, etcd, keys, served_by=daemon.writer, history=history)
+            tel = telemetry.start(tel_cfg, etcd, keys, served_by=daemon.writer, history=history,
+                                  views=daemon.views)
             daemon.on_pass = tel.on_pass
             if tel.metrics_port is not None:
                 log.info("Prometheus metrics on http://%s:%d/metrics", args.metrics_host,
@@ -226,7 +264,7 @@ def main(argv: list[str]) -> int:
             server, port = api.serve(etcd, keys, address=args.api, token=token,
                                      tls_cert=args.tls_cert, tls_key=args.tls_key,
                                      client_ca=args.tls_client_ca, served_by=daemon.writer,
-                                     history=history)
+                                     history=history, views=daemon.views)
             address = _advertised(args.api, port)
             daemon.leadership.identity["api"] = address  # GetRunHealth names the leader's API
             log.info("API on %s%s", address, " (TLS)" if args.tls_cert else "")

@@ -19,8 +19,8 @@ and marked `lazarus.observed = false`). The trace is emitted when the incident e
 (status OK), or the run failed / was cancelled / another fault came first (status ERROR).
 Only the leader emits; standbys follow the events so that a new leader can finish the trace.
 
-Metrics are read from one etcd snapshot per loop pass (daemon.health, what `lazarus status`
-shows); instrument names and their Prometheus forms are listed in METRICS. Checkpoint stall is
+Metrics are read from the daemon's cached view once per loop pass (daemon.health, what
+`lazarus status` shows); instrument names and their Prometheus forms are listed in METRICS. Checkpoint stall is
 not among them: neither etcd nor the trainer's metrics record how long a save blocked the step
 loop (step_time_s stops before the save), so there is nothing honest to export yet.
 
@@ -45,8 +45,8 @@ from opentelemetry.trace import Status, StatusCode
 
 from lazarus.core import etcd as E
 from lazarus.daemon import health
-from lazarus.daemon.history import History, merged_events
-from lazarus.daemon.view import parse
+from lazarus.daemon.history import History
+from lazarus.daemon.view import ClusterView, LiveView, parse
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.core.records import STATES, EventRecord, Keys
@@ -266,15 +266,17 @@ class TelemetryConfig:
 
 
 class Telemetry:
-    """Fed once per loop pass (`on_pass`) by the daemon; reads its own snapshot. `history`:
-    the daemon's archive of events pruned from etcd, which the goodput still counts."""
+    """Fed once per loop pass (`on_pass`) by the daemon, from the daemon's cached view
+    (`views`; without one, a snapshot per pass). `history`: the daemon's archive of events
+    pruned from etcd, which the goodput still counts."""
 
     def __init__(self, etcd: E.Etcd | None, keys: Keys, *, served_by: str,
                  tracer_provider: TracerProvider, meter_provider: MeterProvider,
                  closers: Iterable = (), metrics_port: int | None = None,
-                 history: History | None = None):
+                 history: History | None = None, views: LiveView | None = None):
         self.etcd, self.keys, self.served_by = etcd, keys, served_by
         self.history = history
+        self.views = views
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
         meter = meter_provider.get_meter("lazarus")
         self.incidents = IncidentTracer(tracer_provider.get_tracer("lazarus"), meter)
@@ -285,27 +287,32 @@ class Telemetry:
         self.metrics_port = metrics_port  # the port Prometheus scrapes, once bound
 
     def on_pass(self, leader: bool) -> None:
-        """The daemon loop's hook: one snapshot, then events and metrics from it."""
-        assert self.etcd is not None
-        self.observe(self.etcd.snapshot(health.prefixes(self.keys)), leader=leader,
-                     now=time.time())
+        """The daemon loop's hook: one view, then events and metrics from it."""
+        if self.views is not None:
+            self.observe_view(self.views.current(), leader=leader, now=time.time())
+        else:
+            assert self.etcd is not None
+            self.observe(self.etcd.snapshot(health.prefixes(self.keys)), leader=leader,
+                         now=time.time())
 
     def observe(self, snap: E.Snapshot, *, leader: bool, now: float) -> None:
-        h = health.run_health(snap, self.keys, now=now, served_by=self.served_by,
-                              all_events=None if self.history is None else [
-                                  ev for _, ev in merged_events(self.history, snap, self.keys)])
+        self.observe_view(parse(snap, self.keys), leader=leader, now=now)
+
+    def observe_view(self, view: ClusterView, *, leader: bool, now: float) -> None:
+        h = health.run_health(view, now=now, served_by=self.served_by,
+                              all_events=health.with_history(self.history, view))
         self.metrics.update(h, now)
         # Incidents that ended before this daemon first looked were reported by whoever led
         # then; so were those that end while this daemon is a standby.
         live = leader and self._replayed
-        for kv, ev in health.events(snap, self.keys):
+        for kv, ev in view.events:
             if kv.key in self._seen:
                 continue
             self._seen.add(kv.key)
             self.incidents.feed(ev, live=live, job_id=h.job_id)
         self._replayed = True
         if h.job_id:
-            self.incidents.progress(now, _progress(snap, self.keys, h))
+            self.incidents.progress(now, _progress(view, h))
 
     def shutdown(self) -> None:
         for close in self._closers:
@@ -314,8 +321,7 @@ class Telemetry:
         self.meter_provider.shutdown()
 
 
-def _progress(snap: E.Snapshot, keys: Keys, h: pb.RunHealth) -> RoundProgress:
-    view = parse(snap, keys)
+def _progress(view: ClusterView, h: pb.RunHealth) -> RoundProgress:
     current = [view.node_status.get(n) for n in h.members]
     joined = bool(current) and all(ns is not None and ns.round == h.round for ns in current)
     training = joined and all(ns.workers in ("running", "succeeded") for ns in current)
@@ -324,8 +330,9 @@ def _progress(snap: E.Snapshot, keys: Keys, h: pb.RunHealth) -> RoundProgress:
 
 
 def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str,
-          history: History | None = None) -> Telemetry:
-    """Providers and exporters as `cfg` asks; the caller calls shutdown() at the end."""
+          history: History | None = None, views: LiveView | None = None) -> Telemetry:
+    """Providers and exporters as `cfg` asks; the caller calls shutdown() at the end.
+    `views`: the daemon's cached view, read once a pass."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     resource = Resource.create({"service.name": "lazarus-daemon",
                                 "service.instance.id": served_by, **cfg.resource})
@@ -362,4 +369,4 @@ def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str,
         closers.append(close_server)
     return Telemetry(etcd, keys, served_by=served_by, tracer_provider=tracer_provider,
                      meter_provider=MeterProvider(resource=resource, metric_readers=readers),
-                     closers=closers, metrics_port=port, history=history)
+                     closers=closers, metrics_port=port, history=history, views=views)

@@ -1,4 +1,9 @@
-"""What the controller sees: one consistent etcd snapshot, parsed into records.
+"""What the controller sees: the records under our key root, parsed into a ClusterView.
+
+One parser, two sources: a snapshot read at one revision (`parse`), or the daemon's informer
+(lazarus.daemon.cache) through `LiveView`, which keeps every key's parsed record and re-parses
+only the keys that changed since its last view. A pass then costs the parses of what changed
+plus copies of the maps of nodes, never a parse of every node's status.
 
 Parsing never fails as a whole: a record that is garbage is left out and named in `ignored`,
 so one bad key (typed by hand, written by another version) cannot stop the controller.
@@ -7,13 +12,15 @@ so one bad key (typed by hand, written by another version) cannot stop the contr
 from __future__ import annotations
 
 import json
-
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from lazarus.core import jobspec
-from lazarus.core.etcd import Snapshot
-from lazarus.core.records import (CheckpointRecord, Keys, NodeRecord, NodeStatus, RecordError,
-                             RoundRecord, RunStatus)
+from lazarus.core.etcd import KV, Etcd, Snapshot
+from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
+                                  RecordError, RoundRecord, RunStatus)
+from lazarus.daemon.cache import Informer
 
 
 @dataclass(slots=True)
@@ -40,6 +47,10 @@ class ClusterView:
     cancel_job_id: str | None = None       # the run a cancel was meant for, when it says
     checkpoint_request_revision: int = 0
     ignored: dict[str, str] = field(default_factory=dict)  # key -> why it was ignored
+    # What the API reports and decide() never reads: the leader's key as etcd holds it, and
+    # the readable events, oldest first (unreadable ones are skipped, not `ignored`).
+    leader: KV | None = None
+    events: list[tuple[KV, EventRecord]] = field(default_factory=list)
     # What is derived from the view once and read by several (the straggler judgement, for
     # decide() and ListNodes), each entry stored with what it was derived from (the revision,
     # or the very record) and used only while that still holds: whoever changes a view in
@@ -50,52 +61,240 @@ class ClusterView:
         return self.checkpoints[-1] if self.checkpoints else None
 
 
+def prefixes(keys: Keys) -> list[str]:
+    """Every prefix a view is parsed from (not torchrun's keys, which can be many)."""
+    return [keys.leader, keys.job, keys.root + "run/", keys.rounds, keys.nodes,
+            keys.nodestatus, keys.checkpoints, keys.cordon, keys.root + "commands/",
+            keys.events]
+
+
 def parse(snap: Snapshot, keys: Keys) -> ClusterView:
-    view = ClusterView(revision=snap.revision)
-    rounds: dict[int, RoundRecord] = {}
-    for key, kv in snap.kvs.items():
+    builder = ViewBuilder(keys)
+    builder.apply(snap.kvs.items())
+    return builder.build(snap.revision)
+
+
+# What a key contributes to a view: (kind, payload). Kinds that name a node or a key keep
+# their payload in a map of their own; the others are singletons.
+_Entry = tuple[str, object]
+
+
+class ViewBuilder:
+    """Every key's parsed record; `apply` re-parses the keys that changed, `build` assembles a
+    view from what is parsed. Not thread-safe (LiveView locks around it)."""
+
+    def __init__(self, keys: Keys):
+        self.keys = keys
+        self._entries: dict[str, _Entry] = {}
+        self._one: dict[str, object] = {}   # kind -> payload of the singleton keys
+        self._nodes: dict[str, NodeRecord] = {}
+        self._node_status: dict[str, NodeStatus] = {}
+        self._drains: dict[str, int] = {}
+        self._cordoned: set[str] = set()
+        self._ignored: dict[str, str] = {}
+        # Kept by key, assembled in key order at build time (as a snapshot lists them): few.
+        self._rounds: dict[str, RoundRecord] = {}
+        self._checkpoints: dict[str, tuple[CheckpointRecord, int]] = {}
+        self._events: dict[str, tuple[KV, EventRecord]] = {}
+        self._derived: dict[str, object] = {}  # what build() assembled from those, until they change
+        self._last: ClusterView | None = None
+
+    def apply(self, changes: Iterable[tuple[str, KV | None]]) -> int:
+        """Bring the parsed records up to `changes` (key -> its new KV, None: deleted);
+        returns how many keys were parsed."""
+        parsed = 0
+        for key, kv in changes:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._drop(key, old)
+            if kv is None:
+                continue
+            entry = self._parse(key, kv)
+            parsed += 1
+            if entry is not None:
+                self._entries[key] = entry
+                self._add(key, entry)
+        return parsed
+
+    def _parse(self, key: str, kv: KV) -> _Entry | None:
+        k = self.keys
         try:
-            if key == keys.job:
-                view.submitted = jobspec.JobSpec.from_json(kv.value)
-            elif key == keys.accepted_job:
-                view.job = jobspec.JobSpec.from_json(kv.value)
-            elif key == keys.status:
-                view.status_mod_revision = kv.mod_revision
-                view.status_garbled = True
-                view.status = RunStatus.from_json(kv.value, key)
-                view.status_garbled = False
-            elif key.startswith(keys.rounds):
-                rec = RoundRecord.from_json(kv.value, key)
-                rounds[rec.round] = rec
-            elif key.startswith(keys.nodes):
+            if key == k.job:
+                return "submitted", jobspec.JobSpec.from_json(kv.value)
+            if key == k.accepted_job:
+                return "job", jobspec.JobSpec.from_json(kv.value)
+            if key == k.status:
+                try:
+                    return "status", (RunStatus.from_json(kv.value, key), kv.mod_revision, None)
+                except (ValueError, TypeError, KeyError) as e:
+                    return "status", (None, kv.mod_revision, str(e))
+            if key == k.leader:
+                return "leader", kv
+            if key.startswith(k.rounds):
+                return "round", RoundRecord.from_json(kv.value, key)
+            if key.startswith(k.nodes):
                 rec = NodeRecord.from_json(kv.value, key)
-                if rec.node != key[len(keys.nodes):]:
+                if rec.node != key[len(k.nodes):]:
                     raise RecordError(f"{key}: names node {rec.node!r}")
-                view.nodes[rec.node] = rec
-            elif key.startswith(keys.nodestatus):
+                return "node", rec
+            if key.startswith(k.nodestatus):
                 rec = NodeStatus.from_json(kv.value, key)
-                view.node_status[rec.node] = rec
-            elif key.startswith(keys.checkpoints):
-                rec = CheckpointRecord.from_json(kv.value, key)
-                view.checkpoints.append(rec)
-                view.checkpoint_revision[rec.step] = kv.mod_revision
-            elif key.startswith(keys.drains):
-                view.drains[key[len(keys.drains):]] = kv.mod_revision
-            elif key == keys.pause:
-                view.pause_revision = kv.mod_revision
-            elif key == keys.cancel:
-                view.cancel_requested = True
+                if rec.node != key[len(k.nodestatus):]:
+                    raise RecordError(f"{key}: names node {rec.node!r}")
+                return "nodestatus", rec
+            if key.startswith(k.checkpoints):
+                return "checkpoint", (CheckpointRecord.from_json(kv.value, key), kv.mod_revision)
+            if key.startswith(k.events):
+                try:
+                    return "event", (kv, EventRecord.from_json(kv.value, key))
+                except (ValueError, TypeError, KeyError):
+                    return None
+            if key.startswith(k.drains):
+                return "drain", kv.mod_revision
+            if key == k.pause:
+                return "pause", kv.mod_revision
+            if key == k.cancel:
                 doc = json.loads(kv.value or b"{}")
-                view.cancel_job_id = doc.get("job_id") if isinstance(doc, dict) else None
-            elif key == keys.checkpoint_request:
-                view.checkpoint_request_revision = kv.mod_revision
-            elif key.startswith(keys.cordon):
-                view.cordoned.add(key[len(keys.cordon):])
+                return "cancel", doc.get("job_id") if isinstance(doc, dict) else None
+            if key == k.checkpoint_request:
+                return "checkpoint_request", kv.mod_revision
+            if key.startswith(k.cordon):
+                return "cordon", None
         except (ValueError, TypeError, KeyError) as e:  # RecordError, UserError, bad JSON
-            view.ignored[key] = str(e)
-    view.checkpoints.sort(key=lambda c: c.step)
-    view.last_round = max(rounds, default=0)
-    view.latest_round = rounds.get(view.last_round)
-    if view.status is not None:
-        view.round = rounds.get(view.status.round)
-    return view
+            return "ignored", str(e)
+        return None
+
+    def _name(self, key: str, kind: str) -> str:
+        prefix = {"node": self.keys.nodes, "nodestatus": self.keys.nodestatus,
+                  "drain": self.keys.drains, "cordon": self.keys.cordon}[kind]
+        return key[len(prefix):]
+
+    def _add(self, key: str, entry: _Entry) -> None:
+        kind, payload = entry
+        if kind == "nodestatus":
+            self._node_status[self._name(key, kind)] = payload
+        elif kind == "node":
+            self._nodes[self._name(key, kind)] = payload
+        elif kind == "event":
+            self._events[key] = payload
+            self._derived.pop("events", None)
+        elif kind == "round":
+            self._rounds[key] = payload
+            self._derived.pop("rounds", None)
+        elif kind == "checkpoint":
+            self._checkpoints[key] = payload
+            self._derived.pop("checkpoints", None)
+        elif kind == "drain":
+            self._drains[self._name(key, kind)] = payload
+        elif kind == "cordon":
+            self._cordoned.add(self._name(key, kind))
+        elif kind == "ignored":
+            self._ignored[key] = payload
+        else:
+            self._one[kind] = payload
+            if kind == "status" and payload[2] is not None:
+                self._ignored[key] = payload[2]
+
+    def _drop(self, key: str, entry: _Entry) -> None:
+        kind, _ = entry
+        if kind == "nodestatus":
+            del self._node_status[self._name(key, kind)]
+        elif kind == "node":
+            del self._nodes[self._name(key, kind)]
+        elif kind == "event":
+            del self._events[key]
+            self._derived.pop("events", None)
+        elif kind == "round":
+            del self._rounds[key]
+            self._derived.pop("rounds", None)
+        elif kind == "checkpoint":
+            del self._checkpoints[key]
+            self._derived.pop("checkpoints", None)
+        elif kind == "drain":
+            del self._drains[self._name(key, kind)]
+        elif kind == "cordon":
+            self._cordoned.discard(self._name(key, kind))
+        else:
+            self._ignored.pop(key, None)
+            if kind != "ignored":
+                del self._one[kind]
+
+    def build(self, revision: int) -> ClusterView:
+        """A view of what is parsed now. Its maps are the view's own: nothing the builder
+        does later changes a view already built."""
+        one = self._one
+        status, status_rev, garbled = one.get("status", (None, 0, None))
+        rounds = self._assembled("rounds", lambda: {
+            rec.round: rec for _, rec in sorted(self._rounds.items())})
+        checkpoints, checkpoint_revision = self._assembled("checkpoints", self._checkpoint_list)
+        events = self._assembled("events", lambda: [self._events[k]
+                                                    for k in sorted(self._events)])
+        last_round = max(rounds, default=0)
+        view = ClusterView(
+            revision=revision, submitted=one.get("submitted"), job=one.get("job"),
+            status=status, status_mod_revision=status_rev, status_garbled=garbled is not None,
+            latest_round=rounds.get(last_round), last_round=last_round,
+            round=rounds.get(status.round) if status is not None else None,
+            nodes=dict(self._nodes), node_status=dict(self._node_status),
+            checkpoints=list(checkpoints), cordoned=set(self._cordoned),
+            checkpoint_revision=dict(checkpoint_revision), drains=dict(self._drains),
+            pause_revision=one.get("pause"), cancel_requested="cancel" in one,
+            cancel_job_id=one.get("cancel"),
+            checkpoint_request_revision=one.get("checkpoint_request", 0),
+            ignored=dict(self._ignored), leader=one.get("leader"), events=list(events))
+        # A node's throughput summary is read again only when its status is a new record
+        # (lazarus.daemon.stragglers): a view starts from the summaries its predecessor read.
+        if self._last is not None and "summaries" in self._last.memo:
+            view.memo["summaries"] = self._last.memo["summaries"]
+        self._last = view
+        return view
+
+    def _assembled(self, what: str, make: Callable[[], object]):
+        if what not in self._derived:
+            self._derived[what] = make()
+        return self._derived[what]
+
+    def _checkpoint_list(self) -> tuple[list[CheckpointRecord], dict[int, int]]:
+        ordered = sorted(self._checkpoints.items())
+        revisions = {rec.step: rev for _, (rec, rev) in ordered}
+        return sorted((rec for _, (rec, _) in ordered), key=lambda c: c.step), revisions
+
+
+class LiveView:
+    """The view kept current from an informer on `keys.root`: what every daemon (leader or
+    standby) decides from and serves its API from. Thread-safe: the loop and the API's
+    threads share it, and a view is built at most once per revision.
+
+    `on_change` is called (on the etcd client's thread) when a key of the view changed: it
+    must only wake someone up."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, *, on_change: Callable[[], None] | None = None):
+        self.keys = keys
+        self.informer = Informer(etcd, keys.root, prefixes(keys), on_change=on_change)
+        self._changes = self.informer.subscribe()
+        self._builder = ViewBuilder(keys)
+        self._view: ClusterView | None = None
+        self._lock = threading.Lock()
+        self.parsed = 0  # keys parsed so far (what a pass costs, for tests and benchmarks)
+
+    def current(self) -> ClusterView:
+        """The view of what the informer holds now (it lists etcd at the first call: that
+        one may raise EtcdUnavailable)."""
+        self.informer.start()
+        with self._lock:
+            revision, changes = self._changes.drain()
+            if changes:
+                self.parsed += self._builder.apply(changes.items())
+            if self._view is None or changes or revision != self._view.revision:
+                self._view = self._builder.build(revision)
+            return self._view
+
+    def fresh(self, timeout_s: float) -> ClusterView:
+        """The view once the informer holds every change etcd had made when called (waiting
+        at most `timeout_s`: see Informer.sync)."""
+        self.informer.start()
+        self.informer.sync(timeout_s)
+        return self.current()
+
+    def stop(self) -> None:
+        self.informer.stop()
