@@ -326,13 +326,14 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
     if command is not None:
         return command
     if len(st.members) < job.nodes:
-        spare = [n for n in usable(view, job) if n not in st.members]
+        current = set(st.members)
+        spare = [n for n in usable(view, job) if n not in current]
         ckpt = restore_point(view, job.id)
         if spare and ckpt is not None and ckpt.round == st.round and ckpt.step > st.restore_step:
             members = choose(view, job, st.members)
             return start_round(now, view, job, st, members,
                                 f"grow to {len(members)} node(s) at checkpoint step "
-                                f"{ckpt.step} ({', '.join(m for m in members if m not in st.members)} "
+                                f"{ckpt.step} ({', '.join(m for m in members if m not in current)} "
                                 "joins)", restarts=st.restarts)
     return Decision([], f"round {st.round} running on {len(st.members)} node(s)")
 
@@ -345,8 +346,9 @@ def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
         return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
     members = choose(view, job, st.members)
     if len(members) >= job.min_nodes:
-        kept = [n for n in members if n in st.members]
-        added = [n for n in members if n not in st.members]
+        current = set(st.members)
+        kept = [n for n in members if n in current]
+        added = [n for n in members if n not in current]
         why = f"recovery {st.restarts + 1}: keep {', '.join(kept) or 'none'}" + (
             f", promote {', '.join(added)}" if added else "") + (
             f", shrink to {len(members)} of {job.nodes}" if len(members) < job.nodes else "")

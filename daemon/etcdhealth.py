@@ -55,7 +55,8 @@ def evicted(decision: Decision, view: ClusterView) -> list[str]:
             if incident.get("kind") in ABSENCE_INCIDENTS:
                 out.update(n for n in str(incident.get("culprit", "")).split(",") if n)
         elif isinstance(action, StartRound):
-            out.update(n for n in members if n not in action.record.members)
+            kept = set(action.record.members)
+            out.update(n for n in members if n not in kept)
     return sorted(out)
 
 

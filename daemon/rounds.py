@@ -20,11 +20,13 @@ def usable(view: ClusterView, job: JobSpec) -> list[str]:
 
 def choose(view: ClusterView, job: JobSpec, keep: list[str]) -> list[str]:
     members = [n for n in keep if n in view.nodes and n not in view.cordoned][: job.nodes]
+    chosen = set(members)
     for n in usable(view, job):
         if len(members) >= job.nodes:
             break
-        if n not in members:
+        if n not in chosen:
             members.append(n)
+            chosen.add(n)
     return members
 
 
@@ -75,5 +77,6 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
 def free_spares(view: ClusterView, job: JobSpec, st: RunStatus) -> list[str]:
     """Idle usable nodes outside the run, less one for each drain already waiting for its
     checkpoint: each of those has a spare promised."""
-    spares = [n for n in usable(view, job) if n not in st.members]
-    return spares[len([n for n in view.drains if n in st.members]):]
+    current = set(st.members)
+    spares = [n for n in usable(view, job) if n not in current]
+    return spares[len([n for n in view.drains if n in current]):]
