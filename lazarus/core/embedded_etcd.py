@@ -63,12 +63,15 @@ class EmbeddedEtcd:
 
     Alone by default; a member of a cluster when `initial_cluster` ("name=peer-url,...") is
     given (EmbeddedCluster builds that). `quota_bytes` is the NOSPACE threshold.
+    `compaction_retention`: the history it keeps (an etcd duration); shorter only where time
+    runs faster (the fleet simulator's compressed day).
     """
 
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
                  log_file: Path | None = None, name: str = "lazarus",
                  peer_port: int | None = None, initial_cluster: str | None = None,
-                 quota_bytes: int = QUOTA_BYTES):
+                 quota_bytes: int = QUOTA_BYTES,
+                 compaction_retention: str = COMPACTION_RETENTION):
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
@@ -77,6 +80,7 @@ class EmbeddedEtcd:
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.quota_bytes = quota_bytes
+        self.compaction_retention = compaction_retention
         self.log_file = log_file or (self.data_dir / "etcd.log")
         self.proc: subprocess.Popen | None = None
 
@@ -100,7 +104,7 @@ class EmbeddedEtcd:
                "--initial-advertise-peer-urls", self.peer_url,
                "--initial-cluster", self.initial_cluster,
                "--auto-compaction-mode", "periodic",
-               "--auto-compaction-retention", COMPACTION_RETENTION,
+               "--auto-compaction-retention", self.compaction_retention,
                "--quota-backend-bytes", str(self.quota_bytes),
                "--logger", "zap", "--log-outputs", str(self.log_file)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
