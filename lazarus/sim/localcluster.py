@@ -20,6 +20,7 @@ from pathlib import Path
 from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
+from lazarus.core.errors import UserError
 from lazarus.core.jobspec import JobSpec
 from lazarus.sim import trainer_faults
 from lazarus.sim.chaos import inject_gpu_fault, inject_slowdown, slowdown_script
@@ -142,8 +143,22 @@ class LocalCluster:
         self.start_agent(node, nproc=nproc, role=role)
         return node
 
-    def submit(self, job: JobSpec) -> None:
+    def submit(self, job: JobSpec, *, register_timeout_s: float = 120.0) -> None:
+        """Hand `job` to the daemon once every running agent has registered: the daemon takes
+        whatever nodes are there, so a spare that registered before a slow active node would
+        otherwise stand in the first round and the roles asked for would not hold."""
         assert self.etcd is not None
+        deadline = time.monotonic() + register_timeout_s
+        while True:
+            waiting = sorted(set(n for n, p in self.agents.items() if p.alive)
+                             - set(E.retry(lambda: self.state().nodes, deadline_s=30)))
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                raise UserError(f"node(s) {', '.join(waiting)} did not register within "
+                                f"{register_timeout_s:.0f} s; see "
+                                + ", ".join(str(self.agents[n].log) for n in waiting))
+            time.sleep(0.1)
         E.retry(lambda: self.etcd.put(self.keys.job, job.to_json()), deadline_s=30)
 
     # -- observing -----------------------------------------------------------------------------
