@@ -469,10 +469,10 @@ class SimAgent(Agent):
             self.publish(force=exited)
 
     def publish(self, *, force: bool = False) -> None:
-        before = self._published_at
+        before, started = self._published_at, time.time()
         super().publish(force=force)
         if self._published_at != before:
-            self.fleet.status_written(self)
+            self.fleet.status_written(self, started)
 
     def _feed_steps(self, now: float) -> None:
         """Report the steps the round's world finished since the last pass, as each rank's
@@ -593,8 +593,10 @@ class FleetConfig:
 @dataclass(slots=True)
 class Fault:
     """One injected fault and its timeline (wall times of this process). `seen_at`: when the
-    control plane could know -- a crash's failed status written to etcd, a lost node's lease
-    gone (its registration deleted). `committed_at`: the daemon's next round in run/round."""
+    control plane could know -- a crash's failed status going to etcd (its write begun), a
+    lost node's lease gone (its registration's delete seen). `committed_at`: the daemon's
+    next round seen in run/round. Watch events reach this process behind whatever work it
+    has then: timings are as good as the simulator keeps up (Fleet.lag)."""
     kind: str               # "worker_crash" | "node_lost"
     node: str
     round: int
@@ -723,14 +725,16 @@ class Fleet:
                 "compute_s": cfg.step_time_s * 0.9 * noise,
                 "window": [(step - 1) * batch, step * batch - 1]}
 
-    def status_written(self, agent: SimAgent) -> None:
-        now = time.time()
+    def status_written(self, agent: SimAgent, started: float) -> None:
+        """`agent` wrote its status; its write began at `started`. That is when a crash
+        counts as seen: the write's return reaches a thread of this busy process later than
+        etcd's watchers (the daemon) see the write."""
         with self._lock:
             self._counts["status"] += 1
             for f in self.faults:
                 if (f.seen_at is None and f.kind == "worker_crash" and f.node == agent.node
                         and agent._published_state[0] == W_FAILED):
-                    f.seen_at = now
+                    f.seen_at = started
 
     def count(self, what: str) -> None:
         with self._lock:

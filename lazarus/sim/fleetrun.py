@@ -187,7 +187,7 @@ class Figures:
                 f"{d['db_peak_first'] / 1e6:.1f} MB / {d['db_peak_second'] / 1e6:.1f} MB",
                 "flat", d["db_peak_second"] / max(1, d["db_peak_first"]))
             row("  the day",
-                (f"{d['simulated_h']:.1f} h at x{d['compression']:g} in {d['wall_s']:.0f} s, "
+                (f"{d['simulated_h']:.1f} h at x{d['compression']:.1f} in {d['wall_s']:.0f} s, "
                  f"{d['faults']} faults, {d['writes_per_s']:.0f} etcd writes/s"))
             row("  live keys at the end", ", ".join(
                 f"{kind} {count} ({size / 1e6:.1f} MB)" for kind, (count, size)
