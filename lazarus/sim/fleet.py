@@ -586,7 +586,7 @@ class FleetConfig:
         if self.startup_s < 0 or self.peer_lost_s < 0 or self.checkpoint_every < 0:
             raise UserError("startup, peer-lost delay and checkpoint period must not be negative")
         if self.hosts < 1:
-            raise UserError("--hosts must be at least 1")
+            raise UserError("a fleet needs at least one host thread")
         return self
 
 
