@@ -306,6 +306,12 @@ def _storage_problem(e: CheckpointException) -> str | None:
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, OSError):
             return f"rank {rank}: {exc}"
+        # torch's zip writer turns a short write (the disk filled during the save) into an
+        # enforce failure, not an OSError: "[enforce fail at inline_container.cc:N] . unexpected
+        # pos 704 vs 598".
+        if isinstance(exc, RuntimeError) and "inline_container.cc" in str(exc) \
+                and "unexpected pos" in str(exc):
+            return f"rank {rank}: a short write (the storage is likely full): {exc}"
     return None
 
 

@@ -126,7 +126,10 @@ def judge(ranks: Iterable[RankSummary], config: ThroughputConfig) -> list[Stragg
         if not peers > 0:
             continue
         slow = r.work_s[bisect.bisect_right(r.work_s, config.margin * peers):]
-        if len(slow) >= k:
+        # ... and slow in most of its window, not only in its heaviest steps: rank 0's
+        # commits and metrics, a checkpoint's background writer or a neighbour's burst on a
+        # shared host make some steps of a healthy rank slow, never most of them.
+        if len(slow) >= k and _median(r.work_s) > config.margin * peers:
             ratio = _median(slow) / peers
             out.append(Straggler(rank=r.rank, node=r.node, ratio=ratio, slow_steps=len(slow),
                                  of_steps=len(r.work_s),

@@ -119,3 +119,17 @@ def test_refused_saves_leave_nothing_and_training_goes_on(tmp_path):
     assert "No space left on device" in why2
     assert "Read-only file system" in why3
     assert proc.stderr.count("checkpoint step 2 not written") == 1, proc.stderr[-3000:]
+
+
+def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug():
+    """A disk that fills during a save: torch's zip writer reports an enforce failure, not an
+    OSError. The save is refused like any other storage failure; other errors stay bugs."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lazarus.trainer.checkpoint import _storage_problem
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    why = _storage_problem(CheckpointException("save", {0: (short, None)}))
+    assert why is not None and why.startswith("rank 0: a short write")
+    bug = RuntimeError("shape mismatch in tensor 'w'")
+    assert _storage_problem(CheckpointException("save", {1: (bug, None)})) is None

@@ -111,12 +111,13 @@ def test_a_whole_node_of_slow_ranks_is_caught_when_it_is_the_minority():
 
 def _brute_force(ranks, config):
     """The definition, one rank at a time (quadratic): its peers' median is the median of
-    every other rank's median work; it is slow in the steps above margin x that."""
+    every other rank's median work; it is slow in the steps above margin x that, and a
+    straggler when those are at least min_slow and its own median is above it too."""
     out = []
     for r in ranks:
         peers = statistics.median(statistics.median(o.work_s) for o in ranks if o is not r)
         slow = sorted(w for w in r.work_s if w > config.margin * peers)
-        if len(slow) >= config.min_slow:
+        if len(slow) >= config.min_slow and statistics.median(r.work_s) > config.margin * peers:
             out.append((r.rank, len(slow), statistics.median(slow) / peers))
     return out
 
