@@ -233,6 +233,12 @@ def _publish_api(cluster: LocalCluster) -> None:
     atexit.register(endpoint_file.remove_if_mine, path, os.getpid())
 
 
+def _seen_as(kind: str) -> str:
+    """The event kind under which the daemon reports a fault of this chaos kind."""
+    return {"gpu-ecc": "gpu_degraded", "slow-rank": "straggler",
+            "disk-full": "host_alert"}.get(kind, "fault_detected")
+
+
 def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 leader_changes: list[tuple[float, int]]) -> list[dict]:
     out = []
@@ -247,13 +253,16 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
                 rec["culprit"] = f.hit
         else:
-            seen_as = {"gpu-ecc": "gpu_degraded", "slow-rank": "straggler",
-                       "disk-full": "host_alert"}.get(f.kind, "fault_detected")
-            # A detection belongs to this fault if it comes before the next fault struck (a
-            # stall that raised nothing must not take a later hang's detection as its own).
+            # A detection belongs to this fault if it comes before the next fault that would
+            # be seen the same way struck (a stall that raised nothing must not take a later
+            # hang's detection as its own); a fault of another kind meanwhile -- a worker
+            # killed while the disk is full -- leaves the window open.
             until = min((g.fired_at for g in faults if g.fired_at is not None
-                         and g.fired_at > f.fired_at and g.kind != "revive-node"),
+                         and g.fired_at > f.fired_at and g.kind != "revive-node"
+                         and (_seen_as(g.kind) == _seen_as(f.kind)
+                              or (f.kind, g.kind) == ("disk-full", "disk-free"))),
                         default=float("inf"))
+            seen_as = _seen_as(f.kind)
             det = next((e for e in events if e.kind == seen_as
                         and f.fired_at - 0.5 <= e.time < until), None)
             if det is not None:
