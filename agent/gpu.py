@@ -402,9 +402,12 @@ class GpuMonitor:
         return worst(v.state for v in self.verdicts)
 
     def status(self) -> dict:
-        """JSON-able summary for the node status: backend, overall state, per-GPU verdicts."""
+        """JSON-able summary for the node status: backend, overall state, how many GPUs are
+        watched and the verdicts of those that are not healthy (a healthy GPU's entry would
+        be most of the status's bytes at 8 GPUs, rewritten every status period)."""
         return {"backend": self.backend.name, "detail": self.backend.detail,
-                "state": self.state, "gpus": [v.to_dict() for v in self.verdicts]}
+                "state": self.state, "count": len(self.verdicts),
+                "gpus": [v.to_dict() for v in self.verdicts if v.state != HEALTHY]}
 
     def close(self) -> None:
         self.backend.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -45,6 +46,15 @@ log = logging.getLogger("lazarus.agent")
 # write budget (docs/architecture.md, "Write budget") is 0.1 writes/s per node in steady
 # state. Liveness is the lease alone; nothing reads the age of a status as a sign of life.
 STATUS_PERIOD_S = 15.0
+# The agent converges its workers on its assignment (run/status and the round record) this
+# often, and at once when something wakes it ...
+RECONCILE_S = 0.5
+# ... but reads the assignment from etcd only when its watches on run/ and commands/ deliver
+# news, and else this often, in case a watch lost something: a read per reconcile would be
+# 16,000 reads/s on etcd at 4,096 nodes (docs/architecture.md, "Write budget").
+REREAD_S = 10.0
+# A status period is stretched by up to this fraction at random each time (see _init_state).
+PERIOD_JITTER = 0.2
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
 # Ranks whose agent is gone wait one lease TTL and this much for the next one before they
@@ -68,24 +78,17 @@ class Agent:
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
             raise UserError(f"--node {node!r}: a node id is a non-empty name without '/'")
-        self.etcd, self.keys = etcd, keys
-        self.node, self.nproc, self.role, self.host = node, nproc, role, host
-        self.lease_ttl_s = lease_ttl_s
-        self.status_period_s = status_period_s
-        self.workdir = workdir
-        # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
-        # or throughput monitoring here, and no progress reports from the workers.
-        self.monitors = monitors
+        self._init_state(etcd, keys, node=node, nproc=nproc, role=role, host=host,
+                         lease_ttl_s=lease_ttl_s, status_period_s=status_period_s,
+                         workdir=workdir, monitors=monitors,
+                         hangs=HangDetector(hang_config or HangConfig()))
         workdir.mkdir(parents=True, exist_ok=True)
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
         # is resumed first, before the slow start-up below: the node must not lapse meanwhile.
         self._left_path = record_path(workdir, node)
         left = Left.load(self._left_path)
-        self.session: E.Session | None = None
-        self.wake = threading.Event()
         self._resume_lease = left.lease if left is not None else None
-        self._registered = False            # the node record names this process
         if left is not None:
             try:
                 self._new_session()
@@ -103,11 +106,37 @@ class Agent:
         self.stacks_dir = workdir / "stacks" / node
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node,
                                notes_dir=self.stacks_dir, park=park)
+        if left is not None:
+            self._adopt(left)
+        # Listening before the store's slow import: adopted ranks reconnect at once.
+        self.channel = Channel(sock, on_message=self._on_message)
+        import torch.distributed as dist  # the agent hosts a round's store when it is first
+
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+    def _init_state(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
+                    host: str, lease_ttl_s: int, status_period_s: float, workdir: Path,
+                    monitors: bool, hangs: HangDetector) -> None:
+        """Everything the agent decides with, and nothing that is a process, a socket or a
+        device: the fleet simulator (lazarus.sim.fleet) builds its agents with this alone,
+        so that they cannot drift from this one."""
+        self.etcd, self.keys = etcd, keys
+        self.node, self.nproc, self.role, self.host = node, nproc, role, host
+        self.lease_ttl_s = lease_ttl_s
+        self.status_period_s = status_period_s
+        self.workdir = workdir
+        # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
+        # or throughput monitoring here, and no progress reports from the workers.
+        self.monitors = monitors
+        self.session: E.Session | None = None
+        self.wake = threading.Event()
+        self._resume_lease: int | None = None
+        self._registered = False            # the node record names this process
         self._lock = threading.Lock()       # guards the step fields the channel updates
         self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
         self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
         self._job_id = ""                   # job of the round our workers run
-        self.hangs = HangDetector(hang_config or HangConfig())
+        self.hangs = hangs
         self.throughput = ThroughputTracker()
         self._world_size = 1
         self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
@@ -118,15 +147,21 @@ class Agent:
         self._published_state: tuple | None = None
         self._published_step = -1
         self._published_at = 0.0
+        # Each status write waits a period stretched by up to this fraction, at random: a
+        # round starts every agent's period at once, and without it they stay in step and
+        # write in bursts of the whole fleet.
+        self._period_jitter = random.Random(node)
+        self._next_period_s = status_period_s
         self._watches: list[E.Watch] = []
         self.outage = E.OutageLog(etcd, log, "workers keep training")
-        if left is not None:
-            self._adopt(left)
-        # Listening before the store's slow import: adopted ranks reconnect at once.
-        self.channel = Channel(sock, on_message=self._on_message)
-        import torch.distributed as dist  # the agent hosts a round's store when it is first
-
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # The assignment (run/status, the round record) as last read, and news of a change:
+        # read again on news from the watches, else every REREAD_S (see reconcile()).
+        self._assignment: tuple[RunStatus | None, RoundRecord | None] = (None, None)
+        self._news = 1                      # counts watch deliveries ...
+        self._news_read = 0                 # ... up to the one the assignment was read after
+        self._read_at = -REREAD_S
+        self.reads = 0                      # assignment reads so far (the fleet counts them)
+        self._next_reconcile = 0.0
 
     # -- registration ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -319,9 +354,24 @@ class Agent:
             self.channel.broadcast({"type": "checkpoint_requested"})
             log.info("checkpoint requested: passed on to the workers")
 
-    def reconcile(self) -> None:
+    def _on_news(self, _events: object = None) -> None:
+        """A watch on run/ or commands/ delivered (or resynced): read the assignment again."""
+        self._news += 1
+        self.wake.set()
+
+    def assignment(self, now: float) -> tuple[RunStatus | None, RoundRecord | None]:
+        """The assignment, read again when there is news of it or it is REREAD_S old. An
+        event that arrives during the read is news for the next pass, never lost."""
+        if self._news != self._news_read or now - self._read_at >= REREAD_S:
+            news = self._news
+            self._assignment = self._read_assignment()
+            self._news_read, self._read_at = news, now
+            self.reads += 1
+        return self._assignment
+
+    def reconcile(self, now: float | None = None) -> None:
         self.register()
-        status, rec = self._read_assignment()
+        status, rec = self.assignment(time.monotonic() if now is None else now)
         mine = (status is not None and rec is not None and status.state in (RENDEZVOUS, RUNNING)
                 and rec.round == status.round and self.node in rec.members)
         g = self.workers.group
@@ -391,6 +441,29 @@ class Agent:
         log.warning("hang in round %d: %s; stacks in %s", g.round, verdict.reason, saved)
 
     # -- status ------------------------------------------------------------------------------
+    def _workers_state(self, step: int) -> str:
+        g = self.workers.group
+        if g is None:
+            return W_IDLE
+        if g.failed:
+            return W_FAILED
+        if g.succeeded:
+            return W_SUCCEEDED
+        # "running" once a step was reported: a round is joined when training really goes.
+        return W_RUNNING if step > 0 else W_STARTING
+
+    def status_state(self) -> tuple:
+        """What a status write is due for at once when it changes; cheap, asked every pass
+        (the whole status, with its throughput summary, is built only to be written)."""
+        g = self.workers.group
+        with self._lock:
+            step, spikes = self._step["step"], len(self._spikes)
+            long_phase = bool(self._long_phase.get("since"))
+        health = self.health.poll() if self.monitors else {}
+        return (self._workers_state(step), g.round if g else 0,
+                g.failed_rank() if g else None, spikes, health.get("state"),
+                self._hang is not None, long_phase)
+
     def node_status(self) -> NodeStatus:
         g = self.workers.group
         with self._lock:
@@ -398,17 +471,8 @@ class Agent:
             spikes = list(self._spikes)
             throughput = self.throughput.summary()
             long_phase = dict(self._long_phase)
-        if g is None:
-            state = W_IDLE
-        elif g.failed:
-            state = W_FAILED
-        elif g.succeeded:
-            state = W_SUCCEEDED
-        else:
-            # "running" once a step was reported: a round is joined when training really goes.
-            state = W_RUNNING if st["step"] > 0 else W_STARTING
         return NodeStatus(
-            node=self.node, round=g.round if g else 0, workers=state,
+            node=self.node, round=g.round if g else 0, workers=self._workers_state(st["step"]),
             exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
             failed_rank=g.failed_rank() if g else None, step=st["step"], loss=st["loss"],
             step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
@@ -418,25 +482,27 @@ class Agent:
             health=self.health.poll() if self.monitors else {}, hang=self._hang,
             throughput=throughput, long_phase=long_phase)
 
-    def publish(self, *, force: bool = False) -> None:
-        """Write node status on a change of state at once, else at most once a period."""
-        status = self.node_status()
-        state = (status.workers, status.round, status.failed_rank, len(status.spikes),
-                 status.health.get("state"), status.hang is not None,
-                 bool(status.long_phase.get("since")))
+    def publish(self, *, force: bool = False) -> bool:
+        """Write node status on a change of state at once, else at most once a (jittered)
+        period while the step moves. True when it wrote."""
+        state = self.status_state()
         now = time.time()
         if not force and state == self._published_state and (
-                status.step == self._published_step
-                or now - self._published_at < self.status_period_s):
-            return
+                self._step["step"] == self._published_step
+                or now - self._published_at < self._next_period_s):
+            return False
+        status = self.node_status()
         assert self.session is not None
         try:
             self.etcd.put(self.keys.nodestatus_key(self.node), status.to_json(),
                           lease=self.session.lease)
         except E.LeaseLost:
             self.session.mark_lost()  # register() starts a new session on the next pass
-            return
+            return False
         self._published_state, self._published_step, self._published_at = state, status.step, now
+        self._next_period_s = self.status_period_s * (
+            1 + PERIOD_JITTER * self._period_jitter.random())
+        return True
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -451,23 +517,15 @@ class Agent:
                 self.outage.failed(e)
                 stop.wait(1.0)
         self._watches = [
-            self.etcd.watch_prefix(prefix, start_revision=rev + 1,
-                                   on_events=lambda _e: self.wake.set(),
-                                   on_resync=lambda: self.etcd.revision() + 1)
+            self.etcd.watch_prefix(prefix, start_revision=rev + 1, on_events=self._on_news,
+                                   on_resync=self._resync)
             for prefix in (self.keys.root + "run/", self.keys.root + "commands/")]
-        next_reconcile = 0.0
         while not stop.is_set():
             woke = self.wake.wait(0.1)
             self.wake.clear()
             exited = self.workers.poll()
-            now = time.monotonic()
-            if self.monitors:
-                self._check_hang(now)
             try:
-                if woke or exited or now >= next_reconcile:
-                    self.reconcile()
-                    next_reconcile = now + 0.5
-                self.publish(force=exited)
+                self.pass_once(time.monotonic(), woke=woke, exited=bool(exited))
                 self.outage.ok()
             except E.EtcdUnavailable as e:
                 self.outage.failed(e)
@@ -475,6 +533,24 @@ class Agent:
         for w in self._watches:
             w.cancel()
         self.shutdown()
+
+    def _resync(self) -> int:
+        """A watch whose history was compacted away resumes from now; what it missed is
+        read with the assignment."""
+        rev = self.etcd.revision() + 1
+        self._on_news()
+        return rev
+
+    def pass_once(self, now: float, *, woke: bool, exited: bool) -> None:
+        """One pass of the run loop, after the workers were polled (`exited`: one of them
+        exited since the last pass): look for a hang, converge on the assignment on news or
+        every RECONCILE_S, write the status when it is due."""
+        if self.monitors:
+            self._check_hang(now)
+        if woke or exited or now >= self._next_reconcile:
+            self.reconcile(now)
+            self._next_reconcile = now + RECONCILE_S
+        self.publish(force=exited)
 
     def shutdown(self) -> None:
         """Stop. Ranks still training are left running for the next agent of this node (an

@@ -20,8 +20,13 @@ from lazarus.core import etcd as E
 
 log = logging.getLogger("lazarus.daemon")
 
-COMPACT_EVERY_S = 300.0
-KEEP_HISTORY_S = 300.0
+# etcd keeps every revision a write supersedes until a compaction: history = writes/s x the
+# window, and at 4,096 nodes (~270 status writes/s of ~4 KB) five minutes of it is 300+ MB.
+# Every 30 s keeping 60 s holds it to 60-90 s of writes (docs/architecture.md, "Write
+# budget"); a watcher away longer than that re-lists, which is cheap.
+COMPACT_EVERY_S = 30.0
+KEEP_HISTORY_FACTOR = 2.0
+KEEP_HISTORY_S = COMPACT_EVERY_S * KEEP_HISTORY_FACTOR
 
 
 class Compactor:
@@ -30,14 +35,14 @@ class Compactor:
     the highest revision this daemon's watches have delivered."""
 
     def __init__(self, etcd: E.Etcd, *, every_s: float = COMPACT_EVERY_S,
-                 keep_s: float = KEEP_HISTORY_S, consumed: Callable[[], int] | None = None):
+                 keep_s: float | None = None, consumed: Callable[[], int] | None = None):
         self.etcd = etcd
         self.every_s = every_s
-        self.keep_s = keep_s
+        self.keep_s = keep_s if keep_s is not None else every_s * KEEP_HISTORY_FACTOR
         self.consumed = consumed
         self.compacted = 0  # the revision of our last compaction
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic, revision), oldest first
-        self._sample_every_s = max(0.1, keep_s / 10)
+        self._sample_every_s = max(0.1, self.keep_s / 10)
         self._next_sample = 0.0
         self._next_compact = time.monotonic() + every_s
         self._failed_logged = False
@@ -67,7 +72,7 @@ class Compactor:
             return None
         self._failed_logged = False
         self.compacted = target
-        log.info("compacted etcd's history before revision %d (keeping %.0f s of it)", target,
+        log.debug("compacted etcd's history before revision %d (keeping %.0f s of it)", target,
                  self.keep_s)
         return target
 

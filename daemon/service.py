@@ -29,7 +29,7 @@ from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.errors import UserError
 from lazarus.core.records import Keys, writer_id
 from lazarus.daemon import api, executor, telemetry
-from lazarus.daemon.compaction import COMPACT_EVERY_S, KEEP_HISTORY_S, Compactor
+from lazarus.daemon.compaction import COMPACT_EVERY_S, KEEP_HISTORY_FACTOR, Compactor
 from lazarus.daemon.decide import decide
 from lazarus.daemon.etcdhealth import EtcdHealth
 from lazarus.daemon.history import History
@@ -185,8 +185,8 @@ def main(argv: list[str]) -> int:
                         "checkpoints=50,days=7)")
     p.add_argument("--compact-every", type=float, default=COMPACT_EVERY_S, metavar="SECONDS",
                    help="the leader compacts etcd's history this often, keeping the last "
-                        f"{KEEP_HISTORY_S:.0f} s of it; 0: never, when etcd compacts itself "
-                        "(default %(default)s)")
+                        f"{KEEP_HISTORY_FACTOR:g}x that of it; 0: never, when etcd compacts "
+                        "itself (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--api", default="127.0.0.1:7070",
                    help="serve the gRPC API on HOST:PORT (port 0: any free port; 'off': no "

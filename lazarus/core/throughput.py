@@ -205,14 +205,12 @@ class ThroughputTracker:
                 for rank, recs in sorted(self._ranks.items())]
 
     def summary(self) -> dict:
-        """What a node status carries: per rank its window's work times (sorted), step count
-        and throughput; the node's tokens/s and median step time."""
-        ranks = {}
-        for s in self.rank_summaries():
-            st = self.rank_stats(s.rank)
-            ranks[str(s.rank)] = {"work_s": list(s.work_s), "steps": st.steps,
-                                  "tokens_per_s": round(st.tokens_per_s, 1),
-                                  "p50_s": _short(st.p50_s), "p90_s": _short(st.p90_s)}
+        """What a node status carries: per rank its window's work times (sorted) and median
+        step time, which is all the daemon judges with (read_summary); the node's tokens/s
+        and median step time. It is most of a node status's bytes, and etcd keeps each
+        rewrite until a compaction."""
+        ranks = {str(s.rank): {"work_s": list(s.work_s), "p50_s": _short(s.p50_s)}
+                 for s in self.rank_summaries()}
         nodes = list(self.node_stats().values())
         return {"ranks": ranks,
                 "tokens_per_s": round(sum(n.tokens_per_s for n in nodes), 1),

@@ -5,20 +5,22 @@ daemon): each registers its node under a lease of its own, follows the run's rou
 ranks that step, and writes its node status by the agent's own rule. What is simulated is
 only what an agent drives -- processes, sockets, GPUs -- never what it decides:
 
-- `SimAgent` IS a `lazarus.agent.service.Agent`: registration, the node status record, the
-  write rule (a change of state at once, else once a status period while the step moves),
-  following rounds (stop a finished round, launch the current one), the worker channel's
-  step reports and checkpoint commits are the agent's own methods. Only its constructor (a
-  TCPStore, a unix socket, GPU monitors, a lock file: per node, too heavy for thousands in
-  one process) and its etcd reads and lease are replaced.
+- `SimAgent` IS a `lazarus.agent.service.Agent`, built by the agent's own process-free
+  `_init_state` and run by its own `pass_once`: registration, the node status record, the
+  write rule (a change of state at once, else once a jittered status period while the step
+  moves), when to read the assignment (on news, else every REREAD_S), following rounds (stop
+  a finished round, launch the current one), the worker channel's step reports and
+  checkpoint commits are the agent's own methods. Only the per-node parts of its
+  constructor (a TCPStore, a unix socket, GPU monitors, a lock file: too heavy for
+  thousands in one process), its etcd reads and its lease are replaced.
 - Its ranks are `SimRank`s handed out by the agent's own `Workers` (one seam: `_spawn`); they
   take the real assignment line, step on a shared clock once their round's whole world has
   joined, and exit with the codes real ranks use (a crash, PEER_LOST when a peer goes).
 - One etcd client serves the whole fleet (one client per process, lazarus.core.etcd), and
-  what every agent reads before it reconciles (run/status, the round record, the checkpoint
-  request) is read once for all of them -- N agents reading the same keys every half second
-  would measure this machine, not the control plane. That read is the one thing an agent
-  does here that it does not do itself. Node leases are kept alive by a child process
+  what an agent reads when it decides to read (run/status, the round record, the checkpoint
+  request) is read once for all of them by a follower that watches run/ and commands/ as
+  every agent does. Each agent still counts its reads (`Agent.reads`): the read load a fleet
+  of real agents puts on etcd. Node leases are kept alive by a child process
   (lazarus.sim.leasekeeper), in batches on keep-alive streams.
 
 Faults are injected from outside (`crash`, `lose_node`) and timed: the fault, when the
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from lazarus.agent.hang import HangDetector
 from lazarus.agent.health import NodeHealth
-from lazarus.agent.service import STATUS_PERIOD_S, Agent
+from lazarus.agent.service import RECONCILE_S, STATUS_PERIOD_S, Agent
 from lazarus.agent.workers import Workers
 from lazarus.core import etcd as E
 from lazarus.core import exitcodes, settings
@@ -64,8 +66,6 @@ from lazarus.core.throughput import ThroughputTracker
 
 log = logging.getLogger("lazarus.fleet")
 
-# The agent reconciles at least this often even when nothing woke it (lazarus.agent.service).
-RECONCILE_S = 0.5
 # Simulated pids: above any real pid_max, so that nobody mistakes one for a process.
 _FIRST_PID = 1 << 23
 CRASH_EXIT = 1  # what a Python rank dying of an exception exits with
@@ -339,6 +339,10 @@ class RunFollower:
                 outage.failed(e)
                 self._stop.wait(0.5)
                 continue
+            cur = self.current
+            if (got.status, got.round, got.checkpoint_request) == (
+                    cur.status, cur.round, cur.checkpoint_request):
+                continue  # no news: the agents' own REREAD_S reads are theirs to make
             with self.changed:
                 self.current = got
                 self.changed.notify_all()
@@ -390,49 +394,25 @@ class SimAgent(Agent):
     `Agent`'s own code; `tick` is its run loop's pass."""
 
     def __init__(self, fleet: Fleet, *, node: str, role: str):
-        # Agent.__init__ is not called: see the class docstring. Every attribute its methods
-        # use is set here, with the values that constructor gives them.
+        # Agent.__init__ is not called (see the class docstring): its process-free half is,
+        # and the per-node parts are replaced by the fleet's.
         cfg = fleet.config
         self.fleet = fleet
-        self.etcd, self.keys = fleet.etcd, fleet.keys
-        self.node, self.nproc, self.role, self.host = node, cfg.nproc, role, "127.0.0.1"
-        self.lease_ttl_s = cfg.lease_ttl_s
-        self.status_period_s = cfg.status_period_s
-        self.workdir = fleet.scratch
-        self.monitors = True
-        self.session = None
-        self.wake = threading.Event()
-        self._resume_lease = None
-        self._registered = False
+        self._init_state(fleet.etcd, fleet.keys, node=node, nproc=cfg.nproc, role=role,
+                         host="127.0.0.1", lease_ttl_s=cfg.lease_ttl_s,
+                         status_period_s=cfg.status_period_s, workdir=fleet.scratch,
+                         monitors=True, hangs=HangDetector())
+        self.outage = E.OutageLog(self.etcd, log, "the simulated ranks keep training")
         self.health = NodeHealth(gpu_backend="sim", gpus=cfg.nproc, fault_script=None)
         self.stacks_dir = fleet.scratch
         self.workers = SimWorkers(fleet, nproc=cfg.nproc, scratch=fleet.scratch)
-        self._lock = threading.Lock()
-        self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
-        self._spikes = []
-        self._job_id = ""
-        self.hangs = HangDetector()
-        self.throughput = ThroughputTracker()
-        self._world_size = 1
-        self._long_phase = {"since": 0.0, "until": 0.0}
-        self._hang = None
-        self._checkpoint_dir = None
-        self._adopted_round = None
-        self._checkpoint_request = None
-        self._published_state = None
-        self._published_step = -1
-        self._published_at = 0.0
-        self._watches = []
-        self.outage = E.OutageLog(self.etcd, log, "the simulated ranks keep training")
         self.channel = _SimChannel(self)
         self.store = _SimStore(port=fleet.next_port())
         # the simulation's own state
         self.dead = False
         self.checkpoint_requested = False
-        self._assignment: Assignment | None = None
-        self._next_reconcile = 0.0
+        self._seen: Assignment | None = None   # the fleet's read this agent has had news of
         self._fed = (0, 0)          # (round, last step reported to the agent)
-        self._dirty = True          # something the status shows may have changed
 
     # -- what the fleet serves instead of the agent's own etcd reads and session -------------
     def _new_session(self) -> None:
@@ -440,7 +420,9 @@ class SimAgent(Agent):
         self._registered = False
 
     def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
-        a = self._assignment
+        """The agent's read, served from the fleet's (the agent decides when it reads: its
+        count is the read load a fleet of real agents puts on etcd)."""
+        a = self.fleet.follower.current
         self._pass_on_checkpoint_request(a.checkpoint_request)
         return a.status, a.round
 
@@ -449,30 +431,22 @@ class SimAgent(Agent):
 
     # -- the run loop's pass -----------------------------------------------------------------
     def tick(self, now: float, assignment: Assignment) -> None:
-        """What `Agent.run` does each pass: collect exits, reconcile on news (or every
-        RECONCILE_S), write the status by the agent's rule. Steps the ranks first."""
-        group = self.workers.group
-        if assignment is not self._assignment or now >= self._next_reconcile:
-            self._assignment = assignment
-            self.reconcile()
-            self._next_reconcile = now + RECONCILE_S
-            if self.workers.group is not group:
-                self._dirty = True
+        """What `Agent.run` does each pass, with the ranks stepped first and the fleet's
+        watch standing in for the agent's own: news when the fleet read something new."""
+        if assignment is not self._seen:
+            self._seen = assignment
+            self._on_news()
         self._feed_steps(now)
         exited = self.workers.poll()
-        # publish() decides whether to write; asking it only when something it looks at may
-        # have moved keeps thousands of agents cheap (in the simulation nothing else moves
-        # the state it compares: no spikes, hangs, long phases or health changes).
-        if exited or self._dirty or (now - self._published_at >= self.status_period_s
-                                     and self._step["step"] != self._published_step):
-            self._dirty = False
-            self.publish(force=exited)
+        self.pass_once(time.monotonic(), woke=self.wake.is_set(), exited=bool(exited))
+        self.wake.clear()
 
-    def publish(self, *, force: bool = False) -> None:
-        before, started = self._published_at, time.time()
-        super().publish(force=force)
-        if self._published_at != before:
+    def publish(self, *, force: bool = False) -> bool:
+        started = time.time()
+        wrote = super().publish(force=force)
+        if wrote:
             self.fleet.status_written(self, started)
+        return wrote
 
     def _feed_steps(self, now: float) -> None:
         """Report the steps the round's world finished since the last pass, as each rank's
@@ -495,8 +469,6 @@ class SimAgent(Agent):
         if last <= fed:
             self._fed = (g.round, fed)
             return
-        if fed < world.first_step and last >= world.first_step:
-            self._dirty = True  # starting -> running
         alive = [(lr, p) for lr, p in g.procs.items() if p.returncode is None]
         for step in range(max(fed + 1, last - cfg.window + 1), last + 1):
             for lr, proc in alive:

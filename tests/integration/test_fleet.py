@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from lazarus.agent.service import REREAD_S
 from lazarus.core.records import (
     ROLE_SPARE,
     RUNNING,
@@ -55,6 +56,14 @@ def test_a_simulated_fleet_trains_and_recovers_under_the_real_daemon(tmp_path):
         for node in st.members:
             assert statuses[node].round == 1 and statuses[node].workers == W_RUNNING
             assert len(statuses[node].pids) == NPROC
+
+        # an agent reads its assignment on news from its watches, else every REREAD_S -- not
+        # on each of its reconciles (twice a second: 16,000 reads/s at 4,096 nodes)
+        reads0, t0 = sum(a.reads for a in fleet.agents.values()), time.monotonic()
+        time.sleep(5)
+        per_agent_s = ((sum(a.reads for a in fleet.agents.values()) - reads0)
+                       / (NODES + SPARES) / (time.monotonic() - t0))
+        assert per_agent_s <= 1 / REREAD_S + 0.2, per_agent_s
 
         # global rank 0's agent commits checkpoints, fenced on the round
         ckpt = _until(lambda: [CheckpointRecord.from_json(kv.value) for kv in

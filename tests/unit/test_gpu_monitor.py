@@ -114,7 +114,11 @@ def test_simulated_xid_fires_at_its_time_and_the_gpu_stays_failed(tmp_path):
     clock.t += 10  # no new event, but a GPU that threw Xid 79 does not heal
     assert states(monitor) == [HEALTHY, FAILED]
     assert monitor.state == FAILED
-    assert monitor.status()["gpus"][1]["reasons"] == ["Xid 79: GPU fell off the bus"]
+    # the node status names the failed GPU alone, and how many it watches
+    status = monitor.status()
+    assert status["count"] == 2
+    assert [(g["index"], g["reasons"]) for g in status["gpus"]] == [
+        (1, ["Xid 79: GPU fell off the bus"])]
 
 
 def test_simulated_rising_correctable_ecc_degrades(tmp_path):
