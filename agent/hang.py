@@ -8,7 +8,9 @@ own hang, but its last record says where it stopped.
 A rank hangs when it has made no progress for max(k x median step time, floor). Three cases
 must not fire, and each gets its own, longer allowance:
   - the first steps of a round (no median yet; compile and warm-up make them slow),
-  - a checkpoint phase, and an eval phase (long by design, once in a while),
+  - a checkpoint phase, and an eval phase (long by design, once in a while): k x the median
+    duration of that phase so far, within [long_floor_s, long_cap_s] -- the cap before the
+    first one is seen. Durations are kept across rounds: a save costs what it cost before,
   - peers of a rank in such a phase: they wait in a collective for it.
 
 The culprit is the rank furthest behind in the program: ordered by (step, collectives issued,
@@ -28,6 +30,10 @@ from lazarus.core.contract import LONG_PHASES, HangVerdict, Position, Progress
 from lazarus.core.culprits import name_culprits
 
 
+LONG_FLOOR_S = 30.0
+LONG_CAP_S = 600.0
+
+
 @dataclass(kw_only=True, slots=True)
 class HangConfig:
     """`k` x median step time, at least `floor_s`, is the allowance of a normal step. Too
@@ -36,8 +42,11 @@ class HangConfig:
     floor_s: float = 10.0
     # Before `min_samples` step times are known (the first steps of every round).
     first_step_timeout_s: float = 300.0
-    checkpoint_timeout_s: float = 600.0
-    eval_timeout_s: float = 600.0
+    # A checkpoint or eval phase: k x its median duration, never under the floor (a save's
+    # time varies with the storage's load) nor over the cap; the cap until one was seen.
+    long_k: float = 4.0
+    long_floor_s: float = LONG_FLOOR_S
+    long_cap_s: float = LONG_CAP_S
     # Completed steps per rank left out of the median: the first one compiles and warms up.
     warmup_steps: int = 1
     min_samples: int = 2
@@ -66,8 +75,13 @@ class HangDetector:
         self.config = config or HangConfig()
         self._ranks: dict[int, _Rank] = {}
         self._step_times: deque[float] = deque(maxlen=self.config.window)
+        # phase -> durations of its completed passes (one per rank and pass)
+        self._long_times: dict[str, deque[float]] = {
+            p: deque(maxlen=self.config.window) for p in LONG_PHASES}
 
     def reset(self) -> None:
+        """A new round: its ranks and step times start afresh; a checkpoint or eval costs
+        what it did."""
         self._ranks.clear()
         self._step_times.clear()
 
@@ -81,6 +95,9 @@ class HangDetector:
             self._ranks[rank] = _Rank(progress=progress, step_start=progress.since,
                                       long_phase=progress.phase in LONG_PHASES)
             return
+        left = st.progress.phase
+        if left in LONG_PHASES and (progress.phase != left or progress.step != st.progress.step):
+            self._long_times[left].append(progress.since - st.progress.since)
         if progress.step != st.progress.step:
             if progress.step == st.progress.step + 1:
                 st.completed += 1
@@ -104,12 +121,18 @@ class HangDetector:
             return None
         return statistics.median(self._step_times)
 
+    def long_allowance(self, phase: str) -> float:
+        """How long a rank may stay in a checkpoint or eval phase now."""
+        c = self.config
+        times = self._long_times.get(phase)
+        if not times:
+            return c.long_cap_s
+        return min(c.long_cap_s, max(c.long_floor_s, c.long_k * statistics.median(times)))
+
     def _allowance(self, phase: str) -> float:
         c = self.config
-        if phase == "checkpoint":
-            return c.checkpoint_timeout_s
-        if phase == "eval":
-            return c.eval_timeout_s
+        if phase in LONG_PHASES:
+            return self.long_allowance(phase)
         median = self.median_step_s
         return c.first_step_timeout_s if median is None else max(c.k * median, c.floor_s)
 

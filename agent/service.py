@@ -12,6 +12,7 @@ is away. Checkpoint commits need etcd (they are fenced on the round), so none co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -31,12 +32,13 @@ from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, 
 from lazarus.agent.adopt import (Left, LeftRank, NodeLock, adopt, forget, record_path,
                                  start_time)
 from lazarus.agent.channel import Channel
-from lazarus.agent.hang import HangConfig, HangDetector
+from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Progress,
                                    WorkerAssignment)
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
-from lazarus.agent.stacks import capture
+from lazarus.agent import frozen
+from lazarus.agent.stacks import capture, dumpable
 from lazarus.agent.workers import Workers
 
 log = logging.getLogger("lazarus.agent")
@@ -263,8 +265,11 @@ class Agent:
         published at once, because the daemon holds other nodes' hang reports meanwhile."""
         since = self.hangs.long_phase_since()
         if since is not None and not self._long_phase["since"]:
+            # with the allowance its ranks get there: the daemon holds peers' reports no
+            # longer than that (lazarus.daemon.decide._peer_in_long_phase)
             self._long_phase = {"since": time.time() - (time.monotonic() - since),
-                                "until": self._long_phase["until"]}
+                                "until": self._long_phase["until"],
+                                "allowance_s": round(self.hangs.timeout_s(), 1)}
             self.wake.set()
         elif since is None and self._long_phase["since"]:
             self._long_phase = {"since": 0.0, "until": time.time()}
@@ -431,12 +436,24 @@ class Agent:
             return
         if verdict is None:
             return
-        dump = capture(g.pids(), self.stacks_dir, timeout_s=3.0)
+        pids = g.pids()
+        asked = dumpable(pids, self.stacks_dir)
+        before = frozen.samples(pids)
+        dump = capture(pids, self.stacks_dir, timeout_s=3.0)
+        after = frozen.samples(pids)
+        stuck = frozen.frozen({g.ranks[lr]: p.pid for lr, p in g.procs.items()
+                               if lr in g.ranks}, before, after, dump, asked)
+        if stuck:
+            verdict = dataclasses.replace(
+                verdict, culprits=tuple(sorted(stuck)), frozen=stuck,
+                reason=f"{verdict.reason.partition(': ')[0]}: " + "; ".join(
+                    f"rank {r} is frozen ({why})" for r, why in sorted(stuck.items())))
         saved = self.workdir / "hangs" / f"round{g.round}-{self.node}.txt"
         saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text("".join(f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
-                                 f"{dump.get(p.pid, '(no stack: the process did not answer)')}\n"
-                                 for lr, p in sorted(g.procs.items())))
+        saved.write_text("".join(
+            f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
+            f"{dump.get(p.pid, _silent(p.pid, after, stuck.get(g.ranks.get(lr))))}\n"
+            for lr, p in sorted(g.procs.items())))
         self._hang = {**verdict.to_dict(), "stacks": str(saved), "at": time.time()}
         log.warning("hang in round %d: %s; stacks in %s", g.round, verdict.reason, saved)
 
@@ -623,6 +640,15 @@ class Agent:
                           "tokens_per_s": old.tokens_per_s, "window": old.window}
 
 
+def _silent(pid: int, after: dict, why: str | None) -> str:
+    """What the stacks file says of a rank that gave no stack."""
+    if why:
+        return f"(no stack: the process is frozen -- {why})"
+    state = after.get(pid)
+    return (f"(no stack: the process did not answer; state {state.state or 'gone'})"
+            if state is not None else "(no stack: the process did not answer)")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus agent", description=__doc__.splitlines()[0])
     settings.add_etcd_args(p, lease_ttl=settings.LEASE_TTL_S, lease_help="node lease TTL in seconds")
@@ -640,6 +666,9 @@ def main(argv: list[str]) -> int:
                    help="a rank hangs after k x the median step time without progress")
     p.add_argument("--hang-floor", type=float, default=10.0,
                    help="... and never before this many seconds")
+    p.add_argument("--long-phase-floor", type=float, default=LONG_FLOOR_S,
+                   help="a checkpoint or eval phase hangs after %(default)s s or 4x its "
+                        "median duration so far, whichever is longer (at most 600 s)")
     p.add_argument("--gpu-faults", type=Path, default=None,
                    help="fault script of the simulated GPU backend (default: "
                         "WORKDIR/NODE.gpu-faults.json; `lazarus chaos gpu-xid` writes it)")
@@ -664,6 +693,9 @@ def main(argv: list[str]) -> int:
     settings.check_lease_ttl(args.lease_ttl)
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
+    if not 0 < args.long_phase_floor <= LONG_CAP_S:
+        raise UserError(f"--long-phase-floor must be above 0 and at most {LONG_CAP_S:.0f} s, "
+                        f"got {args.long_phase_floor}")
     host_limits = _host_limits(args)
     etcd = E.Etcd(args.etcd)
     stop = threading.Event()
@@ -673,7 +705,8 @@ def main(argv: list[str]) -> int:
                   workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
                   park=not args.no_park, gpu_backend=args.gpu_backend,
                   gpu_faults=args.gpu_faults,
-                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor),
+                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
+                                         long_floor_s=args.long_phase_floor),
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period)
     try:

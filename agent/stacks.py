@@ -44,6 +44,12 @@ def handles_sigusr1(pid: int) -> bool:
     return False
 
 
+def dumpable(pids: list[int], dump_dir: str | Path) -> list[int]:
+    """The pids among `pids` that answer SIGUSR1 with a dump: `capture` asks only those, and
+    one of them that stays silent is not running (lazarus.agent.frozen)."""
+    return [pid for pid in pids if dump_path(dump_dir, pid).exists() and handles_sigusr1(pid)]
+
+
 def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> dict[int, str]:
     """Agent side: the stacks of each worker in `pids` that has dumps enabled (pid -> text).
 
@@ -52,11 +58,8 @@ def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> di
     uninterruptible sleep) is left out rather than holding up the recovery.
     """
     offsets = {}
-    for pid in pids:
-        path = dump_path(dump_dir, pid)
-        if not path.exists() or not handles_sigusr1(pid):
-            continue
-        offsets[pid] = path.stat().st_size
+    for pid in dumpable(pids, dump_dir):
+        offsets[pid] = dump_path(dump_dir, pid).stat().st_size
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:

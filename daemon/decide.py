@@ -143,12 +143,15 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
             continue  # a report we cannot read is no evidence either way
     if not reports:
         return None
-    busy = _peer_in_long_phase(now, view, st, set(reports), min(started))
+    # A frozen rank (stopped, stuck in the kernel: lazarus.agent.frozen) is the cause
+    # whatever its peers do: nothing to hold for or to wait for.
+    frozen = any(v.frozen for v in reports.values())
+    busy = None if frozen else _peer_in_long_phase(now, view, st, set(reports), min(started))
     if busy is not None:
         return Decision([], f"hang reported by {', '.join(sorted(reports))}, but {busy}: "
                             "its peers wait for it; holding the report")
     first_report = min(float(view.node_status[n].hang["at"]) for n in reports)
-    if len(reports) < len(st.members) and now - first_report < HANG_REPORT_WAIT_S:
+    if not frozen and len(reports) < len(st.members) and now - first_report < HANG_REPORT_WAIT_S:
         return Decision([], f"hang reported by {', '.join(reports)}; waiting for the others")
     verdict = combine(reports)
     culprits = list(verdict.culprit_nodes) or sorted(reports)
@@ -171,17 +174,22 @@ def _peer_in_long_phase(now: float, view: ClusterView, st: RunStatus, reporting:
             continue
         lp = ns.long_phase if isinstance(ns.long_phase, dict) else {}
         since, until = _wall_time(lp.get("since"), now), _wall_time(lp.get("until"), now)
-        # Past the agents' own allowance for a long phase, its agent reports that rank.
-        if since is not None and now - since < LONG_PHASE_LIMIT_S:
+        # Past the agent's own allowance for the phase (it says which), its agent reports
+        # that rank: hold no longer.
+        allowance = lp.get("allowance_s")
+        limit = (min(float(allowance), LONG_PHASE_LIMIT_S)
+                 if isinstance(allowance, (int, float)) and not isinstance(allowance, bool)
+                 and allowance > 0 else LONG_PHASE_LIMIT_S)
+        if since is not None and now - since < limit + HANG_REPORT_WAIT_S:
             return f"{node} is in a checkpoint or an eval"
         if until is not None and until > stall_began and now - until < HANG_REPORT_WAIT_S:
             return f"{node} just left a checkpoint or an eval"
     return None
 
 
-# An agent reports a rank that stays in a checkpoint or eval longer than this
-# (lazarus.agent.hang.HangConfig's default allowances), so no hold lasts longer.
-LONG_PHASE_LIMIT_S = 600.0 + HANG_REPORT_WAIT_S
+# An agent reports a rank that stays in a checkpoint or eval longer than its allowance, at
+# most this (lazarus.agent.hang.HangConfig.long_cap_s), so no hold lasts longer.
+LONG_PHASE_LIMIT_S = 600.0
 
 
 def _wall_time(value, now: float) -> float | None:

@@ -147,16 +147,22 @@ class HangVerdict:
     stalled_s: float                 # longest time without progress among the ranks
     timeout_s: float                 # the allowance that ran out
     positions: dict[int, Position] = field(default_factory=dict)  # every rank observed
+    # Ranks whose process is not running (stopped, stuck in the kernel, silent to the stack
+    # dump: lazarus.agent.frozen) -> why. They are the culprits, whatever the positions say.
+    frozen: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"culprits": list(self.culprits), "reason": self.reason,
                 "stalled_s": self.stalled_s, "timeout_s": self.timeout_s,
                 "positions": {str(r): {"step": p.step, "phase": p.phase, "seq": p.seq,
                                        "stalled_s": p.stalled_s, "op": p.op}
-                              for r, p in self.positions.items()}}
+                              for r, p in self.positions.items()},
+                "frozen": {str(r): why for r, why in self.frozen.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> HangVerdict:
+        frozen = d.get("frozen") or {}
         return cls(culprits=tuple(int(r) for r in d["culprits"]), reason=str(d["reason"]),
                    stalled_s=float(d["stalled_s"]), timeout_s=float(d["timeout_s"]),
-                   positions={int(r): Position(**p) for r, p in d["positions"].items()})
+                   positions={int(r): Position(**p) for r, p in d["positions"].items()},
+                   frozen={int(r): str(why) for r, why in frozen.items()})

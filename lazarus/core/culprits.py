@@ -52,10 +52,22 @@ def combine(verdicts: Mapping[str, HangVerdict]) -> ClusterHang:
     assert verdicts, "combine needs at least one report"
     positions: dict[int, Position] = {}
     node_of: dict[int, str] = {}
+    frozen: dict[int, str] = {}
     for node, verdict in verdicts.items():
         for rank, pos in verdict.positions.items():
             positions[rank] = pos
             node_of[rank] = node
+        for rank, why in verdict.frozen.items():
+            frozen[rank] = why
+            node_of[rank] = node
+    if frozen:
+        # A process that does not run is the cause, wherever the others stopped: they wait
+        # for it (and a rank frozen mid-collective sits level with them).
+        ranks = tuple(sorted(frozen))
+        nodes = tuple(sorted({node_of[r] for r in ranks}))
+        return ClusterHang(culprit_ranks=ranks, culprit_nodes=nodes, reason=(
+            f"node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: " + "; ".join(
+                f"rank {r} is frozen ({frozen[r]})" for r in ranks)))
     culprits, reason = name_culprits(positions)
     nodes = tuple(sorted({node_of[r] for r in culprits}))
     if culprits:

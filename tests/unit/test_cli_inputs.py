@@ -101,6 +101,7 @@ def test_record_round_trip():
     (["daemon", "--retention", "events=0"], "--retention events must be at least 1"),
     (["daemon", "--retention", "weeks=2"], "--retention: unknown kind 'weeks'"),
     (["agent", "--status-period", "0"], "--status-period must be positive"),
+    (["agent", "--long-phase-floor", "0"], "--long-phase-floor must be above 0 and at most"),
 ])
 def test_bad_command_lines(args, expect, tmp_path):
     if args[0] == "up":

@@ -369,6 +369,20 @@ def test_a_checkpoint_that_cannot_be_restored_is_marked_bad_and_an_older_one_use
     assert rec.restore_step == 5
 
 
+def test_a_frozen_rank_is_acted_on_at_once_and_named_alone():
+    # b's rank is stopped inside a save: b's agent says so; a's rank waits for it. Neither
+    # b's checkpoint phase nor a missing report holds the decision.
+    a = ns("a", "running", step=21, hang=_hang_report(NOW - 1, {0: (21, "checkpoint", 114)}))
+    frozen = {**_hang_report(NOW, {1: (21, "checkpoint", 114)}),
+              "frozen": {"1": "stopped (SIGSTOP or a debugger)"}}
+    b = ns("b", "running", step=21, hang=frozen,
+           long_phase={"since": NOW - 20, "until": 0.0, "allowance_s": 600.0})
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+    incident = only(d.actions, SetStatus).status.incident
+    assert (incident["kind"], incident["culprit"]) == ("hang", "b"), d.reason
+    assert "rank 1 is frozen" in d.reason
+
+
 def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
     # n0's rank waits in forward for n1's rank, which is still saving a checkpoint (slow
     # storage): no hang, however long n0's allowance was.
@@ -387,6 +401,16 @@ def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
     b = ns("b", "running", step=20, long_phase={"since": 0.0, "until": NOW - 30})
     d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
     assert only(d.actions, SetStatus).status.incident["kind"] == "hang"
+
+    # A peer in a save past the allowance its agent gives it holds nothing: that agent
+    # reports its own rank then (the allowance adapts to the saves seen; 600 s at most).
+    b = ns("b", "running", step=20, long_phase={"since": NOW - 20, "until": 0.0,
+                                                "allowance_s": 12.0})
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
+    assert only(d.actions, SetStatus).status.incident["kind"] == "hang"
+    b = ns("b", "running", step=20, long_phase={"since": NOW - 20, "until": 0.0,
+                                                "allowance_s": 30.0})
+    assert decide(NOW, view(status=status(RUNNING), node_status=[a, b])).actions == []
 
     # Garbage in a silent peer's record holds nothing.
     for junk in ({"since": True}, {"since": 1e308}, {"since": "x", "until": [1]}):

@@ -143,7 +143,7 @@ def test_warmup_step_is_left_out_of_the_median():
 
 
 def test_long_checkpoint_step_is_quiet_and_a_hang_after_it_is_still_caught_fast():
-    det = HangDetector(HangConfig(k=3, floor_s=1, checkpoint_timeout_s=600))
+    det = HangDetector(HangConfig(k=3, floor_s=1, long_cap_s=600))
     run = Run(det)
     run.steps(5, step_s=1.0)
     # Rank 0 writes the checkpoint for 100 s while the others wait for it in a collective.
@@ -161,17 +161,37 @@ def test_long_checkpoint_step_is_quiet_and_a_hang_after_it_is_still_caught_fast(
 
 
 def test_checkpoint_that_never_ends_is_a_hang():
-    det = HangDetector(HangConfig(k=3, floor_s=1, checkpoint_timeout_s=60))
+    det = HangDetector(HangConfig(k=3, floor_s=1, long_cap_s=60))
     run = Run(det)
     run.steps(5)
     for r in RANKS:
         run.at(r, "checkpoint", run.t)
-    assert run.check(run.t + 59) is None
+    assert run.check(run.t + 59) is None      # the first save of all: the cap
     assert run.check(run.t + 61).timeout_s == 60
 
 
+def test_checkpoint_allowance_adapts_to_the_saves_seen_and_outlives_the_round():
+    det = HangDetector(HangConfig(k=3, floor_s=1, long_k=4, long_floor_s=5, long_cap_s=600))
+    run = Run(det)
+    run.steps(3)
+    for save_s in (2.0, 2.5, 3.0):             # three saves of 2-3 s
+        run.steps(1, extra=("checkpoint", save_s))
+    run.steps(1)                               # the last save ends with the next step
+    assert det.long_allowance("checkpoint") == pytest.approx(4 * 2.5)
+    assert det.long_allowance("eval") == 600   # no eval seen yet
+    det.reset()                                # a new round: a save still costs that much
+    assert det.long_allowance("checkpoint") == pytest.approx(10.0)
+    run = Run(det)
+    run.steps(3)
+    for r in RANKS:
+        run.at(r, "checkpoint", run.t)
+    assert run.check(run.t + 9) is None
+    verdict = run.check(run.t + 11)            # a save 4x the usual: not a slow disk any more
+    assert verdict is not None and verdict.timeout_s == pytest.approx(10.0)
+
+
 def test_eval_is_quiet():
-    det = HangDetector(HangConfig(k=3, floor_s=1, eval_timeout_s=600))
+    det = HangDetector(HangConfig(k=3, floor_s=1, long_cap_s=600))
     run = Run(det)
     run.steps(5)
     run.steps(8, step_s=1.0, extra=("eval", 200.0))
