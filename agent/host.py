@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,15 @@ import psutil
 from lazarus.agent.gpu import DEGRADED, FAILED, HEALTHY
 
 GiB = 1 << 30
+
+# Hysteresis (docs/architecture.md, "Failure classes"): a free-space or memory level, once
+# crossed, clears only this far on the other side of it -- free space at a threshold would
+# otherwise raise and clear an alert with every save and every cleanup ...
+CLEAR_MARGIN = 0.10          # of a free-space threshold
+CLEAR_MEMORY = 0.02          # of the memory share
+# ... and a new state (worse or better) is reported only once it has lasted this long: one
+# odd sample is no alert, and no all-clear either.
+HOLD_S = 3.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +66,9 @@ class HostVerdict:
     # fault is not: draining needs a checkpoint the storage cannot take, and checkpoint
     # storage is usually shared, so the spare would meet the same fault.
     swap: bool = False
+    # The levels crossed ("space_failed", "space_low", "memory_failed", "memory_high"): they
+    # clear at the farther level next time (hysteresis). Not published.
+    conditions: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict:
         return {"state": self.state, "reasons": list(self.reasons), "swap": self.swap}
@@ -132,10 +145,13 @@ def _gib(n: int) -> str:
 
 
 def assess_host(previous: HostSample | None, sample: HostSample,
-                config: HostConfig, *, existed: bool = False) -> HostVerdict:
-    """`existed`: the checkpoint dir was there at some earlier sample (HostMonitor keeps it)."""
+                config: HostConfig, *, existed: bool = False,
+                held: frozenset[str] = frozenset()) -> HostVerdict:
+    """`existed`: the checkpoint dir was there at some earlier sample (HostMonitor keeps it).
+    `held`: the conditions of the verdict reported now, each judged at its clearing level."""
     failed: list[str] = []
     degraded: list[str] = []
+    conditions: set[str] = set()
     s = sample
     if s.write_error:
         failed.append(f"checkpoint dir {s.checkpoint_dir} is not writable ({s.write_error})")
@@ -144,17 +160,23 @@ def assess_host(previous: HostSample | None, sample: HostSample,
     if s.free_bytes is not None:
         need = max(config.min_free_bytes, config.checkpoint_bytes)
         want = max(config.low_free_bytes, 2 * config.checkpoint_bytes)
-        if s.free_bytes < need:
+        if s.free_bytes < need * (1 + CLEAR_MARGIN if "space_failed" in held else 1):
+            conditions.add("space_failed")
             failed.append(f"checkpoint dir has {_gib(s.free_bytes)} free, needs {_gib(need)}")
-        elif s.free_bytes < want:
+        elif s.free_bytes < want * (1 + CLEAR_MARGIN if held & {"space_failed", "space_low"}
+                                    else 1):
+            conditions.add("space_low")
             degraded.append(f"checkpoint dir has {_gib(s.free_bytes)} free "
                             f"(below {_gib(want)})")
     failed.extend(f"required mount {m} is not mounted" for m in s.missing_mounts)
     storage_failed = bool(failed)
-    if s.memory_used >= config.memory_failed:
+    if s.memory_used >= config.memory_failed - (CLEAR_MEMORY if "memory_failed" in held else 0):
+        conditions.add("memory_failed")
         failed.append(f"memory {s.memory_used:.0%} in use "
                       f"({_gib(s.memory_available_bytes)} available)")
-    elif s.memory_used >= config.memory_degraded:
+    elif s.memory_used >= config.memory_degraded - (
+            CLEAR_MEMORY if held & {"memory_failed", "memory_high"} else 0):
+        conditions.add("memory_high")
         degraded.append(f"memory {s.memory_used:.0%} in use")
     if (previous is not None and previous.io_errors is not None and s.io_errors is not None
             and s.io_errors > previous.io_errors):
@@ -162,19 +184,32 @@ def assess_host(previous: HostSample | None, sample: HostSample,
                         "checkpoint device")
     state = FAILED if failed else DEGRADED if degraded else HEALTHY
     return HostVerdict(state=state, reasons=tuple(failed + degraded),
-                       swap=state == FAILED and not storage_failed)
+                       swap=state == FAILED and not storage_failed,
+                       conditions=frozenset(conditions))
 
 
 @dataclass(slots=True)
 class HostMonitor:
+    """Polled by the agent (about once a second). `verdict` is what it reports: a new state
+    only once it has lasted `hold_s` (HOLD_S)."""
     config: HostConfig
     previous: HostSample | None = None
     verdict: HostVerdict = field(default_factory=lambda: HostVerdict(state=HEALTHY))
     existed: bool = False   # the checkpoint dir was seen: missing from then on is a failure
+    hold_s: float = HOLD_S
+    pending: tuple[str, float] | None = None   # (a new state seen, since when)
 
-    def poll(self) -> HostVerdict:
+    def poll(self, now: float | None = None) -> HostVerdict:
+        now = time.monotonic() if now is None else now
         sample = sample_host(self.config)
-        self.verdict = assess_host(self.previous, sample, self.config, existed=self.existed)
+        seen = assess_host(self.previous, sample, self.config, existed=self.existed,
+                           held=self.verdict.conditions)
         self.existed |= sample.exists
         self.previous = sample
+        if seen.state == self.verdict.state:
+            self.verdict, self.pending = seen, None   # same state: its reasons as they are now
+        elif self.pending is None or self.pending[0] != seen.state:
+            self.pending = (seen.state, now)
+        if self.pending is not None and now - self.pending[1] >= self.hold_s:
+            self.verdict, self.pending = seen, None
         return self.verdict

@@ -57,7 +57,7 @@ def test_checkpoint_dir_that_cannot_be_created_or_disappears_fails(tmp_path):
     assert verdict.state == FAILED
     assert "does not exist and" in verdict.reasons[0]
     (tmp_path / "ck").mkdir()
-    monitor = HostMonitor(config(tmp_path / "ck"))
+    monitor = HostMonitor(config(tmp_path / "ck"), hold_s=0)
     assert monitor.poll().state == HEALTHY
     (tmp_path / "ck").rmdir()
     for _ in range(2):   # not one blip: failed for as long as it is gone
@@ -136,3 +136,30 @@ def test_read_only_filesystem_fails_the_write_probe(tmp_path):
     verdict = _in_user_namespace(tmp_path, "ro")
     assert verdict["state"] == FAILED
     assert "is not writable (EROFS: Read-only file system)" in verdict["reasons"][0]
+
+
+def test_free_space_alerts_have_hysteresis_and_a_minimum_duration(tmp_path):
+    """Free space hovering at the threshold raises one alert, not one per sample: the alert
+    is reported once it lasted HOLD_S, and clears only 10% above the threshold, once that
+    lasted HOLD_S too. The disk is the real one; the threshold moves around its free space."""
+    free = psutil.disk_usage(str(tmp_path)).free
+    c = config(tmp_path, min_free_bytes=int(free * 1.05))   # 5% short of the floor
+    monitor = HostMonitor(c, hold_s=3.0)
+    t = 1000.0
+    assert monitor.poll(t).state == HEALTHY                # seen, not reported yet
+    assert monitor.poll(t + 2.9).state == HEALTHY
+    verdict = monitor.poll(t + 3.0)
+    assert verdict.state == FAILED and "free, needs" in verdict.reasons[0]
+    # back just above the floor (within 10% of it): still failed, however long
+    c.min_free_bytes = int(free * 0.95)
+    assert [monitor.poll(t + 3 + i).state for i in range(1, 10)] == [FAILED] * 9
+    # well above it: healthy once that lasted HOLD_S
+    c.min_free_bytes = int(free * 0.85)
+    assert monitor.poll(t + 20).state == FAILED
+    assert monitor.poll(t + 22).state == FAILED
+    assert monitor.poll(t + 23).state == HEALTHY
+    # a single bad sample is no alert
+    c.min_free_bytes = int(free * 1.05)
+    assert monitor.poll(t + 30).state == HEALTHY
+    c.min_free_bytes = int(free * 0.5)
+    assert [monitor.poll(t + 30 + i).state for i in range(1, 6)] == [HEALTHY] * 5
