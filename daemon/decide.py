@@ -202,8 +202,12 @@ def _wall_time(value, now: float) -> float | None:
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     lost = _lost(view, st)
     if lost:
+        # Its agent was last heard of (a lease renewal) one TTL before the lease ran out: the
+        # fault's time as well as anybody knows it, so that "detected after" means the same
+        # for every kind of fault -- fault to detection (docs/architecture.md).
+        ttl = max(view.departed_ttl.get(n) or settings.LEASE_TTL_S for n in lost)
         return _to_recovering(now, st, "node_lost", lost,
-                              f"node(s) {', '.join(lost)} lost (agent lease expired)", now)
+                              f"node(s) {', '.join(lost)} lost (agent lease expired)", now - ttl)
     sick = {n: health_of(view, n, "gpu") for n in st.members}
     sick = {n: why for n, (state, why) in sick.items() if state == H_FAILED}
     if sick:

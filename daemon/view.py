@@ -35,6 +35,9 @@ class ClusterView:
     round: RoundRecord | None = None        # the record of status.round
     last_round: int = 0                     # highest round number ever written
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    # The lease TTL of each node whose registration went away (the lease ran out or was
+    # revoked): a lost node's fault is dated one TTL before its loss is seen.
+    departed_ttl: dict[str, int] = field(default_factory=dict)
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     cordoned: set[str] = field(default_factory=set)
@@ -88,6 +91,7 @@ class ViewBuilder:
         self._entries: dict[str, _Entry] = {}
         self._one: dict[str, object] = {}   # kind -> payload of the singleton keys
         self._nodes: dict[str, NodeRecord] = {}
+        self._departed_ttl: dict[str, int] = {}
         self._node_status: dict[str, NodeStatus] = {}
         self._drains: dict[str, int] = {}
         self._cordoned: set[str] = set()
@@ -175,6 +179,7 @@ class ViewBuilder:
             self._node_status[self._name(key, kind)] = payload
         elif kind == "node":
             self._nodes[self._name(key, kind)] = payload
+            self._departed_ttl.pop(payload.node, None)
         elif kind == "event":
             self._events[key] = payload
             self._derived.pop("events", None)
@@ -200,7 +205,8 @@ class ViewBuilder:
         if kind == "nodestatus":
             del self._node_status[self._name(key, kind)]
         elif kind == "node":
-            del self._nodes[self._name(key, kind)]
+            gone = self._nodes.pop(self._name(key, kind))
+            self._departed_ttl[self._name(key, kind)] = gone.lease_ttl_s
         elif kind == "event":
             del self._events[key]
             self._derived.pop("events", None)
@@ -235,7 +241,8 @@ class ViewBuilder:
             status=status, status_mod_revision=status_rev, status_garbled=garbled is not None,
             latest_round=rounds.get(last_round), last_round=last_round,
             round=rounds.get(status.round) if status is not None else None,
-            nodes=dict(self._nodes), node_status=dict(self._node_status),
+            nodes=dict(self._nodes), departed_ttl=dict(self._departed_ttl),
+            node_status=dict(self._node_status),
             checkpoints=list(checkpoints), cordoned=set(self._cordoned),
             checkpoint_revision=dict(checkpoint_revision), drains=dict(self._drains),
             pause_revision=one.get("pause"), cancel_requested="cancel" in one,

@@ -833,7 +833,8 @@ def describe(faults: Iterable[Fault]) -> str:
     lines = []
     for f in faults:
         seen = f"seen +{f.seen_at - f.at:.2f} s" if f.seen_at else "not seen"
-        done = (f"round {f.new_round} committed +{f.total_s:.2f} s "
-                f"(decision {f.decision_s:.3f} s)" if f.committed_at else "no new round")
+        decision = "-" if f.decision_s is None else f"{f.decision_s:.3f} s"
+        done = (f"round {f.new_round} committed +{f.total_s:.2f} s (decision {decision})"
+                if f.committed_at else "no new round")
         lines.append(f"{f.kind} of {f.node} in round {f.round}: {seen}, {done}")
     return "\n".join(lines)

@@ -266,14 +266,23 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
             det = next((e for e in events if e.kind == seen_as
                         and f.fired_at - 0.5 <= e.time < until), None)
             if det is not None:
-                rec["detected_after_s"] = round(max(0.0, det.time - f.fired_at), 3)
+                # Counted as the daemon and the report count (docs/architecture.md, "Failure
+                # classes"): from the fault's time as the control plane dates it -- a crash
+                # when its agent saw the exit, a lost node one lease TTL before the loss was
+                # seen -- to the detection; from the injection only where it dates none.
+                fault_at = det.fields.get("fault_at")
+                detected_at = det.fields.get("detected_at", det.time)
+                if not isinstance(fault_at, (int, float)) or isinstance(fault_at, bool):
+                    fault_at = f.fired_at
+                rec["detected_after_s"] = round(max(0.0, detected_at - fault_at), 3)
+                rec["injected_to_detected_s"] = round(max(0.0, det.time - f.fired_at), 3)
                 rec["culprit"] = det.fields.get("culprit", det.fields.get("node"))
                 rec["detected_as"] = det.fields.get("kind", det.kind)
                 restart = None if f.kind == "disk-full" else next(  # the run goes on
                     (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
                 nxt = tail.first_step_after(restart.time) if restart is not None else None
                 if nxt is not None:
-                    rec["recovered_after_s"] = round(nxt[0] - f.fired_at, 3)
+                    rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
                     rec["resumed_at_step"] = nxt[1].get("step")
         out.append(rec)
     return out

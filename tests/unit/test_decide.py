@@ -10,6 +10,7 @@ from lazarus.core import jobspec
 from lazarus.daemon.actions import AcceptJob, Emit, SetStatus, StartRound
 from lazarus.daemon.decide import decide
 from lazarus.daemon.view import ClusterView
+from lazarus.core import settings
 from lazarus.core.records import (FAILED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
                              CheckpointRecord, NodeRecord, NodeStatus, RoundRecord, RunStatus)
 
@@ -140,6 +141,11 @@ def test_lost_node_is_replaced_by_a_spare():
     st2 = only(d.actions, SetStatus).status
     assert st2.state == RECOVERING and st2.incident["kind"] == "node_lost"
     assert st2.incident["culprit"] == "b"
+    # dated when its agent was last heard of: one lease TTL before the loss is seen (its
+    # registration's TTL, the default when the daemon never saw it go)
+    assert NOW - st2.incident["fault_at"] == settings.LEASE_TTL_S
+    v.departed_ttl = {"b": 10}
+    assert NOW - only(decide(NOW, v).actions, SetStatus).status.incident["fault_at"] == 10
     rec = only(decide(NOW, view(status=st2, nodes=("a",), spares=("s",))).actions,
                StartRound).record
     assert rec.members == ["a", "s"]
