@@ -143,6 +143,7 @@ class Agent:
         self._world_size = 1
         self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
         self._hang: dict | None = None      # this round's hang report, once made
+        self._refused = ""                  # why a rank refused this round's job
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
@@ -240,6 +241,12 @@ class Agent:
             return None
         if kind == "checkpoint_failed":
             self._report_checkpoint_failure(msg)
+            return None
+        if kind == "refused":
+            with self._lock:
+                if msg.get("round") == self._group_round():
+                    self._refused = str(msg.get("reason", ""))[:500]
+            self.wake.set()
             return None
         return None
 
@@ -401,7 +408,8 @@ class Agent:
             local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
                                     round=rec.round, store_host=rec.store_host,
                                     store_port=rec.store_port, train=rec.train,
-                                    restore=rec.restore, report_socket=self.channel.path)
+                                    restore=rec.restore, report_socket=self.channel.path,
+                                    job_id=rec.job_id)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -410,6 +418,7 @@ class Agent:
             self.throughput.reset()
             self._world_size = rec.world_size
             self._hang = None
+            self._refused = ""
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
         self.health.watch_checkpoint_dir(rec.train.get("checkpoint", {}).get("dir"))
@@ -476,10 +485,11 @@ class Agent:
         with self._lock:
             step, spikes = self._step["step"], len(self._spikes)
             long_phase = bool(self._long_phase.get("since"))
+            refused = bool(self._refused)
         health = self.health.poll() if self.monitors else {}
         return (self._workers_state(step), g.round if g else 0,
                 g.failed_rank() if g else None, spikes, health.get("state"),
-                self._hang is not None, long_phase)
+                self._hang is not None, long_phase, refused)
 
     def node_status(self) -> NodeStatus:
         g = self.workers.group
@@ -488,6 +498,7 @@ class Agent:
             spikes = list(self._spikes)
             throughput = self.throughput.summary()
             long_phase = dict(self._long_phase)
+            refused = self._refused
         return NodeStatus(
             node=self.node, round=g.round if g else 0, workers=self._workers_state(st["step"]),
             exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
@@ -497,7 +508,7 @@ class Agent:
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
             window=st.get("window") or [],
             health=self.health.poll() if self.monitors else {}, hang=self._hang,
-            throughput=throughput, long_phase=long_phase)
+            throughput=throughput, long_phase=long_phase, refused=refused)
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)

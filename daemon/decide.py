@@ -232,6 +232,16 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
                               f"ranks on {', '.join(failed)} lost a peer and no root cause "
                               "showed up", fault_at)
     codes = {c for n in failed for c in view.node_status[n].exit_codes.values()}
+    if exitcodes.REFUSED in codes:
+        # The job cannot run as configured (another job's checkpoint dir): every restart
+        # would refuse again. The ranks said why.
+        why = next((view.node_status[n].refused for n in failed
+                    if isinstance(view.node_status[n].refused, str)
+                    and view.node_status[n].refused), "")
+        reason = ("the job refused to run: " + (why or "a rank exited with REFUSED (see the "
+                                                "worker logs)"))[:1000]
+        status = dataclasses.replace(st, state=FAILED, since=now, incident=None, reason=reason)
+        return Decision([SetStatus(status), Emit("failed", reason)], reason)
     if exitcodes.BAD_CHECKPOINT in codes and st.restore:
         # Not a node's fault: the checkpoint cannot be restored (deleted, corrupt). Mark it
         # so the next round goes back to the one before, instead of failing the same way.

@@ -19,6 +19,11 @@ A save the storage refuses (disk full, read-only, gone: any OSError, on any rank
 every rank learns of it at the same point, rank 0 removes the directory and reports it
 (`on_fail`), and training goes on; the last committed checkpoint stays the one to restore.
 
+A checkpoint directory belongs to one job: ROOT/.lazarus-job names it (`claim`), every
+manifest carries its writer's job id, and retention deletes only its own job's checkpoints. A
+job refuses a directory holding another job's checkpoints unless it was told to start from
+them (checkpoint.resume); it then adopts them, and never deletes them.
+
 Nothing read from disk is unpickled without restriction: DCP's `.metadata` is a pickle, so it
 is read with an unpickler that only builds DCP's own metadata classes (plus torch.Size,
 dtypes and pathlib paths); tensors and the optimizer's small non-tensor values are read with
@@ -58,6 +63,7 @@ from lazarus.core.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+OWNER = ".lazarus-job"
 FORMAT_VERSION = 1
 _DIR_RE = re.compile(r"step-(\d+)")
 
@@ -256,6 +262,41 @@ def latest_checkpoint(root: Path) -> Path | None:
     return committed[-1][0] if committed else None
 
 
+def claim(root: Path, job_id: str, *, adopt: bool) -> str | None:
+    """Make ROOT this job's checkpoint directory (rank 0, before anything is saved). Returns
+    why the job must not run here, or None. `adopt`: the job was told to start from what is
+    in ROOT (checkpoint.resume), another job's checkpoints included; they stay its writer's,
+    and this job's retention never deletes them."""
+    root = Path(root)
+    owner_file = root / OWNER
+    try:
+        owner = json.loads(owner_file.read_text()).get("job_id")
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, AttributeError) as e:
+        return f"checkpoint dir {root}: {owner_file.name} cannot be read ({e})"
+    if owner is None:
+        # A directory from before ownership, or a `lazarus train` of its own: its committed
+        # checkpoints are someone's all the same.
+        owners = {m.get("job_id", "") for _, m in committed_checkpoints(root)}
+        owner = next(iter(owners - {job_id}), None)
+    if owner not in (None, job_id) and not adopt:
+        steps = [int(m["step"]) for _, m in committed_checkpoints(root)]
+        held = (f"checkpoints of steps {', '.join(map(str, steps[-5:]))}" if steps
+                else "its checkpoint records")
+        return (f"checkpoint dir {root} belongs to job {owner or '(unnamed)'} and holds {held}: "
+                "give this job its own checkpoint.dir, or set checkpoint.resume = 'latest' to "
+                "start from them (they are then kept, never deleted by this job)")
+    if owner != job_id:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _write_durable(owner_file, (json.dumps(
+                {"job_id": job_id, "adopted_from": owner}) + "\n").encode())
+        except OSError as e:
+            return f"checkpoint dir {root}: cannot write {owner_file.name} ({e.strerror or e})"
+    return None
+
+
 def _verify_files(path: Path, manifest: dict, rank: int, world: int) -> str | None:
     """Check this rank's share of the listed files; the problem found, or None."""
     for entry in manifest["files"][rank::world]:
@@ -334,12 +375,13 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, *, keep_last: int, process_group=None,
-                 is_good: Callable[[int], bool] | None = None):
+                 is_good: Callable[[int], bool] | None = None, job_id: str = ""):
         """`is_good(step)`: whether a committed checkpoint is known good (no loss spike in
         the steps after it). Retention never deletes the newest good one, however old, so a
         rollback always has somewhere to go."""
         assert keep_last >= 1
         self.is_good = is_good
+        self.job_id = job_id  # written into every manifest; retention deletes only these
         self.root = Path(root)
         self.keep_last = keep_last
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -496,7 +538,7 @@ class Checkpointer:
                         directory)
             return None
         previous = committed_checkpoints(self.root)
-        manifest = {"format_version": FORMAT_VERSION,
+        manifest = {"format_version": FORMAT_VERSION, "job_id": self.job_id,
                     "commit_seq": previous[-1][1]["commit_seq"] + 1 if previous else 1,
                     **commit, "files": files}
         _write_durable(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -514,8 +556,10 @@ class Checkpointer:
         for f in committed.iterdir():
             if f.name not in listed and f.name != MANIFEST:
                 f.unlink()
-        committed_list = committed_checkpoints(self.root)
-        keep = {p for p, _ in committed_list[-self.keep_last:]}
+        everyone = committed_checkpoints(self.root)
+        committed_list = [(p, m) for p, m in everyone if m.get("job_id", "") == self.job_id]
+        keep = {p for p, m in everyone if m.get("job_id", "") != self.job_id}  # not ours
+        keep.update(p for p, _ in committed_list[-self.keep_last:])
         if self.is_good is not None:
             good = [p for p, m in committed_list if self.is_good(int(m["step"]))]
             keep.update(good[-1:])

@@ -39,7 +39,7 @@ _REPLY_TIMEOUT_S = 10.0
 _RECONNECT_EVERY_S = 0.2
 # Reports that must reach an agent, even one that restarts: held while none is there and sent
 # to the next one. Step and progress reports are dropped instead: the next one supersedes them.
-_KEEP = ("committed", "checkpoint_failed")
+_KEEP = ("committed", "checkpoint_failed", "refused")
 
 
 class Session:
@@ -249,6 +249,11 @@ class Session:
         """The storage refused the checkpoint of `step` (disk full, read-only, ...): nothing
         was committed and training goes on; the agent publishes it as an event."""
         self._send({"type": "checkpoint_failed", "step": int(step), "error": str(error)[:500]})
+
+    def refused(self, reason: str) -> None:
+        """This rank will not run the job as configured (lazarus.core.exitcodes.REFUSED):
+        the agent publishes why, and the daemon fails the run with it."""
+        self._send({"type": "refused", "reason": str(reason)[:500]})
 
     def guard(self, loss: float) -> bool:
         """False when the loss is not finite: the caller skips this optimizer step."""

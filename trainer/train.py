@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lazarus.core.batching import plan_batches
+from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
@@ -113,9 +114,11 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 
 
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
-          hooks: PhaseHooks | None = None) -> None:
+          hooks: PhaseHooks | None = None, job_id: str = "") -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from; `hooks` are
-    called at every phase boundary (lazarus.trainer.hooks)."""
+    called at every phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints
+    this run writes (lazarus.trainer.checkpoint.claim). JobRefused when the checkpoint dir is
+    another job's."""
     rank = dist.get_rank()
     kind = device_type()
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
@@ -171,7 +174,15 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 and not any(ckpt_step < s <= ckpt_step + ck.good_after_steps
                             for s in skipped_steps))
 
-    checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good)
+    if ck.dir is not None:
+        # Rank 0 claims the directory; every rank learns the verdict and stops together.
+        verdict = [ckpt.claim(Path(ck.dir), job_id, adopt=ck.resume is not None)
+                   if rank == 0 else None]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise JobRefused(verdict[0])
+    checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good,
+                                      job_id=job_id)
                     if ck.dir is not None else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from lazarus.core import exitcodes
 from lazarus.core.contract import ASSIGNMENT_ENV, PG_TIMEOUT_ENV, STACKS_ENV, WorkerAssignment
-from lazarus.core.errors import CheckpointError, UserError
+from lazarus.core.errors import CheckpointError, JobRefused, UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.trainer import exitnote
 from lazarus.trainer import hooks as phase_hooks
@@ -89,7 +89,12 @@ def run(assignment: WorkerAssignment) -> int:
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     try:
-        train(cfg, session=session, restore=a.restore, hooks=hooks)
+        train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id)
+    except JobRefused as e:
+        print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
+        session.refused(str(e))
+        session.close()  # sends what is held before the exit
+        exitnote.exit_now(exitcodes.REFUSED)
     except CheckpointError as e:
         # The daemon marks this checkpoint bad and restores an older one.
         print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)

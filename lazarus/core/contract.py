@@ -63,6 +63,7 @@ class WorkerAssignment:
     train: dict                  # TrainConfig.to_dict()
     restore: str | None = None   # committed checkpoint to resume from
     report_socket: str | None = None  # the local agent's unix socket; None: no agent
+    job_id: str = ""             # whose checkpoints this rank writes (and may delete)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -8,3 +8,8 @@ class UserError(ValueError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or corrupt."""
+
+
+class JobRefused(UserError):
+    """The job must not run as configured here (its checkpoint dir is another job's):
+    restarting it would fail the same way."""

@@ -11,4 +11,6 @@ from __future__ import annotations
 PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
 BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or corrupt
 ORPHANED = 77           # the rank's agent stayed away past the grace (AGENT_GRACE_ENV)
+REFUSED = 78           # the job cannot run as configured (another job's checkpoints in its
+                        # dir): restarting would fail the same way, so the run fails at once
 INJECTED_FAULT = 43     # fault injection: a crash@STEP of lazarus.sim.trainer_faults

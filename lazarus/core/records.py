@@ -248,6 +248,9 @@ class NodeStatus(_Record):
     # A local rank in a checkpoint or an eval: {"since": wall time it entered (0: none now),
     # "until": wall time the last such phase ended}. Peers elsewhere wait for it meanwhile.
     long_phase: dict = field(default_factory=dict)
+    # Why a rank refused the job (exitcodes.REFUSED: e.g. another job's checkpoints in its
+    # dir); the run fails with it.
+    refused: str = ""
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -292,6 +292,13 @@ def run(args: argparse.Namespace) -> dict:
     schedule = chaos.parse_schedule(DEMO_CHAOS if args.chaos is None else
                                     ("" if args.chaos == "none" else args.chaos))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lazarus-up-"))
+    previous = [p.name for p in (workdir / "etcd", workdir / "checkpoints", workdir / "nodes")
+                if p.exists() and any(p.iterdir())]
+    if previous:
+        # Its etcd holds the old run's final state, and its checkpoints are the old job's:
+        # a run here would report that run's outcome, or refuse the directory mid-way.
+        raise UserError(f"--workdir {workdir} holds a previous run ({', '.join(previous)}): "
+                        "give a new --workdir, or remove this one")
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = (args.metrics or workdir / "metrics.jsonl").resolve()
     if metrics.exists():

@@ -58,8 +58,8 @@ def test_a_rank_frozen_with_sigstop_is_named_alone_at_a_step_and_inside_a_checkp
         cluster.submit(job)
         # at an ordinary step (saves are at multiples of 4)
         st = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                      and _last_step(metrics) in (9, 10) and not _in_checkpoint("n1")(st)
-                      and st, timeout=180, what="the run at step 9 or 10, outside a save")
+                      and _last_step(metrics) >= 9 and not _in_checkpoint("n1")(st)
+                      and st, timeout=180, what="the run past step 9, outside a save")
         frozen_at = {"n1": _freeze(st.node_status["n1"].pids[0])}
         wait_for(cluster, lambda st: st.status.round == 2 and st.status.state == "RUNNING",
                  timeout=120, what="a new round after the frozen rank at a step")
@@ -70,6 +70,20 @@ def test_a_rank_frozen_with_sigstop_is_named_alone_at_a_step_and_inside_a_checkp
         frozen_at["n0"] = _freeze(st.node_status["n0"].pids[0])
         final = wait_for(cluster, _finished, timeout=300, what="the run to finish")
         events = cluster.new_events()
+        # The same cluster, a second job given the first one's checkpoint dir (issue 12: it
+        # trained from scratch and its retention deleted the first job's checkpoints): the
+        # run fails at once, saying why, and the first job's checkpoints stay.
+        kept = sorted(p.name for p in (cluster.workdir / "ckpt").glob("step-*"))
+        other = jobspec.from_dict({
+            "job": {"name": "e2e-2", "nodes": 2, "min_nodes": 2, "nproc_per_node": 1},
+            "train": train_table(steps, checkpoint={"dir": str(cluster.workdir / "ckpt")})},
+            source="test")
+        cluster.submit(other)
+        refused = wait_for(cluster, lambda st: st.status.job_id == other.id and _finished(st),
+                           timeout=180, what="the second job to end")
+        assert refused.state == "FAILED" and "belongs to job" in refused.reason, refused.reason
+        assert refused.restarts == 0
+        assert sorted(p.name for p in (cluster.workdir / "ckpt").glob("step-*")) == kept
     assert final.state == "SUCCEEDED", final.reason
     hangs = [e for e in events if e.kind == "fault_detected"]
     assert [(e.fields["kind"], e.fields["culprit"]) for e in hangs] == [("hang", "n1"),

@@ -291,6 +291,36 @@ def test_retention_keeps_the_last_n_commits_and_follows_a_rollback(tmp_path):
     assert (fresh.head.weight == 0.5).all()
 
 
+def test_a_checkpoint_dir_is_one_jobs_and_retention_never_deletes_another_jobs(tmp_path):
+    """Issue 12: a second job given the first one's dir started from scratch and its
+    retention deleted the first job's checkpoints."""
+    model, optimizer = _trained()
+    assert ckpt.claim(tmp_path, "job-a", adopt=False) is None
+    first = Checkpointer(tmp_path, keep_last=1, job_id="job-a")
+    for step in (5, 10):
+        first.save(step, model, optimizer, {"step": step}, async_save=False)
+    first.close()
+    why = ckpt.claim(tmp_path, "job-b", adopt=False)    # another job: refused, and told why
+    assert "belongs to job job-a" in why and "steps 10" in why and "checkpoint.resume" in why
+    assert ckpt.claim(tmp_path, "job-a", adopt=False) is None  # its own job (a restart)
+    # Told to start from them, job-b adopts the dir; its retention removes only its own.
+    assert ckpt.claim(tmp_path, "job-b", adopt=True) is None
+    second = Checkpointer(tmp_path, keep_last=1, job_id="job-b")
+    for step in (15, 20, 25):
+        second.save(step, model, optimizer, {"step": step}, async_save=False)
+    second.close()
+    assert [(p.name, m["job_id"]) for p, m in ckpt.committed_checkpoints(tmp_path)] == [
+        ("step-00000010", "job-a"), ("step-00000025", "job-b")]
+    assert "belongs to job job-b" in ckpt.claim(tmp_path, "job-a", adopt=False)
+    # A dir from before ownership (manifests without a job id) is nobody's to take over.
+    legacy = tmp_path / "legacy"
+    Checkpointer(legacy, keep_last=1).save(1, model, optimizer, {"step": 1}, async_save=False)
+    (ckpt.checkpoint_dir(legacy, 1) / ckpt.MANIFEST).write_text(json.dumps(
+        {k: v for k, v in ckpt.read_manifest(ckpt.checkpoint_dir(legacy, 1)).items()
+         if k != "job_id"}))
+    assert "belongs to job (unnamed)" in ckpt.claim(legacy, "job-c", adopt=False)
+
+
 def test_async_save_returns_before_the_commit_and_the_next_save_waits(tmp_path):
     model, optimizer = _trained()
     at_save = {k: v.clone() for k, v in model.state_dict().items()}

@@ -144,3 +144,12 @@ def test_chaos_slow_rank_is_read_by_the_workers_of_that_node(tmp_path):
     assert "--factor must be at least 1" in one_error_line(
         lazarus("chaos", "slow-rank", "--node", "n1", "--workdir", str(tmp_path),
                 "--factor", "0.5"))
+
+
+def test_lazarus_up_refuses_a_workdir_that_holds_a_previous_run(tmp_path):
+    """Run twice in one workdir, `lazarus up` reported the old run's SUCCEEDED from the etcd
+    data left there, without training."""
+    (tmp_path / "etcd" / "member").mkdir(parents=True)
+    line = one_error_line(lazarus("up", "--workdir", str(tmp_path), "--steps", "4"))
+    assert f"--workdir {tmp_path} holds a previous run (etcd)" in line
+    assert "give a new --workdir" in line

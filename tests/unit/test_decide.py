@@ -358,6 +358,17 @@ def test_unreadable_hang_report_is_ignored():
     assert decide(NOW, view(status=status(RUNNING), node_status=[a])).actions == []
 
 
+def test_a_job_its_ranks_refuse_fails_at_once_with_their_reason():
+    why = "checkpoint dir /c belongs to job J0 and holds checkpoints of steps 10"
+    v = view(status=status(RUNNING), node_status=[
+        ns("a", "failed", exit_codes={"0": 78}, failed_rank=0, fault_at=NOW, refused=why),
+        ns("b", "failed", exit_codes={"0": 78}, failed_rank=1, fault_at=NOW)])
+    d = decide(NOW, v)
+    st = only(d.actions, SetStatus).status
+    assert st.state == "FAILED" and why in st.reason      # no restart: it would refuse again
+    assert kinds(d.actions) == ["SetStatus", "Emit:failed"]
+
+
 def test_a_checkpoint_that_cannot_be_restored_is_marked_bad_and_an_older_one_used():
     from lazarus.daemon.actions import MarkCheckpoint
     ck = [CheckpointRecord(step=5, path="/c/5", round=1, job_id="J"),
