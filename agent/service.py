@@ -537,7 +537,7 @@ class Agent:
     def _resync(self) -> int:
         """A watch whose history was compacted away resumes from now; what it missed is
         read with the assignment."""
-        rev = self.etcd.revision() + 1
+        rev = self.etcd.revision(self.keys.root) + 1
         self._on_news()
         return rev
 
@@ -665,7 +665,7 @@ def main(argv: list[str]) -> int:
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
     host_limits = _host_limits(args)
-    etcd = E.Etcd(args.etcd)
+    etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -127,7 +127,7 @@ def test_nospace_is_survived_told_and_cleared(tmp_path):
         assert all(p.alive for p in [*cluster.agents.values(), *cluster.daemons])
         # The operator's way out (docs/operations.md): compact, defragment, disarm.
         etcd.delete("/ballast/", prefix=True)
-        etcd.compact(etcd.revision())
+        etcd.compact(etcd.revision("/"))
         etcd.defragment()
         for alarm in etcd.alarms():
             etcd.disarm(alarm)
