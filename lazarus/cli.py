@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),
     "chaos": ("lazarus.sim.chaos", "main", "inject a fault into a running cluster on this host"),
+    "etcd": ("lazarus.ops.etcdsetup", "main", "secure an etcd: certificates, users and roles, authentication on"),
     "fleet": ("lazarus.sim.fleetrun", "main", "simulate thousands of nodes against etcd and the daemon, and measure"),
     "status": ("lazarus.ops.client", "status_main", "the run's health (asks the daemon's API)"),
     "nodes": ("lazarus.ops.client", "nodes_main", "nodes: role, state, ranks, progress"),

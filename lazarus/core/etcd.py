@@ -168,8 +168,10 @@ def _by_code(code, details: str, member: str, auth: EtcdAuth) -> Exception:
                                "give --etcd-ca)")
     if code == S.UNAUTHENTICATED and "invalid auth token" in details:
         return EtcdTokenExpired(f"etcd at {member} no longer knows our auth token")
+    # Without a token etcd takes the client certificate's name for the user: one that is no
+    # user is "not found".
     if (code == S.PERMISSION_DENIED or "permission denied" in details
-            or (code == S.INVALID_ARGUMENT and "user name is empty" in details)):
+            or "user name is empty" in details or "user name not found" in details):
         who = (f"etcd user {auth.user!r} has no right to it" if auth.user else
                "no --etcd-user was given and etcd requires one")
         return EtcdPermissionDenied(f"etcd at {member} denied the request ({details}): {who}")

@@ -50,6 +50,7 @@ def as_aetcd_raises(code: grpc.StatusCode, details: str) -> Exception:
     (S.INVALID_ARGUMENT, "etcdserver: request is too large", E.EtcdRefused, False),
     (S.PERMISSION_DENIED, "etcdserver: permission denied", E.EtcdPermissionDenied, False),
     (S.UNKNOWN, "auth: permission denied", E.EtcdPermissionDenied, False),
+    (S.FAILED_PRECONDITION, "etcdserver: user name not found", E.EtcdPermissionDenied, False),
     (S.UNAUTHENTICATED, "etcdserver: invalid auth token", E.EtcdTokenExpired, False),
     (S.FAILED_PRECONDITION, "etcdserver: something new", E.EtcdRefused, False),
 ])
