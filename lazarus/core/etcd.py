@@ -398,7 +398,10 @@ class _Client(aetcd.Client):
             return
         request = rpc.AuthenticateRequest(name=self.auth.user, password=self.auth.password)
         try:
-            reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+            # Authenticating goes through etcd's raft log: a member without a leader must say
+            # so at once, as for any other request, not hold it to its deadline.
+            reply = await self.auth_stub.Authenticate(request, timeout=self._timeout,
+                                                      metadata=_REQUIRE_LEADER)
         except rpc.AioRpcError as e:
             details = e.details() or ""
             if "authentication failed" in details:
