@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -212,3 +213,25 @@ def test_enable_auth_again_sets_the_passwords_of_the_files(tmp_path, capsys):
         finally:
             old.close()
             new.close()
+
+
+def test_with_insecure_the_daemon_serves_its_api_in_plaintext_off_loopback(server, tmp_path):
+    """--insecure is the operator's explicit yes: the daemon starts, on every address."""
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "daemon", "--etcd", server.endpoint,
+             *server.auth(DAEMON_USER).args(), "--api", "0.0.0.0:0", "--insecure",
+             "--token-file", str(token), "--endpoint-file", "", "--data-dir",
+             str(tmp_path / "data"), "--root", "/test/insecure-api/"],
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60  # a hang guard, not a timing
+        while "API on" not in log.read_text():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
