@@ -6,6 +6,7 @@ Subcommands are imported lazily so that `lazarus status` does not pay for `impor
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from lazarus.core.errors import UserError
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lazarus: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    # gRPC's C core logs a refused TLS handshake in three lines of its own on stderr; our
+    # error says what happened and what to fix in one. GRPC_VERBOSITY=ERROR brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
     except UserError as e:

@@ -175,6 +175,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+def test_a_refused_certificate_is_one_line_from_the_command(server, tmp_path):
+    """gRPC's own log lines of a failed handshake stay out of the command's output."""
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nnodes = 1\n")
+    security = server.security
+    proc = _cli("submit", str(job), "--etcd", server.endpoint, "--etcd-ca",
+                str(security.ca.ca_file), "--etcd-user", DAEMON_USER, "--etcd-password-file",
+                str(security.password_files[DAEMON_USER]))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "it asks for a client certificate signed by the CA it trusts" in lines[0]
+
+
 def test_plaintext_off_loopback_is_refused_without_insecure(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text("[job]\nnodes = 1\n")
