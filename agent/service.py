@@ -565,7 +565,7 @@ class Agent:
     def _resync(self) -> int:
         """A watch whose history was compacted away resumes from now; what it missed is
         read with the assignment."""
-        rev = self.etcd.revision() + 1
+        rev = self.etcd.revision(self.keys.root) + 1
         self._on_news()
         return rev
 
@@ -708,7 +708,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--long-phase-floor must be above 0 and at most {LONG_CAP_S:.0f} s, "
                         f"got {args.long_phase_floor}")
     host_limits = _host_limits(args)
-    etcd = E.Etcd(args.etcd)
+    etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

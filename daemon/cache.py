@@ -92,7 +92,7 @@ class Informer:
         etcd's revision; raises EtcdUnavailable when etcd does not answer). A change outside
         our root moves etcd's revision without an event for us: then this waits `timeout_s`
         and returns False (the map is as current as our watch can make it)."""
-        return self.wait_for(self.etcd.revision(), timeout_s)
+        return self.wait_for(self.etcd.revision(self.root), timeout_s)
 
     # -- list and watch ------------------------------------------------------------------------
     def start(self) -> None:

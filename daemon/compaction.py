@@ -32,11 +32,13 @@ KEEP_HISTORY_S = COMPACT_EVERY_S * KEEP_HISTORY_FACTOR
 class Compactor:
     """Call `tick(leading=...)` once a pass; it does at most one cheap read every
     `keep_s`/10 and one compaction every `every_s`, and only while leading. `consumed()` is
-    the highest revision this daemon's watches have delivered."""
+    the highest revision this daemon's watches have delivered; `root`, our key prefix, is
+    where the revision is read (a key this daemon may read)."""
 
-    def __init__(self, etcd: E.Etcd, *, every_s: float = COMPACT_EVERY_S,
+    def __init__(self, etcd: E.Etcd, *, root: str, every_s: float = COMPACT_EVERY_S,
                  keep_s: float | None = None, consumed: Callable[[], int] | None = None):
         self.etcd = etcd
+        self.root = root
         self.every_s = every_s
         self.keep_s = keep_s if keep_s is not None else every_s * KEEP_HISTORY_FACTOR
         self.consumed = consumed
@@ -55,7 +57,7 @@ class Compactor:
         now = time.monotonic()
         if now >= self._next_sample:
             self._next_sample = now + self._sample_every_s
-            self._samples.append((now, self.etcd.revision()))
+            self._samples.append((now, self.etcd.revision(self.root)))
         if now < self._next_compact:
             return None
         self._next_compact = now + self.every_s

@@ -27,6 +27,7 @@ from lazarus.core import endpoint_file, jobspec, logs, settings
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import refuse_plaintext
 from lazarus.core.records import Keys, writer_id
 from lazarus.daemon import api, executor, telemetry
 from lazarus.daemon.compaction import COMPACT_EVERY_S, KEEP_HISTORY_FACTOR, Compactor
@@ -87,7 +88,7 @@ class Daemon:
         # etcd's own health (outages, alarms: no evictions meanwhile) and its compaction, up
         # to what our informer has consumed
         self.etcd_health = EtcdHealth(etcd, keys, writer=self.writer)
-        self.compactor = Compactor(etcd, every_s=compact_every_s,
+        self.compactor = Compactor(etcd, root=keys.root, every_s=compact_every_s,
                                    consumed=lambda: self.views.informer.revision)
         self.pruner = Pruner(etcd, keys, history, retention)
 
@@ -101,7 +102,7 @@ class Daemon:
         informer.start()
         # One read of etcd per pass, as when a pass read a snapshot: an outage shows here,
         # and the leader holds evictions through it (EtcdHealth).
-        current = self.etcd.revision()
+        current = self.etcd.revision(self.keys.root)
         if catch_up_s:
             informer.wait_for(current, catch_up_s)
         if not informer.wait_for(self._written, OWN_WRITE_S):
@@ -171,7 +172,8 @@ def main(argv: list[str]) -> int:
     settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT, several members "
                                         "HOST:PORT,HOST:PORT,..., or 'embedded' to start one "
                                         "(default %(default)s)",
-                           lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds")
+                           lease_ttl=settings.LEASE_TTL_S, lease_help="leader lease TTL in seconds",
+                           insecure_api=True)
     p.add_argument("--job", help="submit this job file (TOML) at start")
     p.add_argument("--data-dir", type=Path,
                    help="the daemon's data: history/ (what the leader prunes from etcd; share "
@@ -211,6 +213,10 @@ def main(argv: list[str]) -> int:
                    help="address of the Prometheus endpoint; 0.0.0.0 for a remote scraper "
                         "(default %(default)s)")
     args = p.parse_args(argv)
+    if args.api != "off" and args.tls_cert is None:
+        refuse_plaintext(f"--api {args.api}", args.api.rpartition(":")[0],
+                         insecure=args.insecure, fix="give --tls-cert and --tls-key")
+    auth = settings.etcd_auth(args)
     logs.setup(args.log_level, "daemon")
     settings.check_lease_ttl(args.lease_ttl)
     if not args.compact_every >= 0:
@@ -237,7 +243,7 @@ def main(argv: list[str]) -> int:
     # History belongs with the etcd it came from: a throwaway embedded etcd, a throwaway one.
     history = History.at(args.data_dir or (embedded.data_dir if embedded else
                                            endpoint_file.default_path().parent / "daemon"), keys)
-    etcd = E.Etcd(endpoint)
+    etcd = E.Etcd(endpoint, auth=auth)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

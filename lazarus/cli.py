@@ -6,6 +6,7 @@ Subcommands are imported lazily so that `lazarus status` does not pay for `impor
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from lazarus.core.errors import UserError
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),
     "chaos": ("lazarus.sim.chaos", "main", "inject a fault into a running cluster on this host"),
+    "etcd": ("lazarus.ops.etcdsetup", "main", "secure an etcd: certificates, users and roles, authentication on"),
     "fleet": ("lazarus.sim.fleetrun", "main", "simulate thousands of nodes against etcd and the daemon, and measure"),
     "status": ("lazarus.ops.client", "status_main", "the run's health (asks the daemon's API)"),
     "nodes": ("lazarus.ops.client", "nodes_main", "nodes: role, state, ranks, progress"),
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lazarus: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    # gRPC's C core logs a refused TLS handshake in three lines of its own on stderr; our
+    # error says what happened and what to fix in one. GRPC_VERBOSITY=ERROR brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
     except UserError as e:

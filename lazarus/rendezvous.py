@@ -26,6 +26,12 @@ you set it) so every attempt's rank 0 hosts a fresh store.
 
 --rdzv-conf options, besides torch's join_timeout, last_call_timeout, close_timeout,
 heartbeat_timeout, keep_alive_interval and keep_alive_max_attempt: see RendezvousEtcdConfig.
+A secure etcd (docs/operations.md, "Securing etcd") takes its TLS files and user there too,
+or from the environment (LAZARUS_ETCD_CA, ..., LAZARUS_ETCD_PASSWORD):
+
+    --rdzv-endpoint https://etcd:2379 --rdzv-conf etcd_ca=/etc/lazarus/ca.pem,\
+        etcd_cert=/etc/lazarus/client.pem,etcd_key=/etc/lazarus/client-key.pem,\
+        etcd_user=trainer,etcd_password_file=/etc/lazarus/trainer.password
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import EtcdAuth
 
 BACKEND_NAME = "lazarus-etcd"
 
@@ -94,13 +103,13 @@ _process_lock = threading.Lock()
 
 def process_etcd(endpoint: str, cfg: RendezvousEtcdConfig) -> Etcd:
     """This process's one etcd client (two gRPC etcd clients in one process clash)."""
-    from lazarus.core.errors import UserError
     from lazarus.core.etcd import Etcd
 
     global _process_client
     with _process_lock:
         if _process_client is None:
-            _process_client = Etcd(endpoint, timeout_s=min(3.0, cfg.etcd_timeout_s))
+            _process_client = Etcd(endpoint, auth=cfg.auth,
+                                   timeout_s=min(3.0, cfg.etcd_timeout_s))
         elif _process_client.endpoint != endpoint:
             raise UserError(f"this process already uses etcd at {_process_client.endpoint}; "
                             f"it cannot also rendezvous through {endpoint}")
@@ -119,12 +128,16 @@ class RendezvousEtcdConfig:
                   heartbeats.
     read_timeout  seconds an agent waits for a peer's store key (rank 0's address, the exit
                   barrier) before failing the rendezvous.
+    etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, insecure
+                  TLS and user for etcd, as the flags of the same names of `lazarus agent`
+                  (lazarus.core.etcd_auth); each falls back to its environment variable.
     """
 
     key_prefix: str = "/lazarus/v1/torchrun/"
     etcd_timeout_s: float = 10.0
     state_ttl_s: int = 60
     read_timeout_s: float = 60.0
+    auth: EtcdAuth = field(default_factory=EtcdAuth)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RendezvousEtcdConfig:
@@ -142,10 +155,17 @@ class RendezvousEtcdConfig:
         prefix = params.get("key_prefix", defaults.key_prefix)
         if not prefix.startswith("/"):
             raise ValueError(f"--rdzv-conf key_prefix={prefix!r} must start with '/'")
+        try:
+            auth = EtcdAuth.load(ca=params.get("etcd_ca"), cert=params.get("etcd_cert"),
+                                 key=params.get("etcd_key"), user=params.get("etcd_user"),
+                                 password_file=params.get("etcd_password_file"),
+                                 insecure=params.get_as_bool("insecure", False))
+        except UserError as e:
+            raise ValueError(f"--rdzv-conf: {e}") from None
         cfg = cls(key_prefix=prefix if prefix.endswith("/") else prefix + "/",
                   etcd_timeout_s=number("etcd_timeout", defaults.etcd_timeout_s),
                   state_ttl_s=int(number("state_ttl", defaults.state_ttl_s)),
-                  read_timeout_s=number("read_timeout", defaults.read_timeout_s))
+                  read_timeout_s=number("read_timeout", defaults.read_timeout_s), auth=auth)
         keep_alive_s = params.get_as_int("keep_alive_interval", 5)
         if cfg.state_ttl_s < 3 * keep_alive_s:
             raise ValueError(f"--rdzv-conf state_ttl={cfg.state_ttl_s} must be at least three "

@@ -13,6 +13,11 @@ docs/operations.md asks of an external etcd too:
 - `--quota-backend-bytes` 2 GiB (etcd's own default, written down so that it is a decision):
   past it etcd raises the NOSPACE alarm and refuses writes until it is compacted,
   defragmented and the alarm disarmed.
+
+Given an `EtcdSecurity` (lazarus.core.etcd_secure) it runs in secure mode: TLS with client
+certificates for clients and peers, and etcd's authentication with our users and roles,
+turned on at start. Either way /health and /metrics are served in plaintext on a loopback
+port of their own (`metrics_url`): they tell nothing a key would.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lazarus.core.errors import UserError
+
+if TYPE_CHECKING:
+    from lazarus.core.etcd_secure import EtcdSecurity
 
 INSTALL_HINT = ("the `etcd` binary was not found on PATH; install it with "
                 "`apt-get install -y etcd-server` (or give --etcd HOST:PORT of a running etcd)")
@@ -64,19 +73,28 @@ class EmbeddedEtcd:
     Alone by default; a member of a cluster when `initial_cluster` ("name=peer-url,...") is
     given (EmbeddedCluster builds that). `quota_bytes` is the NOSPACE threshold.
     `compaction_retention`: the history it keeps (an etcd duration); shorter only where time
-    runs faster (the fleet simulator's compressed day).
+    runs faster (the fleet simulator's compressed day). `secure`: secure mode, with
+    certificates and users of its own in data_dir/pki, authentication turned on by `start()`;
+    `security`: those of the cluster it is a member of (whose `start` turns it on).
     """
 
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
                  log_file: Path | None = None, name: str = "lazarus",
                  peer_port: int | None = None, initial_cluster: str | None = None,
                  quota_bytes: int = QUOTA_BYTES,
-                 compaction_retention: str = COMPACTION_RETENTION):
+                 compaction_retention: str = COMPACTION_RETENTION,
+                 secure: bool = False, security: EtcdSecurity | None = None):
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
         self.name = name
+        if secure and security is None:
+            from lazarus.core.etcd_secure import EtcdSecurity
+            security = EtcdSecurity(self.data_dir / "pki")
+        self.security = security
+        self.server_cert = security.server_cert(name) if security is not None else None
         self.client_port = client_port or free_port()
+        self.metrics_port = free_port()
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.quota_bytes = quota_bytes
@@ -85,21 +103,38 @@ class EmbeddedEtcd:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.security is not None else "http"
+
+    @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus metrics (plaintext, loopback)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def auth(self, user: str | None):
+        """A client's access to this etcd as `user` (lazarus.core.etcd_rbac): plaintext and
+        no user unless in secure mode."""
+        from lazarus.core.etcd_auth import EtcdAuth
+
+        return self.security.auth(user) if self.security is not None else EtcdAuth()
 
     def launch(self) -> None:
         """Start the process without waiting: a cluster member is healthy only once a
         majority of its peers runs too."""
         assert not self.running, f"etcd {self.name} already runs (pid {self.proc.pid})"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"{self.scheme}://127.0.0.1:{self.client_port}"
         cmd = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
                "--listen-peer-urls", self.peer_url,
                "--initial-advertise-peer-urls", self.peer_url,
                "--initial-cluster", self.initial_cluster,
@@ -107,6 +142,13 @@ class EmbeddedEtcd:
                "--auto-compaction-retention", self.compaction_retention,
                "--quota-backend-bytes", str(self.quota_bytes),
                "--logger", "zap", "--log-outputs", str(self.log_file)]
+        if self.server_cert is not None:
+            cert, key, ca = map(str, (self.server_cert.cert, self.server_cert.key,
+                                      self.server_cert.ca))
+            cmd += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                    "--client-cert-auth",
+                    "--peer-cert-file", cert, "--peer-key-file", key,
+                    "--peer-trusted-ca-file", ca, "--peer-client-cert-auth"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
@@ -126,13 +168,15 @@ class EmbeddedEtcd:
     def start(self, *, timeout_s: float = 15.0) -> "EmbeddedEtcd":
         self.launch()
         self.wait_healthy(timeout_s=timeout_s)
+        if self.security is not None and not self.security.enabled:
+            self.security.enable(self.endpoint)
         return self
 
     def _healthy(self) -> bool:
         """etcd answers /health with true once it has a leader and serves requests; an open
         port alone is not enough (a client then times out waiting for gRPC settings)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health",
                                         timeout=0.5) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError):
@@ -171,28 +215,40 @@ class EmbeddedEtcd:
 
 class EmbeddedCluster:
     """`size` etcd members on loopback forming one cluster; `endpoint` lists them all
-    ("a:1,b:2,c:3"), as --etcd takes them."""
+    ("a:1,b:2,c:3"), as --etcd takes them. `secure`: in secure mode, one CA and one set of
+    users for all members (in data_dir/pki)."""
 
     def __init__(self, data_dir: Path | None = None, *, size: int = 3,
-                 quota_bytes: int = QUOTA_BYTES):
+                 quota_bytes: int = QUOTA_BYTES, secure: bool = False):
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-cluster-"))
+        self.security = None
+        if secure:
+            from lazarus.core.etcd_secure import EtcdSecurity
+            self.security = EtcdSecurity(self.data_dir / "pki")
+        scheme = "https" if secure else "http"
         names = [f"m{i}" for i in range(size)]
         peers = {name: free_port() for name in names}
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in peers.items())
+        initial = ",".join(f"{n}={scheme}://127.0.0.1:{p}" for n, p in peers.items())
         self.members = [EmbeddedEtcd(self.data_dir / n, name=n, peer_port=peers[n],
-                                     initial_cluster=initial, quota_bytes=quota_bytes)
+                                     initial_cluster=initial, quota_bytes=quota_bytes,
+                                     security=self.security)
                         for n in names]
 
     @property
     def endpoint(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
+    def auth(self, user: str | None):
+        return self.members[0].auth(user)
+
     def start(self, *, timeout_s: float = 20.0) -> "EmbeddedCluster":
         for m in self.members:
             m.launch()
         for m in self.members:
             m.wait_healthy(timeout_s=timeout_s)
+        if self.security is not None and not self.security.enabled:
+            self.security.enable(self.endpoint)
         return self
 
     def restart(self, index: int, *, timeout_s: float = 20.0) -> None:

@@ -17,7 +17,10 @@ What lives here and nowhere else:
 - fenced writes: `txn` with compares, used for every write a leader or a round owner makes;
 - sessions: a lease with a background keep-alive (aetcd has none) and a "lost" callback;
 - watches that resume from the last seen revision + 1, and re-list after a compaction or a
-  broken stream (the callback is told to resync).
+  broken stream (the callback is told to resync);
+- TLS and etcd authentication (lazarus.core.etcd_auth says what a client is given): aetcd
+  opens plaintext channels only, so `_Client` opens its own, and authenticates again when
+  etcd forgets its token (a restarted member forgets them all).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from aetcd import rpc  # noqa: E402
 from aetcd.utils import prefix_range_end  # noqa: E402
 
 from lazarus.core.errors import UserError  # noqa: E402
+from lazarus.core.etcd_auth import PASSWORD_ENV, EtcdAuth  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,27 @@ class EtcdRefused(EtcdUnavailable):
     member_fault = False
 
 
+class EtcdPermissionDenied(EtcdRefused):
+    """etcd's RBAC refused the request: the user we authenticate as has no right to it."""
+
+
+class EtcdTokenExpired(EtcdUnavailable):
+    """etcd no longer knows our auth token (it expired, or the member restarted): the
+    client authenticates again and retries."""
+
+    member_fault = False
+
+
+class EtcdTLSError(EtcdUnavailable):
+    """The TLS handshake with a member failed: a certificate that does not match. Another
+    member may have a good one; no retry mends this one."""
+
+
+class EtcdAuthFailed(UserError):
+    """etcd refused our user name or password: a mistake in what we were given, not an
+    outage, so no loop retries it."""
+
+
 class LeaseLost(RuntimeError):
     """etcd no longer knows the lease a write named: its owner's session is over."""
 
@@ -93,10 +118,12 @@ class LeaseLost(RuntimeError):
 _NO_LEADER = ("no leader", "leader changed", "leader fail", "request timed out")
 
 
-def classify(error: BaseException, member: str) -> Exception | None:
+def classify(error: BaseException, member: str, auth: EtcdAuth | None = None
+             ) -> Exception | None:
     """An error raised by an aetcd or gRPC call -> our type for it; None when it is not an
-    etcd error at all (a bug of ours, raised as it is)."""
-    if isinstance(error, (EtcdUnavailable, LeaseLost)):
+    etcd error at all (a bug of ours, raised as it is). `auth` (what the client was given)
+    makes the messages of TLS and permission errors say what to change."""
+    if isinstance(error, (EtcdUnavailable, LeaseLost, EtcdAuthFailed)):
         return error
     if isinstance(error, aexc.RevisionCompactedError):
         return EtcdCompacted(f"etcd revision was compacted below {error.compacted_revision}")
@@ -116,11 +143,38 @@ def classify(error: BaseException, member: str) -> Exception | None:
         code, details = rpc.StatusCode.UNKNOWN, str(error)
     else:
         return None
-    return _by_code(code, details, member)
+    return _by_code(code, details, member, auth or EtcdAuth())
 
 
-def _by_code(code, details: str, member: str) -> Exception:
+# What gRPC's details say of a failed handshake: the client rejected the server's
+# certificate, or the server rejected ours (or that we sent none).
+_SERVER_CERT_BAD = ("handshake failed", "CERTIFICATE_VERIFY_FAILED", "certificate signature")
+_CLIENT_CERT_BAD = ("Unwrap failed", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED")
+
+
+def _by_code(code, details: str, member: str, auth: EtcdAuth) -> Exception:
     S = rpc.StatusCode
+    if code == S.UNAVAILABLE and auth.tls:
+        if any(s in details for s in _SERVER_CERT_BAD):
+            return EtcdTLSError(f"TLS handshake with etcd at {member} failed: is its server "
+                                f"certificate signed by --etcd-ca and valid for {member}? "
+                                f"({details})")
+        if any(s in details for s in _CLIENT_CERT_BAD):
+            return EtcdTLSError(f"etcd at {member} refused our TLS connection: it asks for a "
+                                "client certificate signed by the CA it trusts (--etcd-cert, "
+                                f"--etcd-key) ({details})")
+    if code == S.UNAVAILABLE and not auth.tls and "Socket closed" in details:
+        return EtcdUnavailable(f"etcd at {member} unavailable: {details} (if it serves TLS, "
+                               "give --etcd-ca)")
+    if code == S.UNAUTHENTICATED and "invalid auth token" in details:
+        return EtcdTokenExpired(f"etcd at {member} no longer knows our auth token")
+    # Without a token etcd takes the client certificate's name for the user: one that is no
+    # user is "not found".
+    if (code == S.PERMISSION_DENIED or "permission denied" in details
+            or "user name is empty" in details or "user name not found" in details):
+        who = (f"etcd user {auth.user!r} has no right to it" if auth.user else
+               "no --etcd-user was given and etcd requires one")
+        return EtcdPermissionDenied(f"etcd at {member} denied the request ({details}): {who}")
     if code == S.RESOURCE_EXHAUSTED:
         if "space exceeded" in details:
             return EtcdNoSpace("etcd is out of space (NOSPACE alarm): it refuses writes until "
@@ -290,17 +344,81 @@ PAGE_KEYS = 1000
 
 
 class _Client(aetcd.Client):
-    """aetcd's client, whose requests and watches all ask for a member with a leader: a
-    member cut off from its quorum then answers "no leader" at once, and ends its watches,
-    instead of letting reads and lease refreshes hang until their deadline. Either way the
-    `Etcd` above moves on to another member."""
+    """aetcd's client over a channel of ours: TLS when `auth` has a CA, and a token of etcd's
+    authentication when it has a user. Its requests and watches all ask for a member with a
+    leader: a member cut off from its quorum then answers "no leader" at once, and ends its
+    watches, instead of letting reads and lease refreshes hang until their deadline. Either
+    way the `Etcd` above moves on to another member."""
+
+    _auth_off_said = False  # once per process: etcd has authentication off, our user unused
+
+    def __init__(self, *, host: str, port: int, auth: EtcdAuth, timeout: float,
+                 options: dict):
+        super().__init__(host=host, port=port, timeout=timeout, options=options)
+        self.auth = auth
+        self.member = f"{host}:{port}"
 
     async def connect(self) -> None:
-        await super().connect()
-        # aetcd has no parameter for request metadata; it sends what these hold (its own use
-        # of them is authentication, which we do not use).
-        self.metadata = _REQUIRE_LEADER
-        self._watcher._metadata = _REQUIRE_LEADER
+        # aetcd's own connect opens a plaintext channel only; this is it with TLS added.
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        try:
+            target, options = f"{self._host}:{self._port}", list(self._options.items())
+            if self.auth.tls:
+                creds = grpc.ssl_channel_credentials(self.auth.ca, self.auth.key, self.auth.cert)
+                self.channel = grpc.aio.secure_channel(target, creds, options=options)
+            else:
+                self.channel = grpc.aio.insecure_channel(target, options=options)
+            self.auth_stub = rpc.AuthStub(self.channel)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            # aetcd sends these metadata with every request and watch stream.
+            self.metadata = _REQUIRE_LEADER
+            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            try:
+                await self.authenticate()
+            except BaseException:
+                await self.channel.close()
+                self._init_channel_attrs()
+                raise
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+    async def authenticate(self) -> None:
+        """Get a (new) token for our user; without a user there is nothing to do."""
+        if self.auth.user is None:
+            return
+        request = rpc.AuthenticateRequest(name=self.auth.user, password=self.auth.password)
+        try:
+            # Authenticating goes through etcd's raft log: a member without a leader must say
+            # so at once, as for any other request, not hold it to its deadline.
+            reply = await self.auth_stub.Authenticate(request, timeout=self._timeout,
+                                                      metadata=_REQUIRE_LEADER)
+        except rpc.AioRpcError as e:
+            details = e.details() or ""
+            if "authentication failed" in details:
+                raise EtcdAuthFailed(
+                    f"etcd at {self.member} refused user {self.auth.user!r}: wrong user name "
+                    f"or password (--etcd-user; --etcd-password-file or {PASSWORD_ENV})"
+                ) from None
+            if "authentication is not enabled" in details:
+                if not _Client._auth_off_said:
+                    _Client._auth_off_said = True
+                    log.warning("etcd at %s has authentication off: user %r is not used, and "
+                                "anyone who reaches etcd can write our keys (docs/"
+                                "operations.md, 'Securing etcd')", self.member, self.auth.user)
+                return
+            raise
+        self.metadata = _REQUIRE_LEADER + (("token", reply.token),)
+        self._watcher._metadata = self.metadata
 
 
 class Etcd:
@@ -312,9 +430,13 @@ class Etcd:
     lease lapse. A call tries each member at most once.
     """
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 3.0):
+    def __init__(self, endpoint: str, *, auth: EtcdAuth | None = None, timeout_s: float = 3.0):
+        """`auth`: TLS and user (default: plaintext, no user; loopback only unless
+        `auth.insecure`)."""
         self.endpoint = endpoint
         self.members = parse_endpoints(endpoint)
+        self.auth = auth or EtcdAuth()
+        self.auth.check(endpoint, [parse_endpoint(m)[0] for m in self.members])
         self.timeout_s = timeout_s
         self._index = 0
         self._generation = 0  # bumped at each switch of member
@@ -337,7 +459,7 @@ class Etcd:
 
     def _new_client(self, member: str) -> aetcd.Client:
         host, port = parse_endpoint(member)
-        return _Client(host=host, port=port, timeout=self.timeout_s,
+        return _Client(host=host, port=port, auth=self.auth, timeout=self.timeout_s,
                        options=dict(_CHANNEL_OPTIONS))
 
     async def _switch(self, generation: int, why: Exception) -> None:
@@ -372,6 +494,7 @@ class Etcd:
         that is what is raised: the cluster has lost its quorum."""
         errors: list[Exception] = []
         overtaken = 0  # calls cut short by another thread's switch: not this member's fault
+        reauthenticated = False
         while True:
             generation, client, member = self._generation, self._client, self.member
             fut = asyncio.run_coroutine_threadsafe(call(client), self._loop)
@@ -381,12 +504,16 @@ class Etcd:
                 return result
             except (Exception, asyncio.CancelledError) as e:
                 fut.cancel()
-                error = classify(e, member)
+                error = classify(e, member, self.auth)
                 if error is None:
                     raise
                 cause = e
             if generation != self._generation and overtaken < len(self.members):
                 overtaken += 1
+                continue
+            if isinstance(error, EtcdTokenExpired) and not reauthenticated:
+                reauthenticated = True
+                self._reauthenticate(client, member)
                 continue
             errors.append(error)
             if isinstance(error, EtcdUnavailable) and error.member_fault and len(self.members) > 1:
@@ -398,6 +525,17 @@ class Etcd:
             if error is cause:
                 raise error
             raise error from cause
+
+    def _reauthenticate(self, client: _Client, member: str) -> None:
+        fut = asyncio.run_coroutine_threadsafe(client.authenticate(), self._loop)
+        try:
+            fut.result(self.timeout_s + 2.0)
+        except (Exception, asyncio.CancelledError) as e:
+            fut.cancel()
+            error = classify(e, member, self.auth)
+            if error is None:
+                raise
+            raise error from e
 
     def close(self) -> None:
         if self._closed:
@@ -480,9 +618,10 @@ class Etcd:
     def get_prefix(self, prefix: str) -> Snapshot:
         return self.snapshot([prefix])
 
-    def revision(self) -> int:
-        """etcd's current revision, read without reading any key's value."""
-        req = rpc.RangeRequest(key=b"\0", count_only=True)
+    def revision(self, key: str) -> int:
+        """etcd's current revision, read without reading any key's value. `key`: one the
+        caller may read (etcd checks the right even for a count), e.g. its key prefix."""
+        req = rpc.RangeRequest(key=key.encode(), count_only=True)
         return self._run(lambda c: self._unary(c, "kvstub", "Range", req)).header.revision
 
     # -- writes --------------------------------------------------------------------------------
@@ -586,6 +725,11 @@ class Etcd:
         resp = self._run(lambda c: self._unary(c, "maintenancestub", "Status", rpc.StatusRequest()))
         return int(resp.dbSize)
 
+    def auth_call(self, method: str, request):
+        """A call of etcd's Auth API (users, roles, enabling authentication), by its method
+        name: lazarus.core.etcd_rbac sets our users and roles up with it."""
+        return self._run(lambda c: self._unary(c, "auth_stub", method, request))
+
     # -- watches -------------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, *, start_revision: int,
                      on_events: Callable[[list[Event]], None],
@@ -612,7 +756,7 @@ class Watch:
         self.prefix = prefix
         self.next_revision = start_revision
         self._on_events = on_events
-        self._on_resync = on_resync or (lambda: etcd.revision() + 1)
+        self._on_resync = on_resync or (lambda: etcd.revision(prefix) + 1)
         self._cancelled = False
         self.task = None
 
@@ -639,7 +783,14 @@ class Watch:
             except Exception as e:
                 if self._cancelled:
                     return
-                error = classify(e, member) or e
+                error = classify(e, member, etcd.auth) or e
+                if isinstance(error, EtcdTokenExpired):
+                    try:
+                        await client.authenticate()
+                    except Exception as again:
+                        log.debug("watch on %s: authenticating again failed: %s",
+                                  self.prefix, classify(again, member, etcd.auth) or again)
+                    continue
                 if isinstance(error, (EtcdCompacted, EtcdTooLarge)):
                     # Too large: the history to catch up on does not fit one answer; the
                     # current state, re-listed in pages, does.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from lazarus.core import etcd_auth as _auth
 from lazarus.core.errors import UserError
 
 # Every key of ours lives under this prefix (lazarus.core.records.Keys).
@@ -33,13 +34,47 @@ def check_lease_ttl(ttl_s: int, *, flag: str = "--lease-ttl") -> int:
 
 
 def add_etcd_args(p: argparse.ArgumentParser, *, etcd_help: str | None = None,
-                  lease_ttl: int | None = None, lease_help: str = "lease TTL in seconds") -> None:
-    """--etcd and --root, as every process that talks to etcd takes them; --lease-ttl too when
-    `lease_ttl` gives its default."""
+                  lease_ttl: int | None = None, lease_help: str = "lease TTL in seconds",
+                  insecure_api: bool = False) -> None:
+    """--etcd and --root, how to reach etcd securely (TLS, user; lazarus.core.etcd_auth) and
+    --insecure, as every process that talks to etcd takes them; --lease-ttl too when
+    `lease_ttl` gives its default. `etcd_auth(args)` reads what they name."""
     p.add_argument("--etcd", default=os.environ.get(ETCD_ENV, DEFAULT_ETCD),
-                   help=etcd_help or "etcd endpoint HOST:PORT, or several members "
-                                     f"HOST:PORT,HOST:PORT,... (default %(default)s; env {ETCD_ENV})")
+                   help=etcd_help or "etcd endpoint HOST:PORT or https://HOST:PORT, or several "
+                                     "members HOST:PORT,HOST:PORT,... (default %(default)s; env "
+                                     f"{ETCD_ENV})")
     p.add_argument("--root", default=DEFAULT_ROOT, help="key prefix in etcd (default %(default)s)")
+    add_etcd_security_args(p, insecure_api=insecure_api)
     if lease_ttl is not None:
         p.add_argument("--lease-ttl", type=int, default=lease_ttl,
                        help=f"{lease_help} (default %(default)s, at least {MIN_LEASE_TTL_S})")
+
+
+def add_etcd_security_args(p: argparse.ArgumentParser, *, insecure_api: bool = False) -> None:
+    """TLS and user for etcd, and --insecure (which, with `insecure_api`, also lets the
+    daemon serve its API in plaintext on a non-loopback address)."""
+    g = p.add_argument_group("etcd security (docs/operations.md, 'Securing etcd')")
+    g.add_argument("--etcd-ca", metavar="FILE",
+                   help=f"TLS to etcd: the CA that signed its server certificate, PEM (env "
+                        f"{_auth.CA_ENV})")
+    g.add_argument("--etcd-cert", metavar="FILE",
+                   help=f"client certificate for etcd, PEM (env {_auth.CERT_ENV})")
+    g.add_argument("--etcd-key", metavar="FILE",
+                   help=f"private key of --etcd-cert, PEM (env {_auth.KEY_ENV})")
+    g.add_argument("--etcd-user", metavar="NAME",
+                   help=f"etcd user to authenticate as (env {_auth.USER_ENV})")
+    g.add_argument("--etcd-password-file", metavar="FILE",
+                   help=f"file holding that user's password (env "
+                        f"{_auth.PASSWORD_FILE_ENV}; or the password itself in env "
+                        f"{_auth.PASSWORD_ENV})")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow plaintext (no TLS) to a non-loopback etcd"
+                        + (" and for the API on a non-loopback address" if insecure_api else ""))
+
+
+def etcd_auth(args: argparse.Namespace) -> _auth.EtcdAuth:
+    """What add_etcd_args' security flags (or their environment variables) name, read and
+    checked: a UserError for a missing file or a user without a password."""
+    return _auth.EtcdAuth.load(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
+                               user=args.etcd_user, password_file=args.etcd_password_file,
+                               insecure=args.insecure)

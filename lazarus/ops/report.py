@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lazarus.core import settings
 from lazarus.core.errors import UserError
 from lazarus.core.records import DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError
 
@@ -95,7 +96,7 @@ def _records(path: Path, cls) -> list:
     return out
 
 
-def read_etcd(endpoint: str, keys: Keys, history: Path | None = None
+def read_etcd(endpoint: str, keys: Keys, history: Path | None = None, auth=None
               ) -> tuple[list[EventRecord], list[CheckpointRecord]]:
     """Events and checkpoint records in etcd, and in the daemon's history under `history`
     (its data dir) when given."""
@@ -107,7 +108,7 @@ def read_etcd(endpoint: str, keys: Keys, history: Path | None = None
         if not history.is_dir():
             raise UserError(f"--history {history}: no such directory (the daemon's --data-dir)")
         archive = History.at(history, keys)
-    client = E.Etcd(endpoint)
+    client = E.Etcd(endpoint, auth=auth)
     try:
         snap = client.snapshot([keys.events, keys.checkpoints])
     except E.EtcdUnavailable as e:
@@ -433,8 +434,9 @@ def screenshot(html_path: Path, png_path: Path, *, size=(1200, 800)) -> bool:
 
 def write(source: Path, *, events: Path | None = None, etcd: str | None = None,
           root: str = DEFAULT_ROOT, out: Path | None = None,
-          history: Path | None = None) -> Path:
-    """Build the report of the run in `source` (a workdir or a metrics file); returns its path."""
+          history: Path | None = None, etcd_auth=None) -> Path:
+    """Build the report of the run in `source` (a workdir or a metrics file); returns its path.
+    `etcd_auth`: TLS and user for `etcd` (lazarus.core.etcd_auth.EtcdAuth)."""
     metrics = source / "metrics.jsonl" if source.is_dir() else source
     if not metrics.is_file():
         raise UserError(f"{metrics}: no metrics file (give a workdir with metrics.jsonl, or "
@@ -444,7 +446,7 @@ def write(source: Path, *, events: Path | None = None, etcd: str | None = None,
     if history is not None and etcd is None:
         raise UserError("--history goes with --etcd (it adds to what etcd holds)")
     if etcd is not None:
-        evs, ckpts = read_etcd(etcd, Keys(root), history)
+        evs, ckpts = read_etcd(etcd, Keys(root), history, etcd_auth)
     else:
         events = events or folder / "events.jsonl"
         if not events.is_file():
@@ -469,12 +471,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--history", type=Path, help="with --etcd: also the events and checkpoint "
                    "records the daemon moved out of etcd, from its data dir (--data-dir)")
     p.add_argument("--root", default=DEFAULT_ROOT, help="key prefix in etcd (default %(default)s)")
+    settings.add_etcd_security_args(p)
     p.add_argument("--out", type=Path, help="the HTML page (default: report.html next to the "
                    "metrics)")
     p.add_argument("--png", type=Path, help="also a screenshot of the page (needs chromium)")
     args = p.parse_args(argv)
     out = write(args.source, events=args.events, etcd=args.etcd, root=args.root, out=args.out,
-                history=args.history)
+                history=args.history,
+                etcd_auth=settings.etcd_auth(args) if args.etcd is not None else None)
     print(out)
     if args.png is not None:
         if screenshot(out, args.png):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
 from lazarus.core import etcd as E
 from lazarus.core import settings
@@ -17,11 +17,11 @@ def main(argv: list[str]) -> int:
     settings.add_etcd_args(p)
     args = p.parse_args(argv)
     spec = jobspec.load(args.job)  # every check before anything is written
-    etcd = E.Etcd(args.etcd)
+    etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     try:
         etcd.put(Keys(args.root).job, spec.to_json())
     except E.EtcdUnavailable as e:
-        print(f"lazarus submit: error: {e}")
+        print(f"lazarus submit: error: {e}", file=sys.stderr)
         return 1
     finally:
         etcd.close()

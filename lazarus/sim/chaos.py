@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
         path = inject_gpu_fault(Path(args.workdir), args.node, args.kind)
         print(f"{args.kind} on {args.node}: written to {path}")
         return 0
-    keys, etcd = Keys(args.root), E.Etcd(args.etcd)
+    keys, etcd = Keys(args.root), E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     try:
         if args.kind == "kill-daemon":
             kv = etcd.get(keys.leader)

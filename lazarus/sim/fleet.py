@@ -197,7 +197,7 @@ class Leases:
     def start(self) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "lazarus.sim.leasekeeper", self.etcd.endpoint,
-             str(self.ttl_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+             str(self.ttl_s), *self.etcd.auth.args()], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             bufsize=1, preexec_fn=die_with_parent)
         self._reader = threading.Thread(target=self._read, daemon=True, name="fleet-leases")
         self._reader.start()
@@ -282,7 +282,7 @@ class RunFollower:
 
     def start(self) -> None:
         rev = E.retry(lambda: self.etcd.snapshot([self.keys.status]), deadline_s=30).revision
-        resync = lambda: self.etcd.revision() + 1
+        resync = lambda: self.etcd.revision(self.keys.root) + 1
         self._watches = [
             self.etcd.watch_prefix(self.keys.root + "run/", start_revision=rev + 1,
                                    on_events=self._on_run, on_resync=resync),

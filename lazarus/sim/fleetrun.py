@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import statistics
 import subprocess
 import sys
@@ -28,13 +29,14 @@ from pathlib import Path
 import psutil
 
 from lazarus.core import etcd as E
-from lazarus.core import jobspec, logs
+from lazarus.core import jobspec, logs, settings
 from lazarus.core.embedded_etcd import (
     COMPACTION_RETENTION,
     EmbeddedEtcd,
     die_with_parent,
 )
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import EtcdAuth
 from lazarus.core.records import Keys
 from lazarus.daemon.compaction import COMPACT_EVERY_S
 from lazarus.sim.fleet import Fault, Fleet, FleetConfig, describe
@@ -65,13 +67,14 @@ class ControlPlane:
     process against it, logging to workdir/daemon.log."""
 
     def __init__(self, workdir: Path, *, endpoint: str | None = None,
-                 daemon_args: list[str] | None = None,
+                 auth: EtcdAuth | None = None, daemon_args: list[str] | None = None,
                  compaction_retention: str = COMPACTION_RETENTION):
         self.workdir = workdir
         self.embedded = None if endpoint else EmbeddedEtcd(
             workdir / "etcd", compaction_retention=compaction_retention)
         self.endpoint = endpoint
-        self.daemon_args = list(daemon_args or [])
+        self.auth = auth or EtcdAuth()
+        self.daemon_args = [*self.auth.args(), *(daemon_args or [])]
         self.daemon: subprocess.Popen | None = None
         self.daemon_log = workdir / "daemon.log"
 
@@ -101,9 +104,15 @@ class ControlPlane:
                 if self.embedded is not None and self.embedded.running else None)
 
     def metrics(self) -> dict[str, float]:
-        """etcd's Prometheus counters and gauges (unlabelled ones), from its client URL."""
-        with urllib.request.urlopen(f"http://{self.endpoint.split(',')[0]}/metrics",
-                                    timeout=5) as resp:
+        """etcd's Prometheus counters and gauges (unlabelled ones), from its metrics URL
+        (embedded) or client URL."""
+        if self.embedded is not None:
+            url, context = self.embedded.metrics_url, None
+        elif self.auth.tls:
+            url, context = f"https://{self.endpoint.split(',')[0]}/metrics", _tls_context(self.auth)
+        else:
+            url, context = f"http://{self.endpoint.split(',')[0]}/metrics", None
+        with urllib.request.urlopen(url, timeout=5, context=context) as resp:
             text = resp.read().decode()
         out = {}
         for line in text.splitlines():
@@ -204,6 +213,13 @@ class Figures:
         return "\n".join(lines)
 
 
+def _tls_context(auth: EtcdAuth) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=auth.ca.decode())
+    if "cert" in auth.files:
+        context.load_cert_chain(auth.files["cert"], auth.files["key"])
+    return context
+
+
 class FleetRun:
     """The control plane, the fleet, and the phases that measure them. `compression`: how
     much faster time runs in the compressed day; etcd's compaction (embedded) and the
@@ -211,12 +227,12 @@ class FleetRun:
     the compaction window -- is the same as at the real pace."""
 
     def __init__(self, config: FleetConfig, workdir: Path, *, endpoint: str | None = None,
-                 compression: float = 1.0):
+                 auth: EtcdAuth | None = None, compression: float = 1.0):
         self.config = config
         self.workdir = workdir
         self.compression = compression
         window_s = COMPACT_EVERY_S / compression
-        self.plane = ControlPlane(workdir, endpoint=endpoint,
+        self.plane = ControlPlane(workdir, endpoint=endpoint, auth=auth,
                                   daemon_args=["--compact-every", f"{window_s:g}"],
                                   compaction_retention=f"{max(1, round(window_s))}s")
         self.keys = Keys()
@@ -227,7 +243,7 @@ class FleetRun:
     def __enter__(self) -> FleetRun:  # noqa: PYI034
         try:
             self.plane.start()
-            self.etcd = E.Etcd(self.plane.endpoint)
+            self.etcd = E.Etcd(self.plane.endpoint, auth=self.plane.auth)
             self.fleet = Fleet(self.etcd, self.keys, self.config,
                                scratch=self.workdir / "scratch")
         except BaseException:
@@ -264,11 +280,11 @@ class FleetRun:
         me, server = psutil.Process(), self.plane.etcd_process()
         cpu0, _ = self.plane.daemon_usage()
         sim0, etcd0 = _cpu(me), _cpu(server)
-        rev0, t0 = self.etcd.revision(), time.monotonic()
+        rev0, t0 = self.etcd.revision(self.keys.root), time.monotonic()
         status0 = self.fleet.counts()["status"]
         time.sleep(seconds)
         cpu1, rss = self.plane.daemon_usage()
-        rev1, t1 = self.etcd.revision(), time.monotonic()
+        rev1, t1 = self.etcd.revision(self.keys.root), time.monotonic()
         f = self.figures
         f.sim_cores = (_cpu(me) - sim0) / (t1 - t0)
         f.etcd_cores = (_cpu(server) - etcd0) / (t1 - t0) if server else None
@@ -300,7 +316,7 @@ class FleetRun:
         fleet.config.status_period_s = self.config.status_period_s / compression
         samples: list[tuple[float, int, float]] = []
         t0 = time.monotonic()
-        rev0 = self.etcd.revision()
+        rev0 = self.etcd.revision(self.keys.root)
         next_fault, next_sample, faults = t0 + fault_every_s / 2, t0, 0
         while (now := time.monotonic()) < t0 + wall_s:
             if now >= next_sample:
@@ -322,7 +338,7 @@ class FleetRun:
         self.figures.day = {
             "wall_s": wall, "compression": compression,
             "simulated_h": wall * compression / 3600, "faults": faults,
-            "writes_per_s": (self.etcd.revision() - rev0) / wall,
+            "writes_per_s": (self.etcd.revision(self.keys.root) - rev0) / wall,
             "db_end": int(m.get("etcd_mvcc_db_total_size_in_bytes", 0)),
             "in_use_end": m.get("etcd_mvcc_db_total_size_in_use_in_bytes", 0.0),
             "db_peak": max(s[1] for s in samples),
@@ -355,7 +371,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, default=8, help="ranks per node (default %(default)s)")
     p.add_argument("--etcd", default=None,
                    help="etcd HOST:PORT[,HOST:PORT...] to use (default: an embedded one); "
-                        "give it to yourself: the fleet writes under the default key root")
+                        "give it to yourself: the fleet writes under the default key root "
+                        "(its user needs the daemon's rights)")
+    settings.add_etcd_security_args(p)
     p.add_argument("--step-time", type=float, default=None,
                    help="seconds per training step (default: one agent message per rank "
                         "and step, at most ~4,000 a second)")
@@ -382,11 +400,13 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--{name.replace('_', '-')} must not be negative")
     if not args.compression >= 1:
         raise UserError("--compression must be at least 1")
+    auth = settings.etcd_auth(args)
     if args.etcd is not None:
-        E.parse_endpoints(args.etcd)
+        auth.check(args.etcd, [E.parse_endpoint(m)[0] for m in E.parse_endpoints(args.etcd)])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lazarus-fleet-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    with FleetRun(config, workdir, endpoint=args.etcd, compression=args.compression) as run:
+    with FleetRun(config, workdir, endpoint=args.etcd, auth=auth,
+                  compression=args.compression) as run:
         run.start()
         if args.steady:
             run.steady(args.steady)

@@ -11,11 +11,13 @@ knows are named on stdout.
     stdout  "lost ID ..." leases etcd did not renew; "late S" a renewal round that started
             S seconds behind its schedule (more than a tenth of the TTL)
 
-Run as `python -m lazarus.sim.leasekeeper ENDPOINT TTL_S` (the fleet starts it).
+Run as `python -m lazarus.sim.leasekeeper ENDPOINT TTL_S [--etcd-ca ...]` (the fleet starts
+it, with its own etcd flags).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import selectors
 import sys
@@ -24,6 +26,8 @@ import time
 from aetcd import rpc
 
 from lazarus.core import etcd as E
+from lazarus.core import settings
+from lazarus.core.etcd_auth import EtcdAuth
 
 # Leases renewed per keep-alive stream: etcd answers a stream's requests one by one, in order.
 PER_STREAM = 2048
@@ -42,8 +46,8 @@ async def _renew(client, leases: list[int], timeout_s: float) -> dict[int, int]:
     return ttls
 
 
-def keep(endpoint: str, ttl_s: float) -> None:
-    etcd = E.Etcd(endpoint)
+def keep(endpoint: str, ttl_s: float, auth: EtcdAuth | None = None) -> None:
+    etcd = E.Etcd(endpoint, auth=auth)
     live: set[int] = set()
     period = ttl_s / 3
     due = time.monotonic() + period
@@ -85,5 +89,14 @@ def keep(endpoint: str, ttl_s: float) -> None:
         etcd.close()
 
 
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="python -m lazarus.sim.leasekeeper")
+    p.add_argument("endpoint")
+    p.add_argument("ttl_s", type=float)
+    settings.add_etcd_security_args(p)
+    args = p.parse_args(argv)
+    keep(args.endpoint, args.ttl_s, settings.etcd_auth(args))
+
+
 if __name__ == "__main__":
-    keep(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1:])

@@ -3,6 +3,11 @@
 Every part is a real process talking over real sockets; each node is an agent process with its
 own ranks (gloo on CPU). Used by `lazarus up` and by the end-to-end tests, which stop parts by
 pid to inject faults.
+
+etcd runs in secure mode by default (lazarus.core.etcd_secure), as a production etcd should:
+TLS with client certificates and authentication on; daemons get the `lazarus-daemon` user,
+agents the `lazarus-agent` one (lazarus.core.etcd_rbac). So the secure path is the one every
+demo and end-to-end test takes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_rbac import AGENT_USER, DAEMON_USER
 from lazarus.core.jobspec import JobSpec
 from lazarus.sim import trainer_faults
 from lazarus.sim.chaos import inject_gpu_fault, inject_slowdown, slowdown_script
@@ -59,11 +65,13 @@ class ClusterState:
 
 class LocalCluster:
     """`lease_ttl_s` applies to agents and daemons: it is the node-loss detection time and the
-    leader failover time of this cluster."""
+    leader failover time of this cluster. `secure`: the embedded etcd it starts runs in
+    secure mode (one a caller starts is as the caller made it)."""
 
     def __init__(self, workdir: Path, *, lease_ttl_s: int = LOCAL_LEASE_TTL_S,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", secure: bool = True):
         self.workdir = workdir
+        self.secure = secure
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level
         self.keys = Keys()
@@ -104,13 +112,21 @@ class LocalCluster:
     def start_etcd(self, server: EmbeddedEtcd | EmbeddedCluster | None = None) -> None:
         """One embedded etcd, or `server` started by the caller (a several-member cluster:
         every process then gets all of its members as --etcd)."""
-        self.etcd_server = server or EmbeddedEtcd(self.workdir / "etcd").start()
-        self.etcd = E.Etcd(self.endpoint)
+        self.etcd_server = server or EmbeddedEtcd(self.workdir / "etcd",
+                                                  secure=self.secure).start()
+        # What the tests and `lazarus up` do through it (submit, read, inject) is the
+        # daemon's and the operator's to do.
+        self.etcd = E.Etcd(self.endpoint, auth=self.etcd_server.auth(DAEMON_USER))
+
+    def etcd_args(self, user: str) -> list[str]:
+        """The etcd flags of a process of ours that acts as `user`."""
+        assert self.etcd_server is not None
+        return ["--etcd", self.endpoint, *self.etcd_server.auth(user).args()]
 
     def start_daemon(self) -> Proc:
         api = f"127.0.0.1:{free_port()}"
         proc = self._spawn(f"daemon-{len(self.daemons)}",
-                           ["daemon", "--etcd", self.endpoint, "--lease-ttl",
+                           ["daemon", *self.etcd_args(DAEMON_USER), "--lease-ttl",
                             str(self.lease_ttl_s), "--log-level", self.log_level,
                             "--api", api, "--token-file", str(self.token_file),
                             "--endpoint-file", "",
@@ -122,7 +138,7 @@ class LocalCluster:
 
     def start_agent(self, node: str, *, nproc: int, role: str) -> Proc:
         proc = self._spawn(f"agent-{node}",
-                           ["agent", "--etcd", self.endpoint, "--node", node, "--nproc",
+                           ["agent", *self.etcd_args(AGENT_USER), "--node", node, "--nproc",
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",

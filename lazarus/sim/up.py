@@ -325,6 +325,8 @@ def run(args: argparse.Namespace) -> dict:
         cluster.agent_args += agent_args
         cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()
+        say(f"etcd: {cluster.endpoint}, TLS with client certificates and authentication on "
+            f"(certificates and passwords in {cluster.etcd_server.security.directory})")
         cluster.start_daemon()
         cluster.start_daemon()
         _publish_api(cluster)

@@ -35,3 +35,36 @@ def test_a_misspelt_field_fails(tmp_path):
     bad.write_text(text.replace("dnsPolicy:", "dnsPolcy:"))
     proc = _validate(bad)
     assert proc.returncode != 0 and "dnsPolcy" in proc.stdout + proc.stderr
+
+
+def _containers(path: Path) -> dict[str, dict]:
+    import yaml
+
+    out = {}
+    for doc in yaml.safe_load_all(path.read_text()):
+        spec = (doc or {}).get("spec", {})
+        for c in spec.get("template", {}).get("spec", {}).get("containers", []):
+            out[c["name"]] = c
+    return out
+
+
+def test_etcd_is_tls_only_and_every_client_signs_in_with_its_own_user():
+    etcd = _containers(DEPLOY / "etcd.yaml")
+    args = etcd["etcd"]["args"]
+    assert "--client-cert-auth" in args and "--peer-client-cert-auth" in args
+    urls = [a.split("=", 1)[1] for a in args if a.startswith(("--listen-client-urls",
+                                                              "--listen-peer-urls"))]
+    assert urls and all(u.startswith("https://") for u in urls), urls
+    lazarus = _containers(DEPLOY / "lazarus.yaml")
+    users = {}
+    for name, c in {**lazarus, "enable-auth": etcd["enable-auth"]}.items():
+        text = " ".join(c.get("args", []))
+        assert "--etcd https://" in text, name
+        assert "--insecure" not in text, name
+        env = {e["name"]: e for e in c.get("env", [])}
+        users[name] = env.get("LAZARUS_ETCD_USER", {}).get("value")
+        if users[name]:  # its password from the Secret, never in the manifest
+            ref = env["LAZARUS_ETCD_PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "etcd-users", "key": f"{users[name]}.password"}
+    assert users == {"daemon": "lazarus-daemon", "agent": "lazarus-agent", "enable-auth": None}
+    assert "--tls-cert" in lazarus["daemon"]["args"]  # the API on 0.0.0.0 is TLS

@@ -100,6 +100,10 @@ def test_sbatch_runs_the_job_to_success_with_a_spare(tmp_path):
     steps = [json.loads(line)["step"] for line in
              (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == STEPS
+    # etcd ran TLS-only with authentication on; nobody can issue more of the job's certificates.
+    assert "etcd authentication enabled" in (logs / "etcd-auth.log").read_text()
+    assert "--client-cert-auth" in (SBATCH.read_text())
+    assert (logs / "pki" / "ca.pem").exists() and not (logs / "pki" / "ca-key.pem").exists()
     # Nothing left running, and etcd's data (on the "node's" own disk) removed.
     assert leftover == [], leftover
     assert not list(tmp_path.glob("lazarus-etcd-*"))

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
+from lazarus.core.etcd_rbac import AGENT_USER, DAEMON_USER
+from lazarus.core.etcd_secure import LOOPBACK
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 UNITS = ("lazarus-daemon", "lazarus-agent")
@@ -105,29 +107,46 @@ def _env_file(path: Path) -> dict[str, str]:
                 if line and not line.startswith("#"))
 
 
+def _credentials(unit: Path, security, dest: Path) -> Path:
+    """What the unit's LoadCredential= lines hand it, from a secure etcd's files: the
+    credentials directory, %d."""
+    user = DAEMON_USER if unit.stem == "lazarus-daemon" else AGENT_USER
+    api = security.ca.issue("api", server=True, hosts=LOOPBACK)
+    files = {"etcd-ca": security.ca.ca_file, "etcd-cert": security.client.cert,
+             "etcd-key": security.client.key, "etcd-password": security.password_files[user],
+             "api-cert": api.cert, "api-key": api.key}
+    dest.mkdir()
+    (dest / "token").write_text("deploy-test-token\n")
+    loaded = re.findall(r"^LoadCredential=([\w-]+):", unit.read_text(), re.M)
+    for name in loaded:
+        if name != "token":
+            (dest / name).write_bytes(files[name].read_bytes())
+    return dest
+
+
 @pytest.mark.e2e
 def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
     units = _render(tmp_path)
-    token = tmp_path / "credentials" / "token"
-    token.parent.mkdir()
-    token.write_text("deploy-test-token\n")
     api = f"127.0.0.1:{free_port()}"
     procs = []
-    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+    # etcd as the units expect it: TLS with client certificates, authentication on
+    with EmbeddedEtcd(tmp_path / "etcd", secure=True) as etcd:
         # lazarus.env as shipped, but for this machine: its etcd, a local API, a spare node.
-        env = {**_env_file(DEPLOY / "lazarus.env"), "LAZARUS_ETCD": etcd.endpoint,
+        env = {**_env_file(DEPLOY / "lazarus.env"), "LAZARUS_ETCD": f"https://{etcd.endpoint}",
                "LAZARUS_API": api, "LAZARUS_WORKDIR": str(tmp_path / "work"),
                "LAZARUS_NPROC": "1", "LAZARUS_ROLE": "spare"}
-        specifiers = {"%H": "localhost", "%d": str(token.parent)}
         try:
             for unit in units:
+                creds = _credentials(unit, etcd.security, tmp_path / f"credentials-{unit.stem}")
+                specifiers = {"%H": "localhost", "%d": str(creds)}
                 log = open(tmp_path / f"{unit.stem}.log", "wb")
                 procs.append(subprocess.Popen(
                     _exec_start(unit, env, specifiers), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                     env={**os.environ, **env}))
                 log.close()
-            nodes = _wait_for_nodes(api, token, procs, tmp_path)
+            nodes = _wait_for_nodes(api, tmp_path / "credentials-lazarus-daemon", procs,
+                                    tmp_path)
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
@@ -138,14 +157,15 @@ def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
     assert [proc.returncode for proc in procs] == [0, 0]
 
 
-def _wait_for_nodes(api: str, token: Path, procs: list[subprocess.Popen], logs: Path) -> list:
+def _wait_for_nodes(api: str, creds: Path, procs: list[subprocess.Popen], logs: Path) -> list:
     """`lazarus nodes --json` once the agent has registered (a hang guard, not a timing)."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         for proc in procs:
             assert proc.poll() is None, f"{proc.args[1]} exited; logs in {logs}"
         out = subprocess.run([str(Path(sys.prefix) / "bin" / "lazarus"), "nodes", "--address",
-                              api, "--token-file", str(token), "--json"],
+                              api, "--token-file", str(creds / "token"), "--tls-ca",
+                              str(creds / "etcd-ca"), "--json"],
                              capture_output=True, text=True, timeout=60)
         if out.returncode == 0:
             nodes = json.loads(out.stdout).get("nodes", [])

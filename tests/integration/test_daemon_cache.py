@@ -65,7 +65,7 @@ def _random_changes(etcd: E.Etcd, keys: Keys, rng: random.Random, count: int) ->
 
 
 def _same(informer: Informer, mirror: dict, sub, etcd: E.Etcd, keys: Keys) -> None:
-    assert informer.wait_for(etcd.revision(), 10)
+    assert informer.wait_for(etcd.revision("/"), 10)
     fresh = etcd.snapshot(prefixes(keys))
     assert informer.snapshot().kvs == fresh.kvs
     _, changes = sub.drain()
@@ -92,7 +92,7 @@ def test_the_cache_equals_a_fresh_read_through_writes_compactions_and_a_relist(t
             mirror: dict = {}
             for _ in range(3):
                 _random_changes(writer, keys, rng, 150)
-                writer.compact(writer.revision())  # a watch that keeps up is not disturbed
+                writer.compact(writer.revision("/"))  # a watch that keeps up is not disturbed
                 _same(informer, mirror, sub, writer, keys)
             assert informer.lists == 1
 
@@ -101,7 +101,7 @@ def test_the_cache_equals_a_fresh_read_through_writes_compactions_and_a_relist(t
             frozen = cluster.members[0].proc
             frozen.send_signal(signal.SIGSTOP)
             E.retry(lambda: _random_changes(writer, keys, rng, 150), deadline_s=30)
-            writer.compact(writer.revision())
+            writer.compact(writer.revision("/"))
             frozen.kill()
             frozen.wait()
             _until(lambda: informer.lists == 2, "the re-list")

@@ -2,6 +2,9 @@
 quorum, and an etcd that runs out of space. Real etcd processes, a real daemon and agents,
 gloo ranks; faults are SIGKILLs and a database filled from the test.
 
+The cluster runs in secure mode (TLS, client certificates, authentication), as `lazarus up`'s
+etcd does: a client moving to another member, or back to a restarted one, signs in there.
+
 What must hold each time: nothing is evicted or restarted because etcd was impaired, the
 ranks keep stepping, and the run finishes SUCCEEDED once etcd is whole again (the ranks may
 be done by then: their success is written when etcd takes writes again).
@@ -74,7 +77,7 @@ def assert_untouched(cluster: LocalCluster, final, steps: int, metrics: Path) ->
 
 def test_one_member_of_three_killed_mid_run_changes_nothing(tmp_path):
     steps, metrics = 40, tmp_path / "metrics.jsonl"
-    with EmbeddedCluster(tmp_path / "etcd") as members, \
+    with EmbeddedCluster(tmp_path / "etcd", secure=True) as members, \
             LocalCluster(tmp_path / "cluster") as cluster:
         start(cluster, members, steps=steps, metrics=metrics)
         wait_steps(metrics, 5, timeout=90, what="step 5")
@@ -86,7 +89,7 @@ def test_one_member_of_three_killed_mid_run_changes_nothing(tmp_path):
 
 def test_majority_lost_stops_control_not_training_and_quorum_back_resumes_it(tmp_path):
     steps, metrics = 100, tmp_path / "metrics.jsonl"
-    with EmbeddedCluster(tmp_path / "etcd") as members, \
+    with EmbeddedCluster(tmp_path / "etcd", secure=True) as members, \
             LocalCluster(tmp_path / "cluster") as cluster:
         start(cluster, members, steps=steps, metrics=metrics)
         wait_steps(metrics, 5, timeout=90, what="step 5")
@@ -127,7 +130,7 @@ def test_nospace_is_survived_told_and_cleared(tmp_path):
         assert all(p.alive for p in [*cluster.agents.values(), *cluster.daemons])
         # The operator's way out (docs/operations.md): compact, defragment, disarm.
         etcd.delete("/ballast/", prefix=True)
-        etcd.compact(etcd.revision())
+        etcd.compact(etcd.revision("/"))
         etcd.defragment()
         for alarm in etcd.alarms():
             etcd.disarm(alarm)

@@ -37,7 +37,7 @@ def fill(etcd: E.Etcd, prefix: str) -> int:
 def free(etcd: E.Etcd, prefix: str) -> None:
     """What docs/operations.md tells an operator to do."""
     etcd.delete(prefix, prefix=True)
-    etcd.compact(etcd.revision())
+    etcd.compact(etcd.revision("/"))
     etcd.defragment()
     for alarm in etcd.alarms():
         etcd.disarm(alarm)
@@ -95,13 +95,13 @@ def test_reads_larger_than_grpc_allows_are_paged_at_one_revision(etcd, keys):
 def test_a_watch_whose_revision_was_compacted_relists_and_goes_on(etcd, keys):
     first = etcd.put(keys.root + "a", b"1")
     etcd.put(keys.root + "a", b"2")
-    etcd.compact(etcd.revision())
+    etcd.compact(etcd.revision("/"))
     resynced = threading.Event()
     seen: list[bytes] = []
 
     def resync() -> int:
         resynced.set()
-        return etcd.revision() + 1
+        return etcd.revision("/") + 1
 
     watch = etcd.watch_prefix(keys.root, start_revision=first,
                               on_events=lambda evs: seen.extend(e.kv.value for e in evs),
@@ -121,7 +121,7 @@ def test_a_watch_whose_revision_was_compacted_relists_and_goes_on(etcd, keys):
 def test_the_leader_compacts_what_is_old_enough_and_consumed(etcd, keys):
     old = etcd.put(keys.root + "k", b"0")
     consumed = [old]
-    compactor = Compactor(etcd, every_s=0.3, keep_s=0.5, consumed=lambda: consumed[0])
+    compactor = Compactor(etcd, root="/", every_s=0.3, keep_s=0.5, consumed=lambda: consumed[0])
     assert compactor.tick(leading=False) is None
     deadline = time.monotonic() + 10
     done = None
@@ -130,7 +130,7 @@ def test_the_leader_compacts_what_is_old_enough_and_consumed(etcd, keys):
         done = compactor.tick(leading=True)
         time.sleep(0.05)
     assert done == old  # not past what our watch consumed, though newer revisions are old enough
-    consumed[0] = etcd.revision()
+    consumed[0] = etcd.revision("/")
     deadline = time.monotonic() + 10
     later = None
     while later is None and time.monotonic() < deadline:
@@ -140,7 +140,7 @@ def test_the_leader_compacts_what_is_old_enough_and_consumed(etcd, keys):
     assert later is not None and old < later <= consumed[0]
     compacted = threading.Event()
     watch = etcd.watch_prefix(keys.root, start_revision=old + 1, on_events=lambda _e: None,
-                              on_resync=lambda: compacted.set() or etcd.revision() + 1)
+                              on_resync=lambda: compacted.set() or etcd.revision("/") + 1)
     try:
         assert compacted.wait(10)  # history before `later` is gone
     finally:
@@ -153,7 +153,7 @@ def test_a_client_of_three_members_rides_out_one_loss_and_tells_a_lost_quorum(tm
         seen: list[str] = []
         try:
             session = E.Session(etcd, ttl_s=3)
-            watch = etcd.watch_prefix("/w/", start_revision=etcd.revision() + 1,
+            watch = etcd.watch_prefix("/w/", start_revision=etcd.revision("/") + 1,
                                       on_events=lambda evs: seen.extend(e.kv.key for e in evs))
             etcd.put("/w/1", b"")
             cluster.members[0].kill()  # the member this client talks to

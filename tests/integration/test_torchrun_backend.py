@@ -161,3 +161,26 @@ def test_bad_rendezvous_options_are_named(endpoint, conf, message):
     params = RendezvousParameters("lazarus-etcd", endpoint, "job", 1, 2, **conf)
     with pytest.raises(ValueError, match=message):
         make_handler(params)
+
+
+def test_a_secure_etcd_is_reached_with_the_tls_files_and_user_of_rdzv_conf():
+    """torchrun hands --rdzv-conf over as strings: the TLS files and user come through."""
+    with EmbeddedEtcd(secure=True) as server:
+        security = server.security
+        conf = ",".join([f"etcd_ca={security.ca.ca_file}", f"etcd_cert={security.client.cert}",
+                         f"etcd_key={security.client.key}", "etcd_user=lazarus-daemon",
+                         f"etcd_password_file={security.password_files['lazarus-daemon']}"])
+        lines = run_job(f"https://{server.endpoint}", new_run_id(), nodes=1, nnodes="1",
+                        rdzv_conf=conf)
+    assert [line for line in lines if line.startswith("result ")] == ["result rank=0 world=1 sum=1"]
+
+
+@pytest.mark.parametrize("conf, message", [
+    ({"etcd_user": "trainer"}, "--etcd-user trainer needs its password"),
+    ({"etcd_cert": "/etc/x.pem"}, "a client certificate needs both --etcd-cert and --etcd-key"),
+    ({"etcd_ca": "/no/such/ca.pem"}, "--etcd-ca /no/such/ca.pem: cannot read it"),
+])
+def test_bad_etcd_security_options_are_named(conf, message):
+    params = RendezvousParameters("lazarus-etcd", "127.0.0.1:2379", "job", 1, 2, **conf)
+    with pytest.raises(ValueError, match=f"--rdzv-conf: {message}"):
+        make_handler(params)

@@ -14,6 +14,7 @@ from grpc.aio import AioRpcError, Metadata
 
 from lazarus.core import etcd as E
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import EtcdAuth
 from lazarus.core.records import RECOVERING, RUNNING, NodeRecord, RoundRecord, RunStatus
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.etcdhealth import evicted, lease_grace_s
@@ -47,7 +48,10 @@ def as_aetcd_raises(code: grpc.StatusCode, details: str) -> Exception:
     (S.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted",
      E.EtcdCompacted, False),
     (S.INVALID_ARGUMENT, "etcdserver: request is too large", E.EtcdRefused, False),
-    (S.PERMISSION_DENIED, "etcdserver: permission denied", E.EtcdRefused, False),
+    (S.PERMISSION_DENIED, "etcdserver: permission denied", E.EtcdPermissionDenied, False),
+    (S.UNKNOWN, "auth: permission denied", E.EtcdPermissionDenied, False),
+    (S.FAILED_PRECONDITION, "etcdserver: user name not found", E.EtcdPermissionDenied, False),
+    (S.UNAUTHENTICATED, "etcdserver: invalid auth token", E.EtcdTokenExpired, False),
     (S.FAILED_PRECONDITION, "etcdserver: something new", E.EtcdRefused, False),
 ])
 def test_grpc_errors_map_onto_our_types(code, details, kind, member_fault):
@@ -55,6 +59,30 @@ def test_grpc_errors_map_onto_our_types(code, details, kind, member_fault):
     assert type(got) is kind
     assert isinstance(got, E.EtcdUnavailable)  # a loop catching it survives
     assert got.member_fault is member_fault
+
+
+@pytest.mark.parametrize("details, expect", [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.1:2379: Tls "
+     "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:"
+     "OPENSSL_internal:CERTIFICATE_VERIFY_FAILED", "is its server certificate signed by "
+                                                  "--etcd-ca and valid for 10.0.0.1:2379?"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:10.0.0.1:2379: "
+     "Unwrap failed (TSI_DATA_CORRUPTED)", "it asks for a client certificate"),
+])
+def test_tls_failures_say_which_certificate_to_fix(details, expect):
+    tls = EtcdAuth(ca=b"-----BEGIN CERTIFICATE-----")
+    got = E.classify(as_aetcd_raises(S.UNAVAILABLE, details), "10.0.0.1:2379", tls)
+    assert type(got) is E.EtcdTLSError and got.member_fault and expect in str(got)
+    # without TLS the same words are not ours to explain
+    assert type(E.classify(as_aetcd_raises(S.UNAVAILABLE, details), "10.0.0.1:2379")) \
+        is E.EtcdUnavailable
+
+
+def test_permission_denied_names_the_user_or_its_absence():
+    denied = as_aetcd_raises(S.PERMISSION_DENIED, "etcdserver: permission denied")
+    assert "etcd user 'lazarus-agent' has no right to it" in str(
+        E.classify(denied, "m:1", EtcdAuth(user="lazarus-agent", password="x")))
+    assert "no --etcd-user was given and etcd requires one" in str(E.classify(denied, "m:1"))
 
 
 def test_a_forgotten_lease_is_lease_lost_not_an_outage():
