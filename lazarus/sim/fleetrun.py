@@ -323,6 +323,8 @@ class FleetRun:
                 m = self.plane.metrics()
                 samples.append((now - t0, int(m.get("etcd_mvcc_db_total_size_in_bytes", 0)),
                                 m.get("etcd_mvcc_db_total_size_in_use_in_bytes", 0.0)))
+                log.info("day +%.0f s: etcd DB %.1f MB on disk, %.1f MB in use", samples[-1][0],
+                         samples[-1][1] / 1e6, samples[-1][2] / 1e6)
                 next_sample = now + sample_every_s
             if now >= next_fault:
                 kind = "node_lost" if faults % 2 == 0 else "worker_crash"

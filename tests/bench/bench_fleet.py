@@ -38,6 +38,7 @@ STEADY_S = 60
 SIMULATED_FAULT_EVERY_S = 300
 
 
+@pytest.mark.timeout(3600)  # 4,096 nodes: start-up, a minute of steady running, 6 faults, the day
 @pytest.mark.parametrize("nodes", SIZES)
 def test_control_plane_at_scale(nodes, tmp_path):
     config = fleet_config(nodes, checkpoint_every=10)
