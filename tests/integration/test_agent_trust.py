@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.agent.adopt import start_time
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.service import Agent
+from tests.integration.test_agent_adopt import ROUND, _agent_died, _run_status
 
 # A process that talks on the channel, from `depth` generations below the one started: it
 # waits for a go line on stdin (so the test knows its pid first), connects, sends a message
@@ -37,6 +39,30 @@ except ConnectionError:  # closed with our message unread
     answer = ""
 print("answered" if answer else "hung up", flush=True)
 """
+
+
+# A rank of round ROUND as the trainer runs one: it reconnects to the next agent on the same
+# socket, and, told to, asks that agent whether it may commit until it gets an answer.
+RANK = f"""
+import sys, time
+from lazarus.trainer.session import Session
+session = Session(socket_path=sys.argv[1], rank=0, round={ROUND}, agent_grace_s=60)
+print("connected", flush=True)
+sys.stdin.readline()
+deadline = time.monotonic() + 60
+while not (ok := session.may_commit(12)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("may_commit", ok, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start_agent(etcd, keys, workdir: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "agent", "--etcd", etcd.endpoint, "--root",
+             keys.root, "--node", "n0", "--workdir", str(workdir), "--no-park",
+             "--monitors", "off", "--lease-ttl", "10"], stdout=out, stderr=subprocess.STDOUT)
 
 
 def _client(script: Path, path: str, depth: int = 0) -> subprocess.Popen:
@@ -92,11 +118,7 @@ def test_only_workers_and_what_they_start_may_talk_to_the_agent(tmp_path, caplog
 def test_an_agent_hangs_up_on_a_process_it_did_not_start(etcd, keys, tmp_path):
     workdir = tmp_path / "agent"  # created by the agent
     log = tmp_path / "agent.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "agent", "--etcd", etcd.endpoint, "--root",
-             keys.root, "--node", "n0", "--workdir", str(workdir), "--no-park",
-             "--monitors", "off", "--lease-ttl", "3"], stdout=out, stderr=subprocess.STDOUT)
+    agent = _start_agent(etcd, keys, workdir, log)
     try:
         sock = workdir / "n0.sock"
         deadline = time.monotonic() + 60
@@ -112,6 +134,39 @@ def test_an_agent_hangs_up_on_a_process_it_did_not_start(etcd, keys, tmp_path):
         agent.wait(timeout=60)
     text = log.read_text()
     assert text.count(f"refused a connection to {sock} from pid {os.getpid()}") == 1, text
+
+
+def test_a_rank_left_by_the_previous_agent_is_admitted_by_the_next(etcd, keys, tmp_path):
+    """The ranks a new agent adopts are not its descendants (their parent was the agent
+    before it): they are admitted as its workers all the same."""
+    workdir = tmp_path / "agent"
+    workdir.mkdir(mode=0o700)
+    sock = str(workdir / "n0.sock")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    # The agent before: this test process, whose child the rank is.
+    before = Channel(sock, on_message=lambda msg: None,
+                     admit=lambda pid: descends_from(pid, {os.getpid()}))
+    rank = subprocess.Popen([sys.executable, str(script), sock], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    agent = None
+    try:
+        assert rank.stdout.readline() == "connected\n"
+        _run_status(etcd, keys)
+        _agent_died(etcd, keys, workdir, {0: (rank.pid, start_time(rank.pid))})
+        before.close()
+        log = tmp_path / "agent.log"
+        agent = _start_agent(etcd, keys, workdir, log)
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline() == "may_commit True\n", log.read_text()
+        assert "refused a connection" not in log.read_text()
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=60)
+        rank.kill()
+        rank.wait()
 
 
 @pytest.mark.parametrize("mode, message", [
