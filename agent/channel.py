@@ -5,6 +5,12 @@ Workers send `hello` on each connection, `step` and `progress` reports (fire and
 The agent can push `checkpoint_requested` to every connected rank. When the agent goes away,
 its workers reconnect to the same path, where the next agent of the node listens (lazarus.
 agent.adopt). See lazarus.trainer.session for the worker's side.
+
+Only the agent's own processes may talk on it: a message here can commit a checkpoint for the
+round or feed the hang detector. The socket lives in the agent's private workdir (lazarus.
+core.privatedir), and each connection's peer, as the kernel names it (SO_PEERCRED), must run
+as this user and pass `admit` (the agent admits its workers and what they start); any other
+is hung up on before a byte is read, and logged once per process.
 """
 
 from __future__ import annotations
@@ -13,26 +19,68 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+import psutil
 
 log = logging.getLogger(__name__)
 
+# Refused processes already logged; forgotten past this many (each one is logged once anyway).
+MAX_REFUSED_REMEMBERED = 1024
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket, as the kernel saw it
+    connect."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def descends_from(pid: int, roots: Collection[int]) -> bool:
+    """Whether `pid` is one of `roots` or was started, however deep, by one of them."""
+    if pid in roots:
+        return True
+    try:
+        return any(p.pid in roots for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False  # gone already: nothing to talk to
+
 
 class Channel:
-    def __init__(self, path: str, *, on_message: Callable[[dict], dict | None]):
-        """`on_message` gets each message; a dict it returns is sent back as the reply."""
+    def __init__(self, path: str, *, on_message: Callable[[dict], dict | None],
+                 admit: Callable[[int], bool]):
+        """`on_message` gets each message; a dict it returns is sent back as the reply.
+        `admit(pid)`: whether the process `pid` (of this user) may use the channel."""
         self.path = path
         self._on_message = on_message
+        self._admit = admit
+        self._refused: set[int] = set()
         if os.path.exists(path):
             os.unlink(path)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(path)
+        os.chmod(path, 0o600)
         self._server.listen(64)
         self._conns: dict[socket.socket, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True, name="channel-accept").start()
+
+    def _admitted(self, conn: socket.socket) -> bool:
+        pid, uid = peer_credentials(conn)
+        if uid == os.geteuid() and self._admit(pid):
+            return True
+        if pid not in self._refused:
+            if len(self._refused) >= MAX_REFUSED_REMEMBERED:
+                self._refused.clear()
+            self._refused.add(pid)
+            log.warning("refused a connection to %s from pid %d (uid %d): %s", self.path, pid,
+                        uid, "not one of this agent's workers" if uid == os.geteuid() else
+                        f"another user (this agent runs as uid {os.geteuid()})")
+        return False
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -40,6 +88,13 @@ class Channel:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            try:
+                admitted = self._admitted(conn)
+            except OSError:
+                admitted = False
+            if not admitted:
+                conn.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()

@@ -29,12 +29,13 @@ from lazarus.core.errors import UserError
 from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, EventRecord,
                              Keys, NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
-from lazarus.agent.adopt import (Left, LeftRank, NodeLock, adopt, forget, record_path,
-                                 start_time)
-from lazarus.agent.channel import Channel
+from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, forget,
+                                 record_path, start_time)
+from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Progress,
-                                   WorkerAssignment)
+                                   WorkerAssignment, without_secrets)
+from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
 from lazarus.agent import frozen
@@ -84,7 +85,7 @@ class Agent:
                          lease_ttl_s=lease_ttl_s, status_period_s=status_period_s,
                          workdir=workdir, monitors=monitors,
                          hangs=HangDetector(hang_config or HangConfig()))
-        workdir.mkdir(parents=True, exist_ok=True)
+        private_dir(workdir, "--workdir")
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
         # is resumed first, before the slow start-up below: the node must not lapse meanwhile.
@@ -100,7 +101,9 @@ class Agent:
                                  fault_script=gpu_faults or workdir / f"{node}.gpu-faults.json",
                                  host_limits=host_limits)
         sock = str(workdir / f"{node}.sock")
-        env = {**os.environ, "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
+        # The ranks run the job's code: none of this process's secrets (an API token, etcd
+        # credentials) go to them.
+        env = {**without_secrets(os.environ), "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node),
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S)}
         if not monitors:
@@ -111,10 +114,21 @@ class Agent:
         if left is not None:
             self._adopt(left)
         # Listening before the store's slow import: adopted ranks reconnect at once.
-        self.channel = Channel(sock, on_message=self._on_message)
+        self.channel = Channel(sock, on_message=self._on_message, admit=self._admits)
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+    def _admits(self, pid: int) -> bool:
+        """Who may use the worker channel: this process and whatever it started (its workers,
+        parked or running, and what they start), and the ranks it adopted from the agent
+        before it, with whatever they start."""
+        g = self.workers.group
+        roots = {os.getpid()}
+        if g is not None:
+            roots.update(p.pid for p in list(g.procs.values())
+                         if isinstance(p, AdoptedRank) and p.returncode is None)
+        return descends_from(pid, roots)
 
     def _init_state(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                     host: str, lease_ttl_s: int, status_period_s: float, workdir: Path,
@@ -668,7 +682,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--role", default=ROLE_ACTIVE, help="active or spare")
     p.add_argument("--host", default="127.0.0.1", help="address peers reach this node at")
     p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
-                   help="sockets and worker logs")
+                   help="the worker socket, worker logs, stacks and hang reports; created "
+                        "mode 0700 if missing, refused if others may enter it "
+                        "(default: $LAZARUS_WORKDIR, else /tmp/lazarus)")
     p.add_argument("--no-park", action="store_true", help="do not keep warm parked workers")
     p.add_argument("--gpu-backend", default="auto", choices=("auto", "nvml", "sim"),
                    help="GPU health source: NVML, the simulated backend, or auto (NVML when "

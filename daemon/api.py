@@ -5,6 +5,11 @@ or standby, keeps one current from a watch), first brought up to etcd's current 
 standby answers like the leader and names it, and a read sees every write made before it. Commands are etcd writes on the keys of lazarus.core.records (cordon/, commands/...);
 the leader's reconcile loop acts on them. Nothing here holds state of the run.
 
+Two roles, each a bearer token: the admin token may call every RPC; the read-only token only
+READ_METHODS (run health, nodes, checkpoints, events), and any other call with it ends
+PERMISSION_DENIED before its request is parsed. A method not listed there needs the admin
+token, so an RPC added later is an admin's until someone decides otherwise.
+
 A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
 they are parsed, every field is checked (INVALID_ARGUMENT names it), at most MAX_STREAMS event
 streams run at once so unary calls always find a thread, and an error in a handler ends that
@@ -46,6 +51,8 @@ MAX_KINDS, MAX_KIND_LEN = 32, 64
 MAX_NODE_LEN = 253
 MAX_REASON_LEN = 256
 MAX_CHECKPOINT_LIMIT = 100_000
+# What the read-only token may call: everything that changes nothing.
+READ_METHODS = frozenset({"GetRunHealth", "ListNodes", "ListCheckpoints", "WatchEvents"})
 # How often a quiet event stream looks whether its client is still there.
 STREAM_POLL_S = 1.0
 # How long a read waits for the cache to catch up with etcd; a change outside our key root
@@ -330,11 +337,13 @@ class LazarusServicer(pb_grpc.LazarusServicer):
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Every call must carry `authorization: Bearer TOKEN`; others end UNAUTHENTICATED before
-    their request is even parsed."""
+    """Every call must carry `authorization: Bearer TOKEN`, the admin token or, for
+    READ_METHODS only, the read-only one; others end UNAUTHENTICATED (no or an unknown token)
+    or PERMISSION_DENIED (the read-only token on a command) before their request is parsed."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str, read_token: str | None = None):
+        self._admin = f"Bearer {token}".encode()
+        self._read = f"Bearer {read_token}".encode() if read_token else None
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -342,18 +351,31 @@ class TokenAuth(grpc.ServerInterceptor):
             return None
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self._expected):
+        # Both compared every time: how long a refusal takes says nothing of which token
+        # came close.
+        admin = hmac.compare_digest(given, self._admin)
+        reader = self._read is not None and hmac.compare_digest(given, self._read)
+        if admin:
             return handler
-        return _deny(handler, "missing or wrong bearer token" if given else
+        method = details.method.rpartition("/")[2]
+        if reader:
+            if method in READ_METHODS:
+                return handler
+            return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
+                         f"{method} needs the admin token; this token is read-only (it may "
+                         f"call {', '.join(sorted(READ_METHODS))})")
+        return _deny(handler, grpc.StatusCode.UNAUTHENTICATED,
+                     "missing or wrong bearer token" if given else
                      "missing bearer token (authorization metadata)")
 
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+          message: str) -> grpc.RpcMethodHandler:
     def unary(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
 
     def stream(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.abort(code, message)
         yield  # a generator, like the handler it stands in for
 
     # No deserializer: a refused call's bytes are never parsed.
@@ -370,14 +392,22 @@ def _read(path: str, what: str) -> bytes:
 
 
 def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
+          read_token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None,
           client_ca: str | None = None, served_by: str | None = None,
           max_streams: int = MAX_STREAMS, history: History | None = None,
           views: LiveView | None = None) -> tuple[Server, int]:
     """Start the API on `address` (HOST:PORT; port 0 = any free port); returns the started
-    server and the port it bound. token None = no authentication. TLS when tls_cert and
-    tls_key are given; with client_ca, clients must present a certificate it signed.
+    server and the port it bound. token None = no authentication; `read_token`, beside the
+    admin `token`, may call READ_METHODS only. TLS when tls_cert and tls_key are given; with
+    client_ca, clients must present a certificate it signed.
     `views`: the daemon's cached view; without one the server keeps its own."""
+    if read_token is not None and token is None:
+        raise UserError("a read-only token needs an admin token beside it (--token-file or "
+                        "LAZARUS_TOKEN)")
+    if read_token is not None and read_token == token:
+        raise UserError("the read-only token is the admin token; give the readers a token "
+                        "of their own")
     if (tls_cert is None) != (tls_key is None):
         raise UserError("TLS needs both --tls-cert and --tls-key")
     if client_ca is not None and tls_cert is None:
@@ -389,7 +419,7 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8,
                                                     thread_name_prefix="api"),
-                         interceptors=[TokenAuth(token)] if token else [],
+                         interceptors=[TokenAuth(token, read_token)] if token else [],
                          options=options, maximum_concurrent_rpcs=4 * (max_streams + 8))
     own = views is None
     if views is None:

@@ -193,8 +193,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--api", default="127.0.0.1:7070",
                    help="serve the gRPC API on HOST:PORT (port 0: any free port; 'off': no "
                         "API) (default %(default)s)")
-    p.add_argument("--token-file", help="bearer token clients must send (default: env "
-                   "LAZARUS_TOKEN, else a random one, written to the endpoint file)")
+    p.add_argument("--token-file", help="admin bearer token: may call every RPC (default: "
+                   "env LAZARUS_TOKEN, else a random one, written to the endpoint file)")
+    p.add_argument("--read-token-file", help="read-only bearer token: status, nodes, events "
+                   "and checkpoints, no commands (default: env LAZARUS_READ_TOKEN, else none)")
     p.add_argument("--tls-cert", help="serve the API over TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="mutual TLS: clients need a certificate this CA "
@@ -227,6 +229,8 @@ def main(argv: list[str]) -> int:
     keys = Keys(args.root)
     token = (endpoint_file.load_token(args.token_file) if args.token_file
              else os.environ.get("LAZARUS_TOKEN") or None)
+    read_token = (endpoint_file.load_token(args.read_token_file) if args.read_token_file
+                  else os.environ.get("LAZARUS_READ_TOKEN") or None)
     ep_path = endpoint_file.default_path() if args.endpoint_file is None else (
         Path(args.endpoint_file) if args.endpoint_file else None)
     if args.api != "off" and token is None:
@@ -268,6 +272,7 @@ def main(argv: list[str]) -> int:
                 log.info("OTLP export to %s", tel_cfg.otlp_endpoint)
         if args.api != "off":
             server, port = api.serve(etcd, keys, address=args.api, token=token,
+                                     read_token=read_token,
                                      tls_cert=args.tls_cert, tls_key=args.tls_key,
                                      client_ca=args.tls_client_ca, served_by=daemon.writer,
                                      history=history, views=daemon.views)

@@ -19,6 +19,15 @@ Every key is bound to a lease of the agent that wrote it last, refreshed while t
 writes heartbeats: a job's keys vanish `state_ttl` seconds after its last agent stops. Until
 then a finished job's rendezvous stays closed, so give each job its own --rdzv-id.
 
+Values are sealed (lazarus.core.sealed): torch unpickles the state, and unpickling runs code,
+so whoever could write one etcd key would run code in every agent of the job. Every value
+carries an HMAC-SHA256 tag under a key the job's agents share ($LAZARUS_RDZV_KEY, or the file
+--rdzv-conf key_file=PATH names), checked before anything is unpickled. A state whose tag does
+not match is logged and taken for an empty one (as if the key were missing), which the agents
+then overwrite; a store key whose tag does not match is taken for an absent one.
+`--rdzv-conf insecure=1` seals under an empty key anyone can forge: only where nobody
+untrusted can write to the etcd.
+
 Restarts: torch's agent shares one TCP store server with its workers across restarts, and on
 CPU restarted workers then read the dead workers' keys (docs/constraints.md, "torch and torch
 elastic"). This backend turns that sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless
@@ -36,6 +45,7 @@ or from the environment (LAZARUS_ETCD_CA, ..., LAZARUS_ETCD_PASSWORD):
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -49,6 +59,9 @@ from lazarus.core.errors import UserError
 from lazarus.core.etcd_auth import EtcdAuth
 
 BACKEND_NAME = "lazarus-etcd"
+KEY_ENV = "LAZARUS_RDZV_KEY"
+
+log = logging.getLogger("lazarus.rendezvous")
 
 
 # torch imports this module while it imports torch.distributed.elastic.rendezvous (to read the
@@ -65,6 +78,10 @@ def make_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     cfg = RendezvousEtcdConfig.from_params(params)
     space = EtcdSpace(process_etcd(params.endpoint, cfg), cfg)
     backend = EtcdRendezvousBackend(space, params.run_id)
+    if cfg.insecure:
+        log.warning("rendezvous %r: --rdzv-conf insecure=1: the state in etcd is not "
+                    "authenticated; whoever can write to etcd at %s can run code in this "
+                    "agent", params.run_id, params.endpoint)
     # Reach etcd now: a wrong endpoint fails here in etcd_timeout, not after join_timeout.
     current = backend.get_state()
     # torch would only say "RendezvousClosedError"; torchrun's default run id is "none", so
@@ -88,8 +105,11 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler,
     RendezvousBackend,
+    _RendezvousState,
     create_handler,
 )
+
+from lazarus.core.sealed import Forged, load_key, seal, unseal  # noqa: E402
 
 if TYPE_CHECKING:
     from lazarus.core.etcd import KV, Etcd
@@ -128,9 +148,13 @@ class RendezvousEtcdConfig:
                   heartbeats.
     read_timeout  seconds an agent waits for a peer's store key (rank 0's address, the exit
                   barrier) before failing the rendezvous.
-    etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, insecure
+    etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
                   TLS and user for etcd, as the flags of the same names of `lazarus agent`
                   (lazarus.core.etcd_auth); each falls back to its environment variable.
+    key_file      file holding the key every agent of the job seals its values with (at
+                  least 16 characters); default: $LAZARUS_RDZV_KEY. One of the two is needed.
+    insecure      1: as `lazarus agent --insecure` (plaintext etcd off loopback), and the key
+                  may be left out: values are then sealed under an empty key anyone can forge.
     """
 
     key_prefix: str = "/lazarus/v1/torchrun/"
@@ -138,6 +162,8 @@ class RendezvousEtcdConfig:
     state_ttl_s: int = 60
     read_timeout_s: float = 60.0
     auth: EtcdAuth = field(default_factory=EtcdAuth)
+    seal_key: bytes = b""
+    insecure: bool = False
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RendezvousEtcdConfig:
@@ -155,17 +181,26 @@ class RendezvousEtcdConfig:
         prefix = params.get("key_prefix", defaults.key_prefix)
         if not prefix.startswith("/"):
             raise ValueError(f"--rdzv-conf key_prefix={prefix!r} must start with '/'")
+        insecure = _flag(params.get("insecure"), "insecure")
         try:
             auth = EtcdAuth.load(ca=params.get("etcd_ca"), cert=params.get("etcd_cert"),
                                  key=params.get("etcd_key"), user=params.get("etcd_user"),
                                  password_file=params.get("etcd_password_file"),
-                                 insecure=params.get_as_bool("insecure", False))
+                                 insecure=insecure)
         except UserError as e:
             raise ValueError(f"--rdzv-conf: {e}") from None
+        key = load_key(file=params.get("key_file"), env=KEY_ENV, what="--rdzv-conf key_file")
+        if key is None and not insecure:
+            raise ValueError(
+                f"no rendezvous key: set ${KEY_ENV} (or --rdzv-conf key_file=PATH) to the same "
+                f"secret on every agent of the job, e.g. from `openssl rand -hex 32`; it proves "
+                f"that the state in etcd, which torch unpickles, was written by one of them "
+                f"(--rdzv-conf insecure=1 goes without, for an etcd nobody untrusted can write)")
         cfg = cls(key_prefix=prefix if prefix.endswith("/") else prefix + "/",
                   etcd_timeout_s=number("etcd_timeout", defaults.etcd_timeout_s),
                   state_ttl_s=int(number("state_ttl", defaults.state_ttl_s)),
-                  read_timeout_s=number("read_timeout", defaults.read_timeout_s), auth=auth)
+                  read_timeout_s=number("read_timeout", defaults.read_timeout_s), auth=auth,
+                  seal_key=b"" if key is None else key, insecure=key is None)
         keep_alive_s = params.get_as_int("keep_alive_interval", 5)
         if cfg.state_ttl_s < 3 * keep_alive_s:
             raise ValueError(f"--rdzv-conf state_ttl={cfg.state_ttl_s} must be at least three "
@@ -173,8 +208,20 @@ class RendezvousEtcdConfig:
         return cfg
 
 
+def _flag(raw: str | None, name: str) -> bool:
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"--rdzv-conf {name}={raw!r} is not 1 or 0")
+
+
 class EtcdSpace:
-    """What the backend and its store share: the client, retries, and the agent's lease."""
+    """What the backend and its store share: the client, retries, the agent's lease, and the
+    seal on every value."""
 
     def __init__(self, etcd: Etcd, cfg: RendezvousEtcdConfig):
         self.etcd = etcd
@@ -183,6 +230,26 @@ class EtcdSpace:
         self._refreshed_at = 0.0
         # Heartbeats write from a timer thread while the agent's main thread uses the store.
         self._lock = threading.Lock()
+        self._refused: dict[str, int] = {}  # key -> revision of the value last refused
+
+    def sealed(self, key: str, payload: bytes) -> bytes:
+        return seal(self.cfg.seal_key, key.encode(), payload)
+
+    def opened(self, kv: KV) -> bytes | None:
+        """The payload of a value read back; None (logged once per value) when its seal does
+        not prove one of the job's agents wrote it there: it is never parsed."""
+        try:
+            return unseal(self.cfg.seal_key, kv.key.encode(), kv.value)
+        except Forged as e:
+            with self._lock:
+                first = self._refused.get(kv.key) != kv.mod_revision
+                self._refused[kv.key] = kv.mod_revision
+            if first:
+                log.error("refusing %s in etcd (revision %d): %s; taking it for absent. Every "
+                          "agent of the job needs the same key ($%s or --rdzv-conf key_file); "
+                          "if they have it, someone else wrote this value", kv.key,
+                          kv.mod_revision, e, KEY_ENV)
+            return None
 
     def call(self, fn: Callable[[], object], doing: str):
         """Run `fn` (a read, or a write guarded by a compare), retrying while etcd is away."""
@@ -225,15 +292,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, int] | None:
         kv = self._space.get(self.key)
-        return None if kv is None else (kv.value, kv.mod_revision)
+        return None if kv is None else (self._state_of(kv), kv.mod_revision)
+
+    def _state_of(self, kv: KV) -> bytes:
+        """The state to unpickle: the sealed one, or, for a value the job's agents did not
+        write, an empty state of our own pickling, whose token (the forged value's revision)
+        lets the next write replace it."""
+        state = self._space.opened(kv)
+        return pickle.dumps(_RendezvousState()) if state is None else state
 
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool] | None:
         from lazarus.core.etcd import delete_op, key_missing, mod_revision_is, put_op
 
         etcd, key = self._space.etcd, self.key
 
+        sealed = self._space.sealed(key, state)
+
         def attempt() -> bool:
-            put = put_op(key, state, lease=self._space.lease())
+            put = put_op(key, sealed, lease=self._space.lease())
             if token is None:
                 # A new incarnation of this run id: drop store keys an older one left behind.
                 return etcd.txn([key_missing(key)],
@@ -247,7 +323,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         kv = self._space.get(key)
         if kv is None:
             return None
-        return kv.value, kv.mod_revision, won or kv.value == state
+        return self._state_of(kv), kv.mod_revision, won or kv.value == sealed
 
 
 class EtcdStore(dist.Store):
@@ -255,7 +331,8 @@ class EtcdStore(dist.Store):
 
     `get` and `wait` poll until the key appears or the store's timeout passes (then
     DistStoreError, as TCPStore raises). The agents use it a few times per rendezvous, so
-    polling costs nothing worth a watch.
+    polling costs nothing worth a watch. Values are sealed like the state; one whose seal
+    does not match is taken for an absent key.
     """
 
     def __init__(self, space: EtcdSpace, prefix: str, *, timeout: timedelta):
@@ -267,7 +344,8 @@ class EtcdStore(dist.Store):
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         path = self._prefix + key
-        self._space.call(lambda: self._space.etcd.put(path, data, lease=self._space.lease()),
+        sealed = self._space.sealed(path, data)
+        self._space.call(lambda: self._space.etcd.put(path, sealed, lease=self._space.lease()),
                          f"writing {path}")
 
     def get(self, key: str) -> bytes:
@@ -277,7 +355,11 @@ class EtcdStore(dist.Store):
         self._wait_for(keys, self.timeout if timeout is None else timeout)
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._space.get(self._prefix + k) is not None for k in keys)
+        return all(self._value(self._prefix + k) is not None for k in keys)
+
+    def _value(self, path: str) -> bytes | None:
+        kv = self._space.get(path)
+        return None if kv is None else self._space.opened(kv)
 
     def add(self, key: str, amount: int) -> int:
         from lazarus.core.etcd import key_missing, mod_revision_is, put_op
@@ -285,9 +367,11 @@ class EtcdStore(dist.Store):
         etcd, path = self._space.etcd, self._prefix + key
         while True:
             kv = self._space.get(path)
-            value = amount + (0 if kv is None else int(kv.value))
+            current = None if kv is None else self._space.opened(kv)
+            value = amount + (0 if current is None else int(current))
             guard = key_missing(path) if kv is None else mod_revision_is(path, kv.mod_revision)
-            put = put_op(path, str(value).encode(), lease=self._space.lease())
+            put = put_op(path, self._space.sealed(path, str(value).encode()),
+                         lease=self._space.lease())
             if self._space.call(lambda: etcd.txn([guard], [put]), f"adding to {path}"):
                 return value
 
@@ -299,8 +383,8 @@ class EtcdStore(dist.Store):
         found: dict[str, bytes] = {}
         while True:
             for k in keys:
-                if k not in found and (kv := self._space.get(self._prefix + k)) is not None:
-                    found[k] = kv.value
+                if k not in found and (value := self._value(self._prefix + k)) is not None:
+                    found[k] = value
             if len(found) == len(keys):
                 return [found[k] for k in keys]
             if time.monotonic() >= deadline:

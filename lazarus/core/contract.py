@@ -37,6 +37,19 @@ AGENT_GRACE_ENV = "LAZARUS_AGENT_GRACE_S"
 # Seconds a collective may block before the process group gives up (default: the store
 # timeout). Under an agent the hang detector acts long before; plain torchrun has nothing else.
 PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
+# What an agent never passes on to the ranks it starts, whose code is the job's: Lazarus's own
+# secrets ($LAZARUS_TOKEN, $LAZARUS_READ_TOKEN, $LAZARUS_RDZV_KEY, etcd credentials...) and
+# etcdctl's. A rank needs none of them: it talks to its agent only.
+_SECRET_WORDS = ("TOKEN", "KEY", "PASSWORD", "SECRET", "CREDENTIAL", "CERT")
+
+
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without the variables that hold Lazarus's or etcd's credentials."""
+    def secret(name: str) -> bool:
+        upper = name.upper()
+        return upper.startswith("ETCDCTL_") or (
+            upper.startswith("LAZARUS_") and any(w in upper for w in _SECRET_WORDS))
+    return {k: v for k, v in environ.items() if not secret(k)}
 
 
 def dump_path(dump_dir: str | Path, pid: int) -> Path:

@@ -4,17 +4,24 @@
     {"addresses": ["127.0.0.1:7070", ...], "token": "...", "tls_ca": null, "pid": 1234}
 
 Several addresses when several daemons serve (a leader and its standbys): the CLI tries them
-in order. The file holds the API token, so it is created readable by its owner only.
+in order. The file holds the API token, so it is created readable by its owner only, in a
+directory nobody else may write to (lazarus.core.privatedir), under a name nobody could have
+prepared (a new file, never a symlink followed), then renamed over the old one. The CLI reads
+it only when it is a regular file of its own: one someone else planted could send the token
+the CLI was given to their address.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core.privatedir import private_dir
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,26 +38,42 @@ def default_path() -> Path:
 
 
 def write(path: Path, endpoint: Endpoint) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    private_dir(path.parent, "the endpoint file's directory", others_may_read=True)
     doc = {"addresses": endpoint.addresses, "token": endpoint.token, "tls_ca": endpoint.tls_ca,
            "pid": endpoint.pid}
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-        f.write("\n")
-    os.replace(tmp, path)
+    # mkstemp: O_CREAT | O_EXCL (a symlink or file in the way fails it), mode 0600, a random name
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            f.write("\n")
+        os.replace(tmp, path)  # replaces whatever is at `path`, a symlink included, unfollowed
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read(path: Path) -> Endpoint | None:
-    """The endpoint in `path`, None when there is no file; UserError when it is garbage."""
+    """The endpoint in `path`, None when there is no file; UserError when it is garbage, or
+    not a regular file of this user's."""
     try:
-        doc = json.loads(path.read_text())
+        # O_NONBLOCK: a FIFO in the way must not hang the CLI; a regular file ignores it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"endpoint file {str(path)!r} is unreadable ({e}); delete it or give "
-                        "--address") from None
+    except OSError as e:
+        raise UserError(f"endpoint file {str(path)!r} is unreadable ({e.strerror}; a symlink "
+                        "is refused); delete it or give --address") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise UserError(f"endpoint file {str(path)!r} is not a file of this user's "
+                            f"(owner uid {st.st_uid}); delete it or give --address")
+        try:
+            doc = json.loads(f.read().decode())
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"endpoint file {str(path)!r} is unreadable ({e}); delete it or "
+                            "give --address") from None
     addresses = doc.get("addresses") if isinstance(doc, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
         raise UserError(f"endpoint file {str(path)!r} has no address list; delete it or give "

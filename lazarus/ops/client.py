@@ -3,11 +3,14 @@ drain|cordon|uncordon|pause|resume|cancel`.
 
 It finds the daemon from --address/--token (or --token-file), else $LAZARUS_ADDRESS /
 $LAZARUS_TOKEN, else the endpoint file `lazarus daemon` and `lazarus up` leave (see
-lazarus.core.endpoint_file); with several addresses, the first that answers serves. Tables by
-default, --json for scripts (events: one JSON object per line).
+lazarus.core.endpoint_file); with several addresses, the first that answers serves. The token
+is the admin one or the daemon's read-only one (status, nodes, events, checkpoints); with the
+latter a command is refused with exit code 4. Tables by default, --json for scripts (events:
+one JSON object per line).
 
 Exit codes: 0 done; 1 the daemon refused (no such node, not in this run state, ...);
-2 a bad argument; 3 the daemon (or its etcd) is unreachable; 4 the token was refused.
+2 a bad argument; 3 the daemon (or its etcd) is unreachable; 4 the token was refused, or is
+read-only and the command needs the admin token.
 This module must stay light: no torch, nothing of the daemon.
 """
 
@@ -58,8 +61,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("daemon")
     g.add_argument("--address", help="daemon API HOST:PORT (default: $LAZARUS_ADDRESS, else "
                    "the endpoint file left by `lazarus daemon` / `lazarus up`)")
-    g.add_argument("--token", help="bearer token (default: $LAZARUS_TOKEN or the endpoint "
-                   "file); prefer --token-file, which does not show in `ps`")
+    g.add_argument("--token", help="bearer token, admin or read-only (default: "
+                   "$LAZARUS_TOKEN or the endpoint file); prefer --token-file, which does not "
+                   "show in `ps`")
     g.add_argument("--token-file", help="file holding the bearer token")
     g.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca)")
     g.add_argument("--tls-ca", help="CA certificate (PEM) to trust for the daemon")

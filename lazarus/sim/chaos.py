@@ -118,7 +118,7 @@ def inject_slowdown(workdir: Path, node: str, factor: float = SLOW_FACTOR) -> Pa
     import os
 
     path = slowdown_script(workdir, node)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the agent's private workdir
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"factor": factor}))
     os.replace(tmp, path)  # the workers never read half a script

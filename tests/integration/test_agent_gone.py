@@ -12,7 +12,7 @@ import sys
 
 import psutil
 
-from lazarus.agent.channel import Channel
+from lazarus.agent.channel import Channel, descends_from
 from lazarus.core import exitcodes
 from lazarus.core.contract import AGENT_GRACE_ENV, SOCKET_ENV, STACKS_ENV, exit_note_path
 
@@ -38,7 +38,9 @@ class Agent:
 
     def __init__(self, path: str):
         self.got: queue.Queue[dict] = queue.Queue()
-        self.channel = Channel(path, on_message=self._on_message)
+        # The ranks are this test's children, as an agent's workers are its own.
+        self.channel = Channel(path, on_message=self._on_message,
+                               admit=lambda pid: descends_from(pid, {os.getpid()}))
 
     def _on_message(self, msg: dict) -> dict | None:
         self.got.put(msg)

@@ -26,6 +26,8 @@ from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeRecor
 
 TOKEN = "s3cret-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
+READ_TOKEN = "read-only-token"
+READ = [("authorization", f"Bearer {READ_TOKEN}")]
 
 
 
@@ -34,6 +36,15 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 def server(etcd, keys):
     srv, port = api.serve(etcd, keys, address="127.0.0.1:0", token=TOKEN,
                           served_by="standby-1", max_streams=2)
+    yield f"127.0.0.1:{port}"
+    srv.stop(grace=0).wait()
+
+
+@pytest.fixture
+def roles(etcd, keys):
+    """A server with an admin token and a read-only one; its address."""
+    srv, port = api.serve(etcd, keys, address="127.0.0.1:0", token=TOKEN,
+                          read_token=READ_TOKEN)
     yield f"127.0.0.1:{port}"
     srv.stop(grace=0).wait()
 
@@ -306,6 +317,91 @@ def test_missing_or_wrong_token_is_unauthenticated_for_calls_and_streams(etcd, k
         assert code == grpc.StatusCode.UNAUTHENTICATED
     assert etcd.get(keys.cordon_key("n0")) is None
     assert stub.GetRunHealth(pb.GetRunHealthRequest(), metadata=AUTH) is not None
+
+
+def test_a_read_only_token_reads_everything_and_changes_nothing(etcd, keys, roles):
+    _populate(etcd, keys, t0=time.time())
+    before = etcd.get_prefix(keys.root).kvs
+    with grpc.insecure_channel(roles) as ch:
+        stub = pb_grpc.LazarusStub(ch)
+        nodes = stub.ListNodes(pb.ListNodesRequest(), metadata=READ, timeout=10)
+        assert [n.node for n in nodes.nodes] == ["n0", "n1", "n2"]
+        assert stub.GetRunHealth(pb.GetRunHealthRequest(), metadata=READ).job_id == "J1"
+        assert len(stub.ListCheckpoints(pb.ListCheckpointsRequest(), metadata=READ)
+                   .checkpoints) == 3
+        assert len(list(stub.WatchEvents(pb.WatchEventsRequest(), metadata=READ,
+                                         timeout=10))) == 7
+        code, details = _code(stub.DrainNode, pb.DrainNodeRequest(node="n0"), metadata=READ)
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert details.startswith("DrainNode needs the admin token; this token is read-only")
+        # every other RPC is a command: each refused before its request is parsed
+        for path, streaming in _service_methods():
+            method = path.rpartition("/")[2]
+            if method in api.READ_METHODS:
+                continue
+            call = ch.unary_stream(path) if streaming else ch.unary_unary(path)
+            code, details = _code(lambda: call(b"\xff garbage", metadata=READ, timeout=10))
+            assert code == grpc.StatusCode.PERMISSION_DENIED, method
+            assert details.startswith(f"{method} needs the admin token"), details
+        assert etcd.get_prefix(keys.root).kvs == before  # nothing written
+        # the admin token may do it all
+        assert "draining n0" in stub.DrainNode(pb.DrainNodeRequest(node="n0"),
+                                               metadata=AUTH).message
+        code, _ = _code(stub.ListNodes, pb.ListNodesRequest(),
+                        metadata=[("authorization", "Bearer neither")])
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_read_only_token_must_differ_from_the_admin_token(etcd, keys):
+    with pytest.raises(api.UserError, match="the read-only token is the admin token"):
+        api.serve(etcd, keys, address="127.0.0.1:0", token=TOKEN, read_token=TOKEN)
+    with pytest.raises(api.UserError, match="a read-only token needs an admin token"):
+        api.serve(etcd, keys, address="127.0.0.1:0", read_token=READ_TOKEN)
+
+
+def test_a_daemon_serves_both_roles_to_the_cli(etcd, keys, tmp_path):
+    """A real `lazarus daemon`: the admin token from $LAZARUS_TOKEN, the read-only one from
+    --read-token-file; the CLI, as an operator types it, with whichever token it holds."""
+    _populate(etcd, keys, t0=time.time())
+    read_file = tmp_path / "read-token"
+    read_file.write_text(READ_TOKEN + "\n")
+    endpoint = tmp_path / "endpoint.json"
+    env = {**os.environ, "LAZARUS_TOKEN": TOKEN}
+    env.pop("LAZARUS_READ_TOKEN", None)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "lazarus.cli", "daemon", "--etcd", etcd.endpoint, "--root",
+         keys.root, "--api", "127.0.0.1:0", "--read-token-file", str(read_file),
+         "--endpoint-file", str(endpoint), "--data-dir", str(tmp_path / "data")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not endpoint.exists():
+            assert daemon.poll() is None, daemon.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        address = json.loads(endpoint.read_text())["addresses"][0]
+
+        def cli(*argv: str, token: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "lazarus.cli", *argv, "--address", address],
+                env={**os.environ, "LAZARUS_TOKEN": token}, capture_output=True, text=True,
+                timeout=60)
+
+        nodes = cli("nodes", "--json", token=READ_TOKEN)
+        assert nodes.returncode == 0, nodes.stderr
+        assert [n["node"] for n in json.loads(nodes.stdout)["nodes"]] == ["n0", "n1", "n2"]
+        drain = cli("drain", "n0", token=READ_TOKEN)
+        assert drain.returncode == client.EXIT_AUTH and drain.stdout == ""
+        assert drain.stderr == (f"lazarus drain: error: the daemon at {address} refused: "
+                                "DrainNode needs the admin token; this token is read-only (it "
+                                "may call GetRunHealth, ListCheckpoints, ListNodes, "
+                                "WatchEvents)\n")
+        assert etcd.get(keys.drain_key("n0")) is None
+        drain = cli("drain", "n0", token=TOKEN)
+        assert drain.returncode == 0 and "draining n0" in drain.stdout, drain.stderr
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
 
 
 def _service_methods() -> list[tuple[str, bool]]:

@@ -88,7 +88,8 @@ def test_under_lazarus_rendezvous_and_agent_commits_are_registered(etcd_server, 
                 "--rdzv-id", f"job-{uuid.uuid4().hex[:8]}", "--nnodes", "1"]
         ckpt = tmp_path / "ckpt"
         out = launch("--steps", "4", "--ckpt-every", "3", "--ckpt-dir", str(ckpt), rdzv=rdzv,
-                     env={"LAZARUS_AGENT_SOCKET": agent.channel.path, "LAZARUS_ROUND": "2"})
+                     env={"LAZARUS_AGENT_SOCKET": agent.channel.path, "LAZARUS_ROUND": "2",
+                          "LAZARUS_RDZV_KEY": uuid.uuid4().hex})
         assert "done at step 4" in out
         for step in (3, 4):  # the agent published each commit the current round made
             record = registered(client, keys, step)

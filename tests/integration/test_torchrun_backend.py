@@ -10,6 +10,8 @@ other failure fails the test.
 """
 
 import os
+import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -20,10 +22,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.etcd import Etcd
+from lazarus.core.sealed import seal
 from lazarus.rendezvous import (
+    KEY_ENV,
     EtcdRendezvousBackend,
     EtcdSpace,
     EtcdStore,
@@ -33,6 +38,18 @@ from lazarus.rendezvous import (
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_allreduce.py"
 EXIT_ABORT = "terminate called without an active exception"
+# The key every agent of these jobs shares.
+KEY = "k" * 16 + uuid.uuid4().hex
+
+
+class Planted:
+    """What someone who can write to etcd would put there: unpickled, it creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +59,8 @@ def etcd():
 
 
 def torchrun(endpoint: str, run_id: str, *, nnodes: str, max_restarts: int = 0,
-             script_args: tuple[str, ...] = (), rdzv_conf: str = "") -> subprocess.Popen:
+             script_args: tuple[str, ...] = (), rdzv_conf: str = "",
+             key: str = KEY) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "lazarus-etcd",
            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--nnodes", nnodes,
            "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
@@ -52,7 +70,8 @@ def torchrun(endpoint: str, run_id: str, *, nnodes: str, max_restarts: int = 0,
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE is left unset on purpose: the backend must make
     # restarts work by itself.
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    return subprocess.Popen(cmd + [str(SCRIPT), *script_args], env={**env, "OMP_NUM_THREADS": "1"},
+    return subprocess.Popen(cmd + [str(SCRIPT), *script_args],
+                            env={**env, "OMP_NUM_THREADS": "1", KEY_ENV: key},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -95,11 +114,54 @@ def test_a_crashed_worker_is_restarted_and_the_job_completes(etcd, tmp_path):
         "result rank=0 world=2 sum=3", "result rank=1 world=2 sum=3"]
 
 
+def test_a_planted_state_is_never_unpickled_and_the_job_runs_over_it(etcd, tmp_path):
+    run_id = new_run_id()
+    marker = tmp_path / "planted-ran"
+    client = Etcd(etcd.endpoint)
+    try:
+        client.put(f"/lazarus/v1/torchrun/{run_id}/state", pickle.dumps(Planted(marker)))
+    finally:
+        client.close()
+    agent = torchrun(etcd.endpoint, run_id, nnodes="1")
+    out, err = agent.communicate(timeout=120)
+    assert "result rank=0 world=1 sum=1" in out, out + err
+    assert agent.returncode == 0 or EXIT_ABORT in err, err
+    assert not marker.exists()
+    assert f"refusing /lazarus/v1/torchrun/{run_id}/state in etcd" in err, err
+    assert "it carries no tag" in err
+
+
 @pytest.fixture
 def space(etcd):
     client = Etcd(etcd.endpoint)
-    yield EtcdSpace(client, RendezvousEtcdConfig(etcd_timeout_s=5))
+    yield EtcdSpace(client, RendezvousEtcdConfig(etcd_timeout_s=5, seal_key=KEY.encode()))
     client.close()
+
+
+def test_only_values_sealed_with_the_jobs_key_are_unpickled(space, tmp_path):
+    run_id = f"forged-{uuid.uuid4().hex[:8]}"
+    backend = EtcdRendezvousBackend(space, run_id)
+    marker = tmp_path / "planted-ran"
+    evil = pickle.dumps(Planted(marker))
+    forgeries = [evil,                                                    # no seal at all
+                 seal(b"another key of 16+ chars", backend.key.encode(), evil),  # wrong key
+                 seal(KEY.encode(), b"/elsewhere/state", evil)]           # sealed for elsewhere
+    for forged in forgeries:
+        space.etcd.put(backend.key, forged)
+        state, token = backend.get_state()
+        # What torch unpickles is an empty state of our own making, never the value in etcd.
+        assert vars(pickle.loads(state)) == vars(_RendezvousState())
+        assert not marker.exists()
+    # The planted value counts as no state: the agents' next write replaces it.
+    state, token2, won = backend.set_state(b"real state", token)
+    assert (state, won) == (b"real state", True)
+    assert backend.get_state() == (b"real state", token2)
+    # ... and the store ignores a planted key.
+    store = EtcdStore(space, backend.store_prefix, timeout=timedelta(seconds=0.2))
+    space.etcd.put(backend.store_prefix + "addr", b"attacker:1")
+    assert not store.check(["addr"])
+    store.set("addr", "host:1")
+    assert store.get("addr") == b"host:1"
 
 
 def test_set_state_is_compare_and_set_on_the_token(space):
@@ -155,8 +217,12 @@ def test_an_unreachable_etcd_fails_fast_with_a_clear_message():
     ("127.0.0.1:2379", {"etcd_timeout": "soon"}, "etcd_timeout='soon' is not a number"),
     ("127.0.0.1:2379", {"state_ttl": "10"}, "state_ttl=10 must be at least three keep_alive"),
     ("127.0.0.1:2379", {"key_prefix": "jobs"}, "must start with '/'"),
+    ("127.0.0.1:2379", {"insecure": "maybe"}, "insecure='maybe' is not 1 or 0"),
+    ("127.0.0.1:2379", {"key_file": "/nonexistent/key"}, "key_file file '/nonexistent/key' is "
+                                                         "unreadable"),
 ])
-def test_bad_rendezvous_options_are_named(endpoint, conf, message):
+def test_bad_rendezvous_options_are_named(endpoint, conf, message, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
     # Checked before any etcd client exists, so this costs no torchrun launch.
     params = RendezvousParameters("lazarus-etcd", endpoint, "job", 1, 2, **conf)
     with pytest.raises(ValueError, match=message):
@@ -183,4 +249,18 @@ def test_a_secure_etcd_is_reached_with_the_tls_files_and_user_of_rdzv_conf():
 def test_bad_etcd_security_options_are_named(conf, message):
     params = RendezvousParameters("lazarus-etcd", "127.0.0.1:2379", "job", 1, 2, **conf)
     with pytest.raises(ValueError, match=f"--rdzv-conf: {message}"):
+        make_handler(params)
+
+
+@pytest.mark.parametrize("env, message", [
+    (None, "no rendezvous key: set $LAZARUS_RDZV_KEY (or --rdzv-conf key_file=PATH)"),
+    ("short", "$LAZARUS_RDZV_KEY holds 5 characters; a key needs at least 16"),
+])
+def test_an_agent_without_a_proper_key_is_told_how_to_make_one(env, message, monkeypatch):
+    if env is None:
+        monkeypatch.delenv(KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KEY_ENV, env)
+    params = RendezvousParameters("lazarus-etcd", "127.0.0.1:2379", "job", 1, 2)
+    with pytest.raises(ValueError, match=re.escape(message)):
         make_handler(params)

@@ -141,6 +141,29 @@ def test_endpoint_file_round_trips_and_is_private():
     assert not path.exists() and endpoint_file.read(path) is None
 
 
+def test_a_symlink_planted_at_the_endpoint_file_is_replaced_not_followed(lazarus_home):
+    path = endpoint_file.default_path()
+    victim = lazarus_home / "victim"
+    victim.write_text("someone's file\n")
+    path.symlink_to(victim)
+    # The CLI reads no endpoint through a symlink: its address could be anyone's.
+    with pytest.raises(endpoint_file.UserError, match="a symlink is refused"):
+        endpoint_file.read(path)
+    endpoint_file.write(path, endpoint_file.Endpoint(addresses=["a:1"], token="tok", pid=5))
+    assert victim.read_text() == "someone's file\n"
+    assert not path.is_symlink() and os.stat(path).st_mode & 0o777 == 0o600
+    assert endpoint_file.read(path).token == "tok"
+    assert sorted(p.name for p in lazarus_home.iterdir()) == ["endpoint.json", "victim"]
+
+
+def test_the_endpoint_file_is_not_written_where_others_may_write(lazarus_home):
+    lazarus_home.chmod(0o777)
+    with pytest.raises(endpoint_file.UserError, match="is writable by other users"):
+        endpoint_file.write(endpoint_file.default_path(),
+                            endpoint_file.Endpoint(addresses=["a:1"], token="tok", pid=5))
+    assert not endpoint_file.default_path().exists()
+
+
 def test_bad_flags_are_usage_errors(capsys):
     assert cli_main(["status", "--address", "x:1", "--timeout", "0"]) == 2
     assert "--timeout" in capsys.readouterr().err

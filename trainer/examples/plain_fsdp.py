@@ -3,6 +3,7 @@
 Run it on CPU with gloo (any torchrun launch works; Lazarus's etcd rendezvous is the second):
 
     torchrun --standalone --nproc-per-node 2 trainer/examples/plain_fsdp.py --ckpt-dir /tmp/fsdp
+    export LAZARUS_RDZV_KEY=$(openssl rand -hex 32)   # the same on every node of the job
     torchrun --rdzv-backend lazarus-etcd --rdzv-endpoint HOST:2379 --rdzv-id my-job \\
              --nnodes 1 --nproc-per-node 2 trainer/examples/plain_fsdp.py --ckpt-dir /tmp/fsdp
 

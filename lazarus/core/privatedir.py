@@ -1,0 +1,44 @@
+"""Directories only this user may enter: the agent's workdir (its socket, the ranks' stacks and
+exit notes, the record of running ranks) and the directory of the endpoint file (the API
+token).
+
+A directory another user made first (a shared /tmp), or one they may write to, would let them
+plant a socket the ranks talk to, a symlink a write follows, or a note the agent believes. So
+such a directory is refused with the reason, never repaired behind the operator's back.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from lazarus.core.errors import UserError
+
+
+def private_dir(path: Path, what: str, *, others_may_read: bool = False) -> Path:
+    """`path`, created mode 0700 (with its parents) when missing. UserError when it is a
+    symlink, is not a directory, belongs to another user, or is open to group or others
+    (with `others_may_read`, only writable by them)."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700, follow_symlinks=False)  # whatever the umask took away
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise UserError(f"{what} {str(path)!r} cannot be created ({e.strerror})") from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UserError(f"{what} {str(path)!r} is a symlink; give the directory itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{what} {str(path)!r} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UserError(f"{what} {str(path)!r} belongs to uid {st.st_uid}, not to this user "
+                        f"(uid {os.geteuid()}); give a directory of your own")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (0o022 if others_may_read else 0o077):
+        allowed = "writable by" if others_may_read else "open to"
+        raise UserError(f"{what} {str(path)!r} is {allowed} other users (mode {mode:04o}); "
+                        f"`chmod 700 {path}`, or give another directory")
+    return path
