@@ -201,7 +201,11 @@ def test_ranks_get_none_of_the_agents_secrets(etcd, keys, tmp_path, monkeypatch)
     try:
         agent.workers.refill()  # a parked worker: the process a rank runs in
         (worker,) = agent.workers.parked
-        environ = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
+        for _ in range(200):  # until it has exec'd: a child still in vfork shows no environ
+            environ = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
+            if any(environ):
+                break
+            time.sleep(0.05)
         names = {entry.partition(b"=")[0].decode() for entry in environ if entry}
         assert "LAZARUS_AGENT_SOCKET" in names and not names & set(secrets)
         assert not any(v.encode() in entry for v in secrets.values() for entry in environ)
