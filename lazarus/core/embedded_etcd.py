@@ -59,7 +59,9 @@ def find_etcd_binary() -> str:
 
 
 class EmbeddedEtcd:
-    """One etcd member on 127.0.0.1. `endpoint` is what clients pass as --etcd.
+    """One etcd member, serving clients on `host` (127.0.0.1 unless given: the local cluster
+    in network namespaces serves its nodes on a bridge address). `endpoint` is what clients
+    pass as --etcd.
 
     Alone by default; a member of a cluster when `initial_cluster` ("name=peer-url,...") is
     given (EmbeddedCluster builds that). `quota_bytes` is the NOSPACE threshold.
@@ -70,12 +72,13 @@ class EmbeddedEtcd:
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
                  log_file: Path | None = None, name: str = "lazarus",
                  peer_port: int | None = None, initial_cluster: str | None = None,
-                 quota_bytes: int = QUOTA_BYTES,
+                 quota_bytes: int = QUOTA_BYTES, host: str = "127.0.0.1",
                  compaction_retention: str = COMPACTION_RETENTION):
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
         self.name = name
+        self.host = host
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
@@ -86,7 +89,7 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -97,7 +100,7 @@ class EmbeddedEtcd:
         majority of its peers runs too."""
         assert not self.running, f"etcd {self.name} already runs (pid {self.proc.pid})"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"http://{self.endpoint}"
         cmd = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", self.peer_url,
@@ -132,7 +135,7 @@ class EmbeddedEtcd:
         """etcd answers /health with true once it has a leader and serves requests; an open
         port alone is not enough (a client then times out waiting for gRPC settings)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+            with urllib.request.urlopen(f"http://{self.endpoint}/health",
                                         timeout=0.5) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError):
