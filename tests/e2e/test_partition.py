@@ -37,14 +37,18 @@ pytestmark = pytest.mark.e2e
 NODES = ("n0", "n1", "s0")
 # As the agent-restart test's: a whole TTL must survive an etcd call stalled by the load.
 LEASE_TTL_S = 5
-HANG_FLOOR_S = 2
-# A recovery's cost past its detection on this 2-core machine: promote or restart warm
-# workers, restore the checkpoint, the first step.
-RESTART_BOUND_S = 20
+# Steps take 0.1-0.3 s, but on a 2-core machine shared with other work one step after a
+# save (its writer thread, a GC) took over 2 s: at a 2 s floor that was a hang.
+HANG_FLOOR_S = 5
+# A recovery's cost past its detection on a loaded 2-core machine: promote or restart warm
+# workers, restore the checkpoint, the first step (4-12 s measured). Far below anything a
+# timeout would end: the job's rendezvous_timeout_s, gloo's and the store's 300 s.
+RESTART_BOUND_S = 30
 # The hang detector's own bound: the allowance, the stack capture (3 s) and the daemon's
 # wait for the other members' reports (3 s), plus a pass of each loop.
-HANG_BOUND_S = HANG_FLOOR_S + 3 + 3 + 2
-STEPS = 100
+HANG_BOUND_S = HANG_FLOOR_S + 3 + 3 + 4
+# Enough for both cuts and the waits for warm workers before each, on a loaded machine.
+STEPS = 160
 # What etcd clients need to talk plaintext to etcd off loopback, for daemon and agents alike.
 ETCD_PLAINTEXT_FLAGS: list[str] = []
 
@@ -83,6 +87,13 @@ def _event(events, kind):
     return found[0]
 
 
+def _warm(cluster: LocalCluster, node: str) -> bool:
+    """The node's newest worker (the pool's refill after a launch) has finished its imports:
+    a recovery then costs what it costs with warm workers, not a second cold start."""
+    logs = sorted((cluster.workdir / "nodes" / "logs" / node).glob("worker-*.log"))
+    return bool(logs) and '"event": "parked"' in logs[-1].read_text(errors="replace")
+
+
 def _worker_logs(cluster: LocalCluster, node: str) -> str:
     return "".join(p.read_text(errors="replace")
                    for p in sorted((cluster.workdir / "nodes" / "logs" / node).glob("*.log")))
@@ -96,12 +107,14 @@ def test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers(tmp_path, ne
         st = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
                       and _last_step(metrics) >= 6 and st, timeout=180,
                       what="the run to reach step 6")
+        wait_for(cluster, lambda st: all(_warm(cluster, n) for n in NODES), timeout=120,
+                 what="every node's parked workers to be warm")
         # (a) The first member: rank 0, whose saves commit through its agent.
         cut, other = st.status.members
         stale = st.node_status[cut].pids
         net.cut(cut, etcd=True)
         cut_at = time.time()
-        st = wait_for(cluster, lambda st: st.status.round == 2 and st.status.state == "RUNNING"
+        st = wait_for(cluster, lambda st: st.status.round > 1 and st.status.state == "RUNNING"
                       and st.status.incident is None and st, timeout=120,
                       what="the run to recover without the node cut off from etcd")
         assert st.status.members == [other, "s0"], st.status
@@ -131,15 +144,17 @@ def test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers(tmp_path, ne
 
         # (b) The promoted spare, cut off from its peers (the idle node too) until the
         # daemon has acted on the hang.
+        wait_for(cluster, lambda st: all(_warm(cluster, n) for n in NODES), timeout=120,
+                 what="every node's parked workers to be warm")
         at_cut = _last_step(metrics)
         assert at_cut < STEPS - 20, "the run nearly finished before the cut"
         net.cut("s0", peers=True)
         cut_at = time.time()
-        st = wait_for(cluster, lambda st: st.status.round == 3 and st, timeout=60,
+        st = wait_for(cluster, lambda st: st.status.round > 2 and st, timeout=60,
                       what="a new round after the hang")
         net.heal("s0")
         healed_at = time.time()
-        st = wait_for(cluster, lambda st: st.status.round == 3 and st.status.state == "RUNNING"
+        st = wait_for(cluster, lambda st: st.status.state == "RUNNING"
                       and st.status.incident is None and st, timeout=120,
                       what="the run to recover from the peer partition")
         events = cluster.new_events()
