@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 
 from lazarus.core import jobspec
@@ -41,7 +40,7 @@ LEASE_TTL_S = 5
 # save (its writer thread, a GC) took over 2 s: at a 2 s floor that was a hang.
 HANG_FLOOR_S = 5
 # A recovery's cost past its detection on a loaded 2-core machine: promote or restart warm
-# workers, restore the checkpoint, the first step (4-12 s measured). Far below anything a
+# workers, restore the checkpoint, the first step (2-9 s measured). Far below anything a
 # timeout would end: the job's rendezvous_timeout_s, gloo's and the store's 300 s.
 RESTART_BOUND_S = 30
 # The hang detector's own bound: the allowance, the stack capture (3 s) and the daemon's
