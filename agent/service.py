@@ -38,6 +38,7 @@ from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Pr
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
+from lazarus.agent.netif import collective_env
 from lazarus.agent import frozen
 from lazarus.agent.stacks import capture, dumpable
 from lazarus.agent.workers import Workers
@@ -105,7 +106,8 @@ class Agent:
         # credentials) go to them.
         env = {**without_secrets(os.environ), "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node),
-               AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S)}
+               AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),
+               **collective_env(host, dict(os.environ))}
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node

@@ -68,7 +68,9 @@ def find_etcd_binary() -> str:
 
 
 class EmbeddedEtcd:
-    """One etcd member on 127.0.0.1. `endpoint` is what clients pass as --etcd.
+    """One etcd member, serving clients on `host` (127.0.0.1 unless given: the local cluster
+    in network namespaces serves its nodes on a bridge address). `endpoint` is what clients
+    pass as --etcd.
 
     Alone by default; a member of a cluster when `initial_cluster` ("name=peer-url,...") is
     given (EmbeddedCluster builds that). `quota_bytes` is the NOSPACE threshold.
@@ -81,7 +83,7 @@ class EmbeddedEtcd:
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
                  log_file: Path | None = None, name: str = "lazarus",
                  peer_port: int | None = None, initial_cluster: str | None = None,
-                 quota_bytes: int = QUOTA_BYTES,
+                 quota_bytes: int = QUOTA_BYTES, host: str = "127.0.0.1",
                  compaction_retention: str = COMPACTION_RETENTION,
                  secure: bool = False, security: EtcdSecurity | None = None):
         self.binary = find_etcd_binary()
@@ -93,6 +95,7 @@ class EmbeddedEtcd:
             security = EtcdSecurity(self.data_dir / "pki")
         self.security = security
         self.server_cert = security.server_cert(name) if security is not None else None
+        self.host = host
         self.client_port = client_port or free_port()
         self.metrics_port = free_port()
         self.peer_port = peer_port or free_port()
@@ -108,7 +111,7 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -131,7 +134,7 @@ class EmbeddedEtcd:
         majority of its peers runs too."""
         assert not self.running, f"etcd {self.name} already runs (pid {self.proc.pid})"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client = f"{self.scheme}://127.0.0.1:{self.client_port}"
+        client = f"{self.scheme}://{self.endpoint}"
         cmd = [self.binary, "--name", self.name, "--data-dir", str(self.data_dir / "member"),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
@@ -54,6 +55,14 @@ class Proc:
         return self.popen.poll() is None
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a node's agent runs: the address its peers reach it at, and the command prefix
+    that puts it there (`ip netns exec NS`: lazarus.sim.netns)."""
+    host: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class ClusterState:
     status: RunStatus | None = None
@@ -85,7 +94,10 @@ class LocalCluster:
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
+        self.daemon_args: list[str] = []   # extra `lazarus daemon` flags for every daemon
         self.trainer_faults: list[str] = []  # what every rank injects (lazarus.sim.trainer_faults)
+        # node -> where its agent runs; all on this host's loopback unless set
+        self.placement: Callable[[str], Placement] = lambda node: Placement()
         self.ballast = None                # diskfault.Ballast, once small_checkpoint_fs ran
         workdir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -97,11 +109,12 @@ class LocalCluster:
         assert self.etcd_server is not None
         return self.etcd_server.endpoint
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               wrap: tuple[str, ...] = ()) -> Proc:
         log = self.workdir / f"{name}.log"
         out = open(log, "ab")
         try:
-            popen = subprocess.Popen([sys.executable, "-m", "lazarus.cli", *args],
+            popen = subprocess.Popen([*wrap, sys.executable, "-m", "lazarus.cli", *args],
                                      stdin=subprocess.DEVNULL, stdout=out,
                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -131,15 +144,17 @@ class LocalCluster:
                             "--api", api, "--token-file", str(self.token_file),
                             "--endpoint-file", "",
                             # one data dir for the leader and its standbys: one history
-                            "--data-dir", str(self.workdir / "daemon")])
+                            "--data-dir", str(self.workdir / "daemon"), *self.daemon_args])
         self.daemons.append(proc)
         self.api_addresses.append(api)
         return proc
 
     def start_agent(self, node: str, *, nproc: int, role: str) -> Proc:
+        place = self.placement(node)
         proc = self._spawn(f"agent-{node}",
                            ["agent", *self.etcd_args(AGENT_USER), "--node", node, "--nproc",
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
+                            "--host", place.host,
                             "--gpu-backend", "sim",
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level, "--status-period", str(LOCAL_STATUS_PERIOD_S),
@@ -147,7 +162,8 @@ class LocalCluster:
                            # An agent passes its environment on to its ranks: this is how the
                            # trainer faults, and `lazarus chaos slow-rank` on one node, reach them.
                            env=trainer_faults.worker_env(
-                               self.trainer_faults, slowdown=slowdown_script(self.workdir / "nodes", node)))
+                               self.trainer_faults, slowdown=slowdown_script(self.workdir / "nodes", node)),
+                           wrap=place.wrap)
         self.agents[node] = proc
         self._agent_spec[node] = (nproc, role)
         return proc
