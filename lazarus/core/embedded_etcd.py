@@ -124,10 +124,13 @@ class EmbeddedEtcd:
 
     def auth(self, user: str | None):
         """A client's access to this etcd as `user` (lazarus.core.etcd_rbac): plaintext and
-        no user unless in secure mode."""
+        no user unless in secure mode -- and `insecure` when it was started plaintext on an
+        address other than loopback, which its starter chose (a test's private bridge)."""
         from lazarus.core.etcd_auth import EtcdAuth
 
-        return self.security.auth(user) if self.security is not None else EtcdAuth()
+        if self.security is not None:
+            return self.security.auth(user)
+        return EtcdAuth(insecure=not self.host.startswith("127."))
 
     def launch(self) -> None:
         """Start the process without waiting: a cluster member is healthy only once a

@@ -49,7 +49,7 @@ HANG_BOUND_S = HANG_FLOOR_S + 3 + 3 + 4
 # Enough for both cuts and the waits for warm workers before each, on a loaded machine.
 STEPS = 160
 # What etcd clients need to talk plaintext to etcd off loopback, for daemon and agents alike.
-ETCD_PLAINTEXT_FLAGS: list[str] = ["--insecure"]
+ETCD_PLAINTEXT_FLAGS: list[str] = []  # the embedded etcd says --insecure (EmbeddedEtcd.auth)
 
 
 @pytest.fixture
