@@ -103,6 +103,9 @@ def _repair_status(now: float, view: ClusterView) -> Decision:
 
 def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], reason: str,
                    fault_at: float) -> Decision:
+    # A fault is in the past, and after the epoch: a clock ahead of ours or an agent's garbage
+    # says otherwise, and run/status must stay a record we can read back.
+    fault_at = min(max(fault_at, 0.0), now)
     incident = {"kind": kind, "culprit": ",".join(culprits), "fault_at": fault_at,
                 "detected_at": now, "round": st.round}
     status = dataclasses.replace(st, state=RECOVERING, since=now, reason=reason,

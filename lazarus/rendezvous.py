@@ -58,9 +58,16 @@ def make_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     backend = EtcdRendezvousBackend(space, params.run_id)
     # Reach etcd now: a wrong endpoint fails here in etcd_timeout, not after join_timeout.
     current = backend.get_state()
+    try:
+        closed = current is not None and pickle.loads(current[0]).closed
+    except Exception as e:  # a garbled pickle raises whatever the bytes lead it to
+        raise RendezvousStateError(
+            f"the rendezvous state of {params.run_id!r} in etcd at {params.endpoint} is "
+            f"unreadable ({type(e).__name__}: {e}); delete {backend.key} or give this job "
+            "another --rdzv-id") from None
     # torch would only say "RendezvousClosedError"; torchrun's default run id is "none", so
     # a second job started soon after the first would hit this without a hint.
-    if current is not None and pickle.loads(current[0]).closed:
+    if closed:
         raise RendezvousClosedError(
             f"the rendezvous {params.run_id!r} in etcd at {params.endpoint} is closed: a job with "
             f"this --rdzv-id finished less than {cfg.state_ttl_s} s ago (its keys expire then); "
@@ -75,6 +82,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler,
@@ -265,7 +273,11 @@ class EtcdStore(dist.Store):
         etcd, path = self._space.etcd, self._prefix + key
         while True:
             kv = self._space.get(path)
-            value = amount + (0 if kv is None else int(kv.value))
+            try:
+                value = amount + (0 if kv is None else int(kv.value))
+            except ValueError:
+                raise dist.DistStoreError(f"{path} holds {kv.value[:40]!r}, not a counter: "
+                                          "add() cannot add to it") from None
             guard = key_missing(path) if kv is None else mod_revision_is(path, kv.mod_revision)
             put = put_op(path, str(value).encode(), lease=self._space.lease())
             if self._space.call(lambda: etcd.txn([guard], [put]), f"adding to {path}"):

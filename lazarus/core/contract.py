@@ -12,6 +12,7 @@ the daemon import this module; none of them imports another (docs/architecture.m
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -157,6 +158,35 @@ class HangVerdict:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> HangVerdict:
-        return cls(culprits=tuple(int(r) for r in d["culprits"]), reason=str(d["reason"]),
-                   stalled_s=float(d["stalled_s"]), timeout_s=float(d["timeout_s"]),
-                   positions={int(r): Position(**p) for r, p in d["positions"].items()})
+        """ValueError (or KeyError / TypeError) on a report not as `to_dict` writes it: the
+        daemon orders ranks by these positions, so each is checked, not converted."""
+        positions = d["positions"]
+        if not isinstance(positions, Mapping) or not positions:
+            raise ValueError("a hang report names the positions of its ranks")
+        return cls(culprits=tuple(_typed(r, int, "culprit") for r in _typed(d["culprits"], list,
+                                                                            "culprits")),
+                   reason=_typed(d["reason"], str, "reason"),
+                   stalled_s=_seconds(d["stalled_s"], "stalled_s"),
+                   timeout_s=_seconds(d["timeout_s"], "timeout_s"),
+                   positions={int(r): _position(p) for r, p in positions.items()})
+
+
+def _typed(value, kind, what: str):
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{what}: {value!r:.80}")
+    return value
+
+
+def _seconds(value, what: str) -> float:
+    if not math.isfinite(_typed(value, (int, float), what)):
+        raise ValueError(f"{what}: {value!r} is no number of seconds")
+    return float(value)
+
+
+def _position(p: Mapping) -> Position:
+    if not isinstance(p, Mapping) or p.get("phase") not in _ORDER:
+        raise ValueError(f"not a rank's position: {p!r:.80}")
+    return Position(step=_typed(p["step"], int, "step"), phase=p["phase"],
+                    seq=_typed(p["seq"], int, "seq"),
+                    stalled_s=_seconds(p["stalled_s"], "stalled_s"),
+                    op=_typed(p.get("op", ""), str, "op"))
