@@ -156,11 +156,10 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
             first = next((ns for ns in current if ns.node == st.members[0]), current[0])
             h.loss, h.tokens_per_s, h.step_time_s = first.loss, first.tokens_per_s, first.step_time_s
         if st.incident is not None:
-            inc = st.incident
+            inc = st.incident  # its keys typed (records.Incident)
             h.incident.CopyFrom(pb.Incident(
-                kind=str(inc.get("kind", "")), culprit=str(inc.get("culprit", "")),
-                fault_at=_number(inc.get("fault_at")), detected_at=_number(inc.get("detected_at")),
-                round=int(_number(inc.get("round"))), reason=st.reason))
+                kind=inc["kind"], culprit=inc["culprit"], fault_at=inc["fault_at"],
+                detected_at=inc["detected_at"], round=inc["round"], reason=st.reason))
         if all_events is None:
             all_events = [ev for _, ev in view.events]
         h.goodput, h.wall_time_s, h.productive_time_s = goodput(all_events, st.job_id, now)
@@ -177,11 +176,6 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
         state = node_state(node, view, members)
         h.nodes_by_state[state] = h.nodes_by_state[state] + 1
     return h
-
-
-def _number(value) -> float:
-    n = number(value)
-    return 0.0 if n is None else n
 
 
 def _node_names(view: ClusterView) -> list[str]:

@@ -141,7 +141,10 @@ class ViewBuilder:
             if key == k.leader:
                 return "leader", kv
             if key.startswith(k.rounds):
-                return "round", RoundRecord.from_json(kv.value, key)
+                rec = RoundRecord.from_json(kv.value, key)
+                if key != k.round_key(rec.round):
+                    raise RecordError(f"{key}: holds round {rec.round}")
+                return "round", rec
             if key.startswith(k.nodes):
                 return "node", (_named(NodeRecord.from_json(kv.value, key), key, k.nodes),
                                 kv.lease)

@@ -136,7 +136,7 @@ class Position:
         return (self.step, self.seq, _ORDER[self.phase])
 
     def describe(self) -> str:
-        where = f"in {self.op or 'a collective'}" if self.phase == "collective" \
+        where = f"in {self.op[:80] or 'a collective'}" if self.phase == "collective" \
             else f"in {self.phase}"
         return f"{where} at step {self.step} after {self.seq} collectives"
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from lazarus.core.errors import UserError
 from lazarus.core import policy as policies
 from lazarus.core.policy import SpikePolicy, StragglerPolicy
-from lazarus.core.records import RecordError, load_json, number
+from lazarus.core.records import MAX_RANKS_PER_NODE, RecordError, load_json, number
 from lazarus.core.trainconfig import TrainConfig, check_types
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
@@ -103,10 +103,13 @@ class JobSpec:
             raise RecordError(str(e)) from None
 
 
-def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> int:
+def _int(table: dict, key: str, default: int, *, minimum: int, source: str,
+         maximum: int | None = None) -> int:
     value = table.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UserError(f"{source}: [job] {key} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{source}: [job] {key} must be at most {maximum}, got {value}")
     return value
 
 
@@ -143,7 +146,8 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
         raise UserError(f"{source}: [job] rendezvous_timeout_s must be a positive number")
     spec = JobSpec(
         name=name, nodes=nodes, min_nodes=min_nodes,
-        nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source),
+        nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source,
+                            maximum=MAX_RANKS_PER_NODE),
         max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
         rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy,
         id=str(job.get("id") or uuid.uuid4().hex[:12]))

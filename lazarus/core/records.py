@@ -54,6 +54,11 @@ from lazarus.core.contract import HangVerdict
 from lazarus.core.settings import DEFAULT_ROOT, LEASE_TTL_S
 
 
+# Round numbers fit the width of their keys (rounds/<round:08d>), which then sort in order.
+MAX_ROUND = 10**8
+# Ranks on one node, at most: every reader of a round makes a list of a node's ranks.
+MAX_RANKS_PER_NODE = 1024
+
 # Run states (docs/architecture.md, "Run states"): PENDING -> RENDEZVOUS -> RUNNING ->
 # RECOVERING -> RENDEZVOUS ...
 PENDING, RENDEZVOUS, RUNNING, RECOVERING = "PENDING", "RENDEZVOUS", "RUNNING", "RECOVERING"
@@ -341,6 +346,12 @@ class RunStatus(_Record):
         if self.state not in STATES:
             raise RecordError(f"RunStatus: unknown state {self.state!r}")
 
+    def _check(self) -> None:
+        # Each restart is a round: the daemon adds one to either, and must read the sum back.
+        if not (0 <= self.round < MAX_ROUND and 0 <= self.restarts < MAX_ROUND):
+            raise RecordError(f"round {self.round} or restarts {self.restarts} is no count of "
+                              "rounds")
+
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord(_Record):
@@ -367,8 +378,11 @@ class RoundRecord(_Record):
         return self.train.get("checkpoint", {}).get("dir")
 
     def _check(self) -> None:
-        if self.nproc_per_node < 1:
-            raise RecordError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if not 0 < self.round < MAX_ROUND:
+            raise RecordError(f"round {self.round} is not a round number")
+        if not 1 <= self.nproc_per_node <= MAX_RANKS_PER_NODE:
+            raise RecordError(f"nproc_per_node must be 1..{MAX_RANKS_PER_NODE}, got "
+                              f"{self.nproc_per_node}")
         # The trainer checks the rest of [train]; the agent reads this before any trainer runs.
         table = self.train.get("checkpoint", {})
         if not isinstance(table, dict) or not isinstance(table.get("dir"), (str, type(None))):

@@ -5,14 +5,17 @@ replies and the incident traces all go on with it left out, and whatever the dae
 writes it can read back.
 
 Values are fuzzed with hypothesis: random bytes, random JSON, JSON nested thousands deep,
-numbers past 64 bits, NaN and infinities, lone surrogates, and valid records with one field
-(top-level or nested) replaced by any of those or deleted."""
+numbers past 64 bits, NaN and infinities, lone surrogates, and valid records with one value
+anywhere in them replaced by any of those, by a value of another type, or deleted. And an
+agent's huge report is not copied whole into the leader's transaction, which etcd would
+refuse at every pass."""
 
 from __future__ import annotations
 
 import copy
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry import metrics, trace
@@ -57,46 +60,54 @@ def _dump(value) -> str:
     return json.dumps(value)  # NaN and infinities as Python writes them; surrogates escaped
 
 
+# What a field of another type holds, at the edges: where a reader indexes, iterates or adds.
+_WRONG = ["null", "0", "-1", str(2**63 - 1), str(-2**63 + 1), "1e300", "NaN", '""', "[]", "{}",
+          "[1]", '["a"]', '{"a": 1}', "true", "[[1, 2]]", '{"0": [1]}', '"' + "x" * 5000 + '"']
 json_texts = (json_values.map(_dump) | deep() | st.sampled_from(_ODD_NUMBERS)
               | st.sampled_from(['"\\ud800"', '{"\\udfff": 1}', '"a\\u0000b"']))
 
 
-def _holed(doc, path) -> str:
-    """`doc` dumped with the value at `path` replaced by _HOLE (deleted if path ends in None)."""
+def _holed(doc, path, *, delete=None) -> str:
+    """`doc` dumped with the value at `path` replaced by _HOLE (with `delete`, that key of the
+    dict at path[:-1] left out instead)."""
     doc = copy.deepcopy(doc)
     node = doc
     for k in path[:-1]:
         node = node[k]
-    if path[-1] is None:
-        return _dump(doc)
-    node[path[-1]] = _HOLE
+    if delete is not None:
+        del node[delete]
+    else:
+        node[path[-1]] = _HOLE
     return _dump(doc)
+
+
+def _paths(doc, prefix=()) -> list[tuple]:
+    """Every place in `doc` a value sits (a list's first two only: long ones would swamp the
+    rest)."""
+    items = (doc.items() if isinstance(doc, dict)
+             else enumerate(doc[:2]) if isinstance(doc, list) else ())
+    out = []
+    for k, v in items:
+        out.append((*prefix, k))
+        out.extend(_paths(v, (*prefix, k)))
+    return out
 
 
 @st.composite
 def mutated(draw, doc) -> bytes:
-    """`doc` with one value somewhere in it replaced by any JSON text, or one key deleted."""
-    path, node = [], doc
-    while isinstance(node, (dict, list)) and node:
-        k = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
-        path.append(k)
-        if isinstance(node[k], (dict, list)) and node[k] and draw(st.booleans()):
-            node = node[k]
-            continue
-        if isinstance(node, dict) and draw(st.integers(0, 5)) == 0:
-            trimmed = copy.deepcopy(doc)
-            parent = trimmed
-            for step in path[:-1]:
-                parent = parent[step]
-            del parent[k]
-            return _dump(trimmed).encode()
-        break
-    if not path:
+    """`doc` with one value anywhere in it (each place as likely) replaced by any JSON text, or
+    one key deleted."""
+    paths = _paths(doc)
+    if not paths:
         return draw(json_texts).encode()
-    text = _holed(doc, path)
-    old = node[path[-1]]
-    new = draw(_like(old) | json_texts)
-    return text.replace(_dump(_HOLE), new).encode()
+    path = draw(st.sampled_from(paths))
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    if isinstance(node, dict) and draw(st.integers(0, 5)) == 0:
+        return _holed(doc, (*path[:-1], None), delete=path[-1]).encode()
+    new = draw(_like(node[path[-1]]) | st.sampled_from(_WRONG) | json_texts)
+    return _holed(doc, path).replace(_dump(_HOLE), new).encode()
 
 
 def _like(value) -> st.SearchStrategy[str]:
@@ -309,3 +320,29 @@ def test_one_bad_value_under_any_key_costs_that_key_only(case):
     assert set(view.ignored) <= affected
     assert set(view.nodes) >= {"a", "b", "s"} - {name}
     assert set(view.node_status) >= {"a", "b"} - {name}
+
+
+HUGE = "x" * 1_000_000  # a value etcd takes (1.5 MiB a request)
+
+
+@pytest.mark.parametrize("variant, node, change", [
+    ("recovered", "a", {"health": {"state": "failed", "gpu": {"state": "failed",
+                                                               "reasons": [HUGE] * 6}}}),
+    ("spikes", "a", {"health": {"state": "failed", "host": {"state": "failed", "swap": True,
+                                                             "reasons": [HUGE]}}}),
+    ("hang", "b", {"hang": {**_HANG, "at": NOW - 2, "stacks": HUGE}}),
+    ("crash", "b", {"exit_codes": {str(i): 1 for i in range(100_000)}}),
+])
+def test_a_huge_report_is_not_copied_whole_into_the_leaders_writes(variant, node, change):
+    """One transaction is at most 1.5 MiB to etcd: a decision that copied an agent's huge
+    value would fail at every pass, and the run would never move on."""
+    raw = base(variant)
+    status = json.loads(raw[KEYS.nodestatus_key(node)])
+    raw[KEYS.nodestatus_key(node)] = json.dumps({**status, **change}).encode()
+    view = parse(_snapshot(raw), KEYS)
+    assert not view.ignored
+    decision = decide(NOW, view)
+    written = [a.status.to_json() for a in decision.actions if isinstance(a, SetStatus)] + [
+        json.dumps(a.fields).encode() + a.message.encode()
+        for a in decision.actions if isinstance(a, Emit)]
+    assert written and sum(map(len, written)) < 20_000, decision.reason[:300]
