@@ -119,8 +119,9 @@ class Progress:
     @classmethod
     def from_message(cls, msg: Mapping) -> Progress:
         """ValueError (or KeyError / TypeError) on a malformed message."""
+        # A finite time, or the agent's hang report would carry a NaN the daemon refuses.
         return cls(step=int(msg["step"]), phase=str(msg["phase"]), seq=int(msg["seq"]),
-                   since=float(msg["since"]), op=str(msg.get("op", "")))
+                   since=_seconds(float(msg["since"]), "since"), op=str(msg.get("op", "")))
 
 
 @dataclass(frozen=True, slots=True)
