@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import random
 import signal
@@ -163,6 +164,7 @@ class Agent:
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
+        self._unreadable: dict[str, int] = {}  # key -> mod revision of the value named
         self._published_state: tuple | None = None
         self._published_step = -1
         self._published_at = 0.0
@@ -237,8 +239,12 @@ class Agent:
                             st["window"] = msg["window"]
                         st["loss"] = float(msg.get("loss", 0.0))
                         dt = float(msg.get("step_time_s", 0.0))
+                        # Only a loss may be NaN in a node status (records.Reading): the
+                        # daemon computes with times and refuses a status where one is not.
+                        dt = dt if math.isfinite(dt) else 0.0
+                        rate = float(msg.get("tokens", 0)) / dt if dt > 0 else 0.0
                         st["step_time_s"] = dt
-                        st["tokens_per_s"] = float(msg.get("tokens", 0)) / dt if dt > 0 else 0.0
+                        st["tokens_per_s"] = rate if math.isfinite(rate) else 0.0
             return None
         if kind == "progress":
             try:
@@ -358,19 +364,27 @@ class Agent:
         status = rec = None
         kv = snap.kvs.get(self.keys.status)
         if kv is not None:
-            try:
-                status = RunStatus.from_json(kv.value, self.keys.status)
-            except RecordError as e:
-                log.warning("ignoring unreadable run status: %s", e)
+            status = self._readable(RunStatus, kv)
+            if status is None:
                 return None, None
         if status is not None and status.round:
             kv = self.etcd.get(self.keys.round_key(status.round))
             if kv is not None:
-                try:
-                    rec = RoundRecord.from_json(kv.value, kv.key)
-                except RecordError as e:
-                    log.warning("ignoring unreadable round record: %s", e)
+                rec = self._readable(RoundRecord, kv)
         return status, rec
+
+    def _readable(self, cls, kv: E.KV):
+        """The record in `kv`, or None: an unreadable value is named once (per write of it),
+        not at every read."""
+        try:
+            rec = cls.from_json(kv.value, kv.key)
+        except RecordError as e:
+            if self._unreadable.get(kv.key) != kv.mod_revision:
+                self._unreadable[kv.key] = kv.mod_revision
+                log.warning("ignoring %s", e)
+            return None
+        self._unreadable.pop(kv.key, None)
+        return rec
 
     def _pass_on_checkpoint_request(self, kv: E.KV | None) -> None:
         """A new request id (the daemon's or an operator's) goes to every local rank once."""
@@ -437,8 +451,8 @@ class Agent:
             self._refused = ""
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
-        self.health.watch_checkpoint_dir(rec.train.get("checkpoint", {}).get("dir"))
-        self._checkpoint_dir = rec.train.get("checkpoint", {}).get("dir")
+        self._checkpoint_dir = rec.checkpoint_dir
+        self.health.watch_checkpoint_dir(self._checkpoint_dir)
         self.workers.launch(rec.round, assignments)
         self._save_left()
         log.info("round %d: started ranks %s%s", rec.round, ranks,

@@ -103,6 +103,9 @@ def _repair_status(now: float, view: ClusterView) -> Decision:
 
 def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], reason: str,
                    fault_at: float) -> Decision:
+    # A fault is in the past, and after the epoch: a clock ahead of ours or an agent's garbage
+    # says otherwise, and run/status must stay a record we can read back.
+    fault_at = min(max(fault_at, 0.0), now)
     incident = {"kind": kind, "culprit": ",".join(culprits), "fault_at": fault_at,
                 "detected_at": now, "round": st.round}
     status = dataclasses.replace(st, state=RECOVERING, since=now, reason=reason,
@@ -120,8 +123,19 @@ def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str
     if not isinstance(reasons, list):  # the GPU monitor nests its reasons per GPU
         gpus = report.get("gpus") if isinstance(report.get("gpus"), list) else []
         reasons = [f"gpu{g.get('index')}: {r}" for g in gpus if isinstance(g, dict)
-                   for r in (g.get("reasons") or []) if g.get("state") == report["state"]]
-    return report["state"], [str(r) for r in reasons][:6]
+                   and isinstance(g.get("reasons"), list) and g.get("state") == report["state"]
+                   for r in g["reasons"]]
+    return report["state"], [_clip(str(r)) for r in reasons[:6]]
+
+
+# What an agent reported goes into run/status and events at most this long: one huge value
+# must not make the leader's transaction more than etcd takes (1.5 MiB by default), which
+# would fail every pass that takes the same decision.
+REPORTED_TEXT = 200
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= REPORTED_TEXT else text[:REPORTED_TEXT - 3] + "..."
 
 
 # How long the first hang report of a round waits for the other members' reports (their
@@ -155,9 +169,9 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
         return Decision([], f"hang reported by {', '.join(reports)}; waiting for the others")
     verdict = combine(reports)
     culprits = list(verdict.culprit_nodes) or sorted(reports)
-    stacks = [view.node_status[n].hang.get("stacks") for n in reports]
+    stacks = [_clip(str(view.node_status[n].hang.get("stacks"))) for n in reports]
     return _to_recovering(now, st, "hang", culprits,
-                          f"hang: {verdict.reason} (stacks: {', '.join(map(str, stacks))})",
+                          f"hang: {verdict.reason} (stacks: {', '.join(stacks)})",
                           min(started))
 
 
@@ -249,8 +263,8 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         d = _to_recovering(now, st, "bad_checkpoint", [st.restore],
                            f"checkpoint {st.restore} cannot be restored; falling back", fault_at)
         return Decision([*(MarkCheckpoint(c, good=False) for c in bad), *d.actions], d.reason)
-    details = [f"{n} rank {view.node_status[n].failed_rank} exit "
-               f"{view.node_status[n].exit_codes}" for n in culprits]
+    details = [_clip(f"{n} rank {view.node_status[n].failed_rank} exit "
+                     f"{view.node_status[n].exit_codes}") for n in culprits]
     return _to_recovering(now, st, "worker_crash", culprits,
                           f"worker crash on {'; '.join(details)}", fault_at)
 

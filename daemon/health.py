@@ -17,7 +17,8 @@ from lazarus.daemon.decide import health_of
 from lazarus.daemon.history import History
 from lazarus.daemon.view import ClusterView, prefixes  # noqa: F401 (what the API reads)
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.core.records import RUNNING, TERMINAL, CheckpointRecord, EventRecord, RunStatus
+from lazarus.core.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, RecordError,
+                                  RunStatus, load_json, number)
 
 # Node.state values beyond the worker states an agent reports.
 SPARE, CORDONED, LOST, STARTING = "spare", "cordoned", "lost", "starting"
@@ -51,8 +52,8 @@ def goodput(evs: list[EventRecord], job_id: str, now: float) -> tuple[float, flo
         if ev.kind == "fault_detected":
             incident = True
             if run_from is not None:
-                fault_at = ev.fields.get("fault_at", ev.time)
-                if not isinstance(fault_at, (int, float)):
+                fault_at = number(ev.fields.get("fault_at"))
+                if fault_at is None:
                     fault_at = ev.time
                 productive += min(max(fault_at, run_from), ev.time) - run_from
                 run_from = None
@@ -112,16 +113,20 @@ def _leader(view: ClusterView) -> pb.Leader | None:
     if kv is None:
         return None
     try:
-        doc = json.loads(kv.value)
-    except (ValueError, UnicodeDecodeError):
-        return pb.Leader(id="(unreadable leader record)")
+        doc = load_json(kv.value, kv.key)
+    except RecordError:
+        doc = None
     if not isinstance(doc, dict):
         return pb.Leader(id="(unreadable leader record)")
     pid = doc.get("pid")
-    return pb.Leader(id=str(doc.get("id", "")), host=str(doc.get("host", "")),
-                     api=str(doc.get("api", "")),
+    return pb.Leader(id=_text(doc.get("id", "")), host=_text(doc.get("host", "")),
+                     api=_text(doc.get("api", "")),
                      pid=pid if isinstance(pid, int) and not isinstance(pid, bool)
-                     and 0 <= pid < 2**63 else 0)
+                     and pid >= 0 else 0)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)[:200]
 
 
 def run_health(view: ClusterView, *, now: float, served_by: str,
@@ -151,11 +156,10 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
             first = next((ns for ns in current if ns.node == st.members[0]), current[0])
             h.loss, h.tokens_per_s, h.step_time_s = first.loss, first.tokens_per_s, first.step_time_s
         if st.incident is not None:
-            inc = st.incident
+            inc = st.incident  # its keys typed (records.Incident)
             h.incident.CopyFrom(pb.Incident(
-                kind=str(inc.get("kind", "")), culprit=str(inc.get("culprit", "")),
-                fault_at=_number(inc.get("fault_at")), detected_at=_number(inc.get("detected_at")),
-                round=int(_number(inc.get("round"))), reason=st.reason))
+                kind=inc["kind"], culprit=inc["culprit"], fault_at=inc["fault_at"],
+                detected_at=inc["detected_at"], round=inc["round"], reason=st.reason))
         if all_events is None:
             all_events = [ev for _, ev in view.events]
         h.goodput, h.wall_time_s, h.productive_time_s = goodput(all_events, st.job_id, now)
@@ -172,10 +176,6 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
         state = node_state(node, view, members)
         h.nodes_by_state[state] = h.nodes_by_state[state] + 1
     return h
-
-
-def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _node_names(view: ClusterView) -> list[str]:

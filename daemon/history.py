@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lazarus.core import etcd as E
-from lazarus.core.records import EventRecord, Keys, RecordError
+from lazarus.core.records import EventRecord, Keys, RecordError, load_json
 
 EVENTS, ROUNDS, CHECKPOINTS = "events", "rounds", "checkpoints"
 KINDS = (EVENTS, ROUNDS, CHECKPOINTS)
@@ -146,18 +146,18 @@ def _readable(kvs: dict[str, E.KV]) -> dict[str, tuple[E.KV, EventRecord]]:
 def _payload(value: bytes) -> dict:
     """The record as JSON when it is JSON (readable in the file), else its bytes as text."""
     try:
-        return {"record": json.loads(value)}
-    except (ValueError, UnicodeDecodeError):
+        return {"record": load_json(value, "record")}
+    except RecordError:
         return {"raw": value.decode("utf-8", "replace")}
 
 
 def _parse(line: bytes) -> E.KV | None:
     try:
-        doc = json.loads(line)
+        doc = load_json(line, "history line")
         key, rev = doc["key"], doc["revision"]
         value = (json.dumps(doc["record"], sort_keys=True).encode() if "record" in doc
                  else str(doc["raw"]).encode())
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+    except (RecordError, KeyError, TypeError):
         return None  # a torn or foreign line
     if not isinstance(key, str) or not isinstance(rev, int) or isinstance(rev, bool):
         return None

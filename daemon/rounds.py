@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from lazarus.core.jobspec import JobSpec
-from lazarus.core.records import RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord, RoundRecord, RunStatus
+from lazarus.core.records import (MAX_ROUND, RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord,
+                                  RoundRecord, RunStatus)
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.view import ClusterView
 
@@ -54,6 +55,9 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     """`restore`: the checkpoint to resume from (a CheckpointRecord or None for a fresh start);
     by default the newest good one of this job."""
     n = max(st.round, view.last_round) + 1
+    if n >= MAX_ROUND:  # what we wrote, we could not read back
+        return Decision([], f"no round after round {n - 1}, the last a key can number: "
+                            "delete the round records that are not the run's")
     first = view.nodes[members[0]]
     ckpt = restore_point(view, job.id) if restore is _LATEST else restore
     train = round_train_config(job, st, len(members), ckpt.step if ckpt else 0)

@@ -112,15 +112,12 @@ class Daemon:
             return
         if not self.leadership.is_leader:
             if not self.leadership.campaign():
-                self.views.current()  # a standby's API reads it: keep it parsed
+                self._log_ignored(self.views.current())  # a standby's API reads it: parsed
                 return
             self._last_reason = ""
         view = self.views.current()
         self.passes += 1
-        for key, why in view.ignored.items():
-            if key not in self._ignored_logged:
-                self._ignored_logged.add(key)
-                log.warning("ignoring unreadable record %s: %s", key, why)
+        self._log_ignored(view)
         now = time.time()
         decision = decide(now, view)
         if decision.reason != self._last_reason:
@@ -136,6 +133,17 @@ class Daemon:
             self.wake.set()  # our own write changed the state: look again at once
         elif self.leadership.check():
             self.wake.set()  # the view was stale; the watch brings a newer one
+
+    def _log_ignored(self, view) -> None:
+        """Name each record the view leaves out once, and again if it heals and breaks
+        again. O(ignored keys) a pass."""
+        logged = self._ignored_logged
+        for key, why in view.ignored.items():
+            if key not in logged:
+                logged.add(key)
+                log.warning("ignoring %s", why if why.startswith(key) else f"{key}: {why}")
+        if len(logged) > len(view.ignored):
+            logged.intersection_update(view.ignored)
 
     def run(self, stop: threading.Event) -> None:
         backoff = E.Backoff(initial_s=0.1, max_s=2.0)

@@ -31,10 +31,14 @@ def _spikes(view: ClusterView, st: RunStatus) -> dict[int, list[int]]:
         for sp in ns.spikes:
             window = sp.get("window") if isinstance(sp, dict) else None
             step = sp.get("step") if isinstance(sp, dict) else None
-            if (isinstance(step, int) and isinstance(window, list) and len(window) == 2
-                    and all(isinstance(x, int) for x in window) and window[0] <= window[1]):
+            if (_is_int(step) and isinstance(window, list) and len(window) == 2
+                    and all(map(_is_int, window)) and window[0] <= window[1]):
                 out[step] = window
     return out
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # not a bool: a window of `true` would go into run/status
 
 
 def good_checkpoint(view: ClusterView, job: JobSpec, spike_steps: list[int],
@@ -62,7 +66,7 @@ def rollback(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
     # going past the spikes seen so far, and skipping only those would spike again.
     read = [w[1] for n in st.members if (ns := view.node_status.get(n)) is not None
             and ns.round == st.round and isinstance(w := ns.window, list) and len(w) == 2
-            and all(isinstance(x, int) for x in w)]
+            and all(map(_is_int, w))]
     window = [min(spikes[s][0] for s in recent),
               max([spikes[s][1] for s in recent] + read)]
     restore_step = good.step if good else 0

@@ -49,7 +49,7 @@ from lazarus.daemon.history import History
 from lazarus.daemon.view import ClusterView, LiveView, parse
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.core.records import STATES, EventRecord, Keys
+from lazarus.core.records import STATES, EventRecord, Keys, number
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +196,8 @@ def _phases(inc: _Incident, end: float) -> list[tuple[str, float, float, bool]]:
 
 
 def _number(value, default: float) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else default
+    n = number(value)
+    return default if n is None else n
 
 
 class RunMetrics:

@@ -6,12 +6,19 @@ only the keys that changed since its last view. A pass then costs the parses of 
 plus copies of the maps of nodes, never a parse of every node's status.
 
 Parsing never fails as a whole: a record that is garbage is left out and named in `ignored`,
-so one bad key (typed by hand, written by another version) cannot stop the controller.
+so one bad key (typed by hand, written by another version) cannot stop the controller. Record
+parsing is total (lazarus.core.records): whatever a value holds, it is a record or a
+RecordError.
+
+A node's status counts only when it is bound to the lease its registration is bound to: every
+agent can write every key, but only the node's own agent holds that lease, so a status under
+another lease (another agent's, or none while the registration has one) or of an unregistered
+node is not the node's, and is ignored like garbage. (An expired lease deletes both keys in
+one revision, so the two never disagree for a moment.)
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 from lazarus.core import jobspec
 from lazarus.core.etcd import KV, Etcd, Snapshot
 from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
-                                  RecordError, RoundRecord, RunStatus)
+                                  RecordError, RoundRecord, RunStatus, load_json)
 from lazarus.daemon.cache import Informer
 
 
@@ -92,7 +99,10 @@ class ViewBuilder:
         self._one: dict[str, object] = {}   # kind -> payload of the singleton keys
         self._nodes: dict[str, NodeRecord] = {}
         self._departed_ttl: dict[str, int] = {}
-        self._node_status: dict[str, NodeStatus] = {}
+        self._node_lease: dict[str, int] = {}
+        self._statuses: dict[str, tuple[NodeStatus, int]] = {}  # readable ones, with leases
+        self._node_status: dict[str, NodeStatus] = {}  # those bound to their node's lease
+        self._unbound: dict[str, str] = {}  # status key -> why it is not its node's
         self._drains: dict[str, int] = {}
         self._cordoned: set[str] = set()
         self._ignored: dict[str, str] = {}
@@ -124,47 +134,49 @@ class ViewBuilder:
         k = self.keys
         try:
             if key == k.job:
-                return "submitted", jobspec.JobSpec.from_json(kv.value)
+                return "submitted", jobspec.JobSpec.from_json(kv.value, key)
             if key == k.accepted_job:
-                return "job", jobspec.JobSpec.from_json(kv.value)
+                return "job", jobspec.JobSpec.from_json(kv.value, key)
             if key == k.status:
                 try:
                     return "status", (RunStatus.from_json(kv.value, key), kv.mod_revision, None)
-                except (ValueError, TypeError, KeyError) as e:
+                except RecordError as e:
                     return "status", (None, kv.mod_revision, str(e))
             if key == k.leader:
                 return "leader", kv
             if key.startswith(k.rounds):
-                return "round", RoundRecord.from_json(kv.value, key)
+                rec = RoundRecord.from_json(kv.value, key)
+                if key != k.round_key(rec.round):
+                    raise RecordError(f"{key}: holds round {rec.round}")
+                return "round", rec
             if key.startswith(k.nodes):
-                rec = NodeRecord.from_json(kv.value, key)
-                if rec.node != key[len(k.nodes):]:
-                    raise RecordError(f"{key}: names node {rec.node!r}")
-                return "node", rec
+                return "node", (_named(NodeRecord.from_json(kv.value, key), key, k.nodes),
+                                kv.lease)
             if key.startswith(k.nodestatus):
-                rec = NodeStatus.from_json(kv.value, key)
-                if rec.node != key[len(k.nodestatus):]:
-                    raise RecordError(f"{key}: names node {rec.node!r}")
-                return "nodestatus", rec
+                return "nodestatus", (_named(NodeStatus.from_json(kv.value, key), key,
+                                             k.nodestatus), kv.lease)
             if key.startswith(k.checkpoints):
                 return "checkpoint", (CheckpointRecord.from_json(kv.value, key), kv.mod_revision)
             if key.startswith(k.events):
                 try:
                     return "event", (kv, EventRecord.from_json(kv.value, key))
-                except (ValueError, TypeError, KeyError):
+                except RecordError:
                     return None
             if key.startswith(k.drains):
                 return "drain", kv.mod_revision
             if key == k.pause:
                 return "pause", kv.mod_revision
             if key == k.cancel:
-                doc = json.loads(kv.value or b"{}")
-                return "cancel", doc.get("job_id") if isinstance(doc, dict) else None
+                doc = load_json(kv.value or b"{}", key)
+                job_id = doc.get("job_id") if isinstance(doc, dict) else None
+                if not isinstance(job_id, (str, type(None))):
+                    raise RecordError(f"{key}: job_id is not a job id")
+                return "cancel", job_id
             if key == k.checkpoint_request:
                 return "checkpoint_request", kv.mod_revision
             if key.startswith(k.cordon):
                 return "cordon", None
-        except (ValueError, TypeError, KeyError) as e:  # RecordError, UserError, bad JSON
+        except RecordError as e:
             return "ignored", str(e)
         return None
 
@@ -176,10 +188,14 @@ class ViewBuilder:
     def _add(self, key: str, entry: _Entry) -> None:
         kind, payload = entry
         if kind == "nodestatus":
-            self._node_status[self._name(key, kind)] = payload
+            name = self._name(key, kind)
+            self._statuses[name] = payload
+            self._bind(name)
         elif kind == "node":
-            self._nodes[self._name(key, kind)] = payload
-            self._departed_ttl.pop(payload.node, None)
+            name = self._name(key, kind)
+            self._nodes[name], self._node_lease[name] = payload
+            self._departed_ttl.pop(name, None)
+            self._bind(name)
         elif kind == "event":
             self._events[key] = payload
             self._derived.pop("events", None)
@@ -203,10 +219,14 @@ class ViewBuilder:
     def _drop(self, key: str, entry: _Entry) -> None:
         kind, _ = entry
         if kind == "nodestatus":
-            del self._node_status[self._name(key, kind)]
+            name = self._name(key, kind)
+            del self._statuses[name]
+            self._bind(name)
         elif kind == "node":
-            gone = self._nodes.pop(self._name(key, kind))
-            self._departed_ttl[self._name(key, kind)] = gone.lease_ttl_s
+            name = self._name(key, kind)
+            self._departed_ttl[name] = self._nodes[name].lease_ttl_s
+            del self._nodes[name], self._node_lease[name]
+            self._bind(name)
         elif kind == "event":
             del self._events[key]
             self._derived.pop("events", None)
@@ -224,6 +244,24 @@ class ViewBuilder:
             self._ignored.pop(key, None)
             if kind != "ignored":
                 del self._one[kind]
+
+    def _bind(self, node: str) -> None:
+        """Count node's status, or not, after a change of it or of its registration: O(1)."""
+        key = self.keys.nodestatus_key(node)
+        self._node_status.pop(node, None)
+        self._unbound.pop(key, None)
+        if node not in self._statuses:
+            return
+        status, lease = self._statuses[node]
+        registered = self._node_lease.get(node)
+        if registered == lease:
+            self._node_status[node] = status
+        elif registered is None:
+            self._unbound[key] = f"{key}: {self.keys.node_key(node)} is not registered"
+        else:
+            self._unbound[key] = (f"{key}: written under lease {lease:x}, not under "
+                                  f"{self.keys.node_key(node)}'s lease {registered:x}: not "
+                                  "the node's own agent")
 
     def build(self, revision: int) -> ClusterView:
         """A view of what is parsed now. Its maps are the view's own: nothing the builder
@@ -248,7 +286,8 @@ class ViewBuilder:
             pause_revision=one.get("pause"), cancel_requested="cancel" in one,
             cancel_job_id=one.get("cancel"),
             checkpoint_request_revision=one.get("checkpoint_request", 0),
-            ignored=dict(self._ignored), leader=one.get("leader"), events=list(events))
+            ignored={**self._ignored, **self._unbound}, leader=one.get("leader"),
+            events=list(events))
         # A node's throughput summary is read again only when its status is a new record
         # (lazarus.daemon.stragglers): a view starts from the summaries its predecessor read.
         if self._last is not None and "summaries" in self._last.memo:
@@ -265,6 +304,13 @@ class ViewBuilder:
         ordered = sorted(self._checkpoints.items())
         revisions = {rec.step: rev for _, (rec, rev) in ordered}
         return sorted((rec for _, (rec, _) in ordered), key=lambda c: c.step), revisions
+
+
+def _named(rec, key: str, prefix: str):
+    """The record of a key that names a node must name the same node."""
+    if rec.node != key[len(prefix):]:
+        raise RecordError(f"{key}: names node {rec.node!r}")
+    return rec
 
 
 class LiveView:

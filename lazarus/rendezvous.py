@@ -84,9 +84,16 @@ def make_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
                     "agent", params.run_id, params.endpoint)
     # Reach etcd now: a wrong endpoint fails here in etcd_timeout, not after join_timeout.
     current = backend.get_state()
+    try:
+        closed = current is not None and pickle.loads(current[0]).closed
+    except Exception as e:  # a garbled pickle raises whatever the bytes lead it to
+        raise RendezvousStateError(
+            f"the rendezvous state of {params.run_id!r} in etcd at {params.endpoint} is "
+            f"unreadable ({type(e).__name__}: {e}); delete {backend.key} or give this job "
+            "another --rdzv-id") from None
     # torch would only say "RendezvousClosedError"; torchrun's default run id is "none", so
     # a second job started soon after the first would hit this without a hint.
-    if current is not None and pickle.loads(current[0]).closed:
+    if closed:
         raise RendezvousClosedError(
             f"the rendezvous {params.run_id!r} in etcd at {params.endpoint} is closed: a job with "
             f"this --rdzv-id finished less than {cfg.state_ttl_s} s ago (its keys expire then); "
@@ -101,6 +108,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler,
@@ -368,7 +376,11 @@ class EtcdStore(dist.Store):
         while True:
             kv = self._space.get(path)
             current = None if kv is None else self._space.opened(kv)
-            value = amount + (0 if current is None else int(current))
+            try:
+                value = amount + (0 if current is None else int(current))
+            except ValueError:
+                raise dist.DistStoreError(f"{path} holds {current[:40]!r}, not a counter: "
+                                          "add() cannot add to it") from None
             guard = key_missing(path) if kv is None else mod_revision_is(path, kv.mod_revision)
             put = put_op(path, self._space.sealed(path, str(value).encode()),
                          lease=self._space.lease())

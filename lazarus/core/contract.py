@@ -12,6 +12,7 @@ the daemon import this module; none of them imports another (docs/architecture.m
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -132,8 +133,9 @@ class Progress:
     @classmethod
     def from_message(cls, msg: Mapping) -> Progress:
         """ValueError (or KeyError / TypeError) on a malformed message."""
+        # A finite time, or the agent's hang report would carry a NaN the daemon refuses.
         return cls(step=int(msg["step"]), phase=str(msg["phase"]), seq=int(msg["seq"]),
-                   since=float(msg["since"]), op=str(msg.get("op", "")))
+                   since=_seconds(float(msg["since"]), "since"), op=str(msg.get("op", "")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +151,7 @@ class Position:
         return (self.step, self.seq, _ORDER[self.phase])
 
     def describe(self) -> str:
-        where = f"in {self.op or 'a collective'}" if self.phase == "collective" \
+        where = f"in {self.op[:80] or 'a collective'}" if self.phase == "collective" \
             else f"in {self.phase}"
         return f"{where} at step {self.step} after {self.seq} collectives"
 
@@ -175,8 +177,44 @@ class HangVerdict:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> HangVerdict:
-        frozen = d.get("frozen") or {}
-        return cls(culprits=tuple(int(r) for r in d["culprits"]), reason=str(d["reason"]),
-                   stalled_s=float(d["stalled_s"]), timeout_s=float(d["timeout_s"]),
-                   positions={int(r): Position(**p) for r, p in d["positions"].items()},
-                   frozen={int(r): str(why) for r, why in frozen.items()})
+        """ValueError (or KeyError / TypeError) on a report not as `to_dict` writes it: the
+        daemon orders ranks by these positions, so each is checked, not converted."""
+        positions = d["positions"]
+        if not isinstance(positions, Mapping) or not positions:
+            raise ValueError("a hang report names the positions of its ranks")
+        return cls(culprits=tuple(_typed(r, int, "culprit") for r in _typed(d["culprits"], list,
+                                                                            "culprits")),
+                   reason=_typed(d["reason"], str, "reason"),
+                   stalled_s=_seconds(d["stalled_s"], "stalled_s"),
+                   timeout_s=_seconds(d["timeout_s"], "timeout_s"),
+                   positions={int(r): _position(p) for r, p in positions.items()},
+                   frozen={_typed_rank(r): _typed(why, str, "frozen")
+                           for r, why in _typed(d.get("frozen") or {}, Mapping,
+                                                "frozen").items()})
+
+
+def _typed_rank(r) -> int:
+    if isinstance(r, bool) or not isinstance(r, (int, str)):
+        raise TypeError(f"rank: {r!r:.80}")
+    return int(r)
+
+
+def _typed(value, kind, what: str):
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{what}: {value!r:.80}")
+    return value
+
+
+def _seconds(value, what: str) -> float:
+    if not math.isfinite(_typed(value, (int, float), what)):
+        raise ValueError(f"{what}: {value!r} is no number of seconds")
+    return float(value)
+
+
+def _position(p: Mapping) -> Position:
+    if not isinstance(p, Mapping) or p.get("phase") not in _ORDER:
+        raise ValueError(f"not a rank's position: {p!r:.80}")
+    return Position(step=_typed(p["step"], int, "step"), phase=p["phase"],
+                    seq=_typed(p["seq"], int, "seq"),
+                    stalled_s=_seconds(p["stalled_s"], "stalled_s"),
+                    op=_typed(p.get("op", ""), str, "op"))

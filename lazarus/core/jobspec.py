@@ -36,7 +36,8 @@ from pathlib import Path
 from lazarus.core.errors import UserError
 from lazarus.core import policy as policies
 from lazarus.core.policy import SpikePolicy, StragglerPolicy
-from lazarus.core.trainconfig import TrainConfig
+from lazarus.core.records import MAX_RANKS_PER_NODE, RecordError, load_json, number
+from lazarus.core.trainconfig import TrainConfig, check_types
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
              "rendezvous_timeout_s", "id"}
@@ -92,20 +93,23 @@ class JobSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "JobSpec":
-        try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise UserError(f"etcd job record is not JSON ({e})") from None
+    def from_json(cls, raw: bytes, what: str = "etcd job record") -> "JobSpec":
+        """The job in `raw`, or RecordError; nothing else, whatever `raw` holds."""
         # Sizes were checked when the job was submitted (and are checked again when the
         # leader accepts it): every reader need not re-check each node count.
-        return from_dict(doc, source="etcd job record", check_sizes=False)
+        try:
+            return from_dict(load_json(raw, what), source=what, check_sizes=False)
+        except UserError as e:
+            raise RecordError(str(e)) from None
 
 
-def _int(table: dict, key: str, default: int, *, minimum: int, source: str) -> int:
+def _int(table: dict, key: str, default: int, *, minimum: int, source: str,
+         maximum: int | None = None) -> int:
     value = table.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UserError(f"{source}: [job] {key} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{source}: [job] {key} must be at most {maximum}, got {value}")
     return value
 
 
@@ -121,6 +125,11 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     train = doc.get("train", {})
     if not isinstance(job, dict) or not isinstance(train, dict):
         raise UserError(f"{source}: [job] and [train] must be tables")
+    try:
+        check_types(train)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+    _check_tp(train, source)
     policy = policies.parse(doc.get("policy", {}), source=source)
     unknown = set(job) - _JOB_KEYS
     if unknown:
@@ -133,11 +142,12 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     if min_nodes > nodes:
         raise UserError(f"{source}: [job] min_nodes ({min_nodes}) is more than nodes ({nodes})")
     timeout = job.get("rendezvous_timeout_s", 60.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+    if number(timeout) is None or timeout <= 0:
         raise UserError(f"{source}: [job] rendezvous_timeout_s must be a positive number")
     spec = JobSpec(
         name=name, nodes=nodes, min_nodes=min_nodes,
-        nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source),
+        nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source,
+                            maximum=MAX_RANKS_PER_NODE),
         max_restarts=_int(job, "max_restarts", 20, minimum=0, source=source),
         rendezvous_timeout_s=float(timeout), train=dict(train), policy=policy,
         id=str(job.get("id") or uuid.uuid4().hex[:12]))
@@ -146,16 +156,18 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     return spec
 
 
+def _check_tp(train: dict, source: str) -> None:
+    # Every reader of a job divides by it (JobSpec.dp_for), so it is checked on every read.
+    tp = train.get("parallelism", {}).get("tp", 1)
+    if tp < 1:
+        raise UserError(f"{source}: [train.parallelism] tp must be a positive integer")
+
+
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
     """Every node count from min_nodes to nodes must give a valid trainer config."""
-    par = spec.train.get("parallelism", {})
-    if not isinstance(par, dict):
-        raise UserError(f"{source}: [train.parallelism] must be a table")
-    if "dp" in par:
+    if "dp" in spec.train.get("parallelism", {}):
         raise UserError(f"{source}: [train.parallelism] dp is derived from the node count; remove it")
-    tp = par.get("tp", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise UserError(f"{source}: [train.parallelism] tp must be a positive integer")
+    tp = spec.tp
     if spec.nproc_per_node % tp:
         raise UserError(f"{source}: tp={tp} must divide nproc_per_node={spec.nproc_per_node} "
                         "(tensor parallelism stays inside a node)")

@@ -14,7 +14,8 @@ different roots).
     rounds/<round:08d>        RoundRecord: membership, ranks, store, checkpoint to restore
     nodes/<node>              NodeRecord: an agent's registration, bound to its lease
     nodestatus/<node>         NodeStatus: what the agent's workers are doing, bound to the
-                              same lease
+                              same lease (a status under any other lease is not the
+                              node's agent's: the daemon ignores it)
     checkpoints/<step:012d>   CheckpointRecord: a committed checkpoint, written by the agent
                               of global rank 0, fenced on run/round
     events/<time_ns:020d>-<writer>   Event: a state change with its reason
@@ -28,21 +29,35 @@ different roots).
     torchrun/<run_id>/state   torchrun's rendezvous state (lazarus.rendezvous), for
     torchrun/<run_id>/store/  users of `torchrun --rdzv-backend lazarus-etcd`; leased
 
-Records read back from etcd may be garbage (a person with etcdctl, a different version): each
-`parse_*` raises RecordError, which readers log and skip; nothing here crashes the daemon.
+Records read back from etcd may be garbage (a person with etcdctl, a different version, a
+bug): every `from_json`, and `load_json` for values without a record class, is total. It
+returns a record whose fields all have their annotated types (nested ones too: the annotations
+are the schema), or raises RecordError, whatever the bytes; readers log the key once and skip
+it. Where a key names a node, its record names the same node.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import re
 import time
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazarus.core.contract import HangVerdict
 from lazarus.core.settings import DEFAULT_ROOT, LEASE_TTL_S
 
+
+# Round numbers fit the width of their keys (rounds/<round:08d>), which then sort in order.
+MAX_ROUND = 10**8
+# Ranks on one node, at most: every reader of a round makes a list of a node's ranks.
+MAX_RANKS_PER_NODE = 1024
 
 # Run states (docs/architecture.md, "Run states"): PENDING -> RENDEZVOUS -> RUNNING ->
 # RECOVERING -> RENDEZVOUS ...
@@ -118,36 +133,162 @@ class Keys:
         return f"{self.events}{time.time_ns():020d}-{writer}"
 
 
-def _load(raw: bytes, what: str) -> dict:
+# What any value under our keys must be before a reader looks inside, whoever wrote it: JSON
+# nested at most MAX_DEPTH deep (a deeper one makes json, copy and dataclasses.asdict recurse
+# until Python gives up; our own records nest 5 deep), integers below 2**63 in magnitude
+# (protobuf's int64), and text that is Unicode (a lone surrogate, legal as a JSON escape, breaks
+# every encoder after us: protobuf, logs, UTF-8). Floats may be NaN or infinite, as Python's
+# json writes a loss that blew up: the fields readers compute with are typed `float`, which
+# admits finite numbers below 2**63 only (see _fits), and what sits in an untyped dict or list
+# is read through `number()`.
+MAX_DEPTH = 32
+MAX_NUMBER = 2**63
+
+
+def load_json(raw: bytes, what: str) -> Any:
+    """The JSON value in `raw` if it is one a reader can handle (see MAX_DEPTH); else
+    RecordError naming `what`. Total: nothing else is raised, whatever `raw` holds."""
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError(f"{what}: not JSON ({e})") from None
+        # As json.loads would, but strict: it lets UTF-8-encoded surrogates through.
+        text = raw.decode(json.detect_encoding(raw))
+        doc = json.loads(text)
+    except RecursionError:
+        raise RecordError(f"{what}: nested too deep") from None
+    except (ValueError, TypeError) as e:  # UnicodeDecodeError and the 4300-digit cap too
+        raise RecordError(f"{what}: not JSON ({_short(str(e))})") from None
+    # A lone surrogate can only come from a \uXXXX escape now: texts are looked at only then.
+    _check_tree(doc, what, texts="\\u" in text and _SURROGATE_ESCAPE.search(text) is not None)
+    return doc
+
+
+def number(value: Any) -> float | None:
+    """`value` as a float if it is a finite number a reader can compute with, else None: for
+    numbers out of an untyped dict of a record (an event's fields), which nothing checked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if -MAX_NUMBER < value < MAX_NUMBER else None  # NaN is not
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_tree(doc: Any, what: str, *, texts: bool) -> None:
+    """Every value in `doc` fits (see MAX_DEPTH), and with `texts` every text is Unicode. A
+    loop over the tree's levels, so a deep one cannot recurse; a node status (~400 values)
+    costs about as much as parsing it."""
+    level, depth = [doc], 0
+    while level:
+        deeper = []
+        for value in level:
+            if type(value) is dict:
+                if texts:
+                    _check_texts(value, what)
+                children = value.values()
+            elif type(value) is list:
+                children = value
+            else:
+                children = (value,)
+            for child in children:
+                kind = type(child)
+                if kind is float:
+                    continue
+                if kind is dict or kind is list:
+                    deeper.append(child)
+                elif kind is int and not -MAX_NUMBER < child < MAX_NUMBER:
+                    raise RecordError(f"{what}: integer out of range (at most 2**63 in "
+                                      "magnitude)")
+                elif texts and kind is str:
+                    _check_texts((child,), what)
+        if deeper and depth == MAX_DEPTH:
+            raise RecordError(f"{what}: nested more than {MAX_DEPTH} deep")
+        level, depth = deeper, depth + 1
+
+
+def _check_texts(texts, what: str) -> None:
+    for text in texts:
+        if not text.isascii() and _SURROGATE.search(text):
+            raise RecordError(f"{what}: text with a lone UTF-16 surrogate")
+
+
+def _load(raw: bytes, what: str) -> dict:
+    doc = load_json(raw, what)
     if not isinstance(doc, dict):
         raise RecordError(f"{what}: expected a JSON object")
     return doc
 
 
 def _build(cls, doc: dict, what: str):
-    """Construct a record from a dict, checking the declared field types."""
+    """Construct a record from a dict, checking every field against its annotation: the
+    annotations are the schema of the nested values readers index into."""
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in doc:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecordError(f"{what}: missing field {f.name!r}")
+    for name, required, fits in _schema(cls):
+        if name not in doc:
+            if required:
+                raise RecordError(f"{what}: missing field {name!r}")
             continue
-        value = doc[f.name]
-        expected = _TYPES.get(f.type)
-        if expected is not None and not isinstance(value, expected) or (
-                isinstance(value, bool) and f.type in ("int", "float")):
-            raise RecordError(f"{what}: field {f.name!r} has the wrong type ({value!r})")
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        value = doc[name]
+        if not fits(value):
+            raise RecordError(f"{what}: field {name!r} has the wrong type ({_short(value)})")
+        kwargs[name] = value
+    try:
+        record = cls(**kwargs)
+        record._check()
+    except RecordError as e:
+        raise RecordError(f"{what}: {str(e).removeprefix(cls.__name__ + ': ')}") from None
+    return record
 
 
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "list": list,
-          "dict": dict, "str | None": (str, type(None)), "int | None": (int, type(None)),
-          "dict | None": (dict, type(None)), "list[str]": list, "list[dict]": list}
+@functools.cache
+def _schema(cls) -> list[tuple[str, bool, Callable[[Any], bool]]]:
+    """(field, required, its type's check) of a record class, made once."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return [(f.name, f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING, _fits(hints[f.name]))
+            for f in dataclasses.fields(cls)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@functools.cache
+def _fits(hint: Any) -> Callable[[Any], bool]:
+    """A check that a JSON value has type `hint`: int, float (finite, an int too), Reading
+    (any number), str, bool, None, list, dict, list[X], dict[str, X], a TypedDict (its keys
+    required, others allowed) or a union of those. bool is no number here: `round: true` is a
+    mistake."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:  # Reading, the one annotation used
+        return _is_number
+    if origin in (typing.Union, types.UnionType):
+        checks = [_fits(h) for h in args]
+        return lambda v: any(check(v) for check in checks)
+    if origin is list:
+        item = _fits(args[0])
+        return lambda v: type(v) is list and all(map(item, v))
+    if origin is dict:
+        item = _fits(args[1])
+        return lambda v: type(v) is dict and all(map(item, v.values()))
+    if typing.is_typeddict(hint):
+        keys = [(k, _fits(h)) for k, h in typing.get_type_hints(hint).items()]
+        return lambda v: type(v) is dict and all(k in v and check(v[k]) for k, check in keys)
+    if hint is type(None):
+        return lambda v: v is None
+    if hint is float:
+        return lambda v: number(v) is not None
+    if hint is int:
+        return _is_int
+    return lambda v: isinstance(v, hint)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _Record:
@@ -156,7 +297,27 @@ class _Record:
 
     @classmethod
     def from_json(cls, raw: bytes, what: str = ""):
+        """The record in `raw`, or RecordError; nothing else, whatever `raw` holds."""
         return _build(cls, _load(raw, what or cls.__name__), what or cls.__name__)
+
+    def _check(self) -> None:
+        """What a record read from etcd must satisfy beyond its fields' types (records built
+        in code are trusted)."""
+
+
+# A measurement a worker reported, shown and never computed with: NaN or infinite on a step
+# that blew up (a loss spike), so any float, where `float` admits finite numbers only.
+Reading = typing.Annotated[float, "any float"]
+
+
+class Incident(typing.TypedDict):
+    """RunStatus.incident: the fault being recovered from. Readers index these keys; a
+    kind may add its own (a loss spike's steps)."""
+    kind: str
+    culprit: str
+    fault_at: float       # wall time of the fault
+    detected_at: float    # wall time the daemon saw it
+    round: int            # the round it hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +331,9 @@ class RunStatus(_Record):
     restarts: int = 0
     restore: str | None = None   # checkpoint the current round restores
     restore_step: int = 0
-    incident: dict | None = None  # open incident: {"kind", "culprit", "detected_at", "fault_at"}
+    incident: Incident | None = None  # the open incident
     # Loss-spike rollbacks: data windows every later round skips, and a lowered LR until a step.
-    skip_windows: list = field(default_factory=list)
+    skip_windows: list[list[int]] = field(default_factory=list)
     lr_scale: float = 1.0
     lr_scale_until: int = 0
     # Stragglers reported in this run: node -> {"round", "reason"}; reported once a round.
@@ -184,6 +345,12 @@ class RunStatus(_Record):
     def __post_init__(self):
         if self.state not in STATES:
             raise RecordError(f"RunStatus: unknown state {self.state!r}")
+
+    def _check(self) -> None:
+        # Each restart is a round: the daemon adds one to either, and must read the sum back.
+        if not (0 <= self.round < MAX_ROUND and 0 <= self.restarts < MAX_ROUND):
+            raise RecordError(f"round {self.round} or restarts {self.restarts} is no count of "
+                              "rounds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +371,22 @@ class RoundRecord(_Record):
     def ranks_of(self, node: str) -> list[int]:
         i = self.members.index(node)
         return list(range(i * self.nproc_per_node, (i + 1) * self.nproc_per_node))
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """Where the round's checkpoints go (its [train.checkpoint] dir), if anywhere."""
+        return self.train.get("checkpoint", {}).get("dir")
+
+    def _check(self) -> None:
+        if not 0 < self.round < MAX_ROUND:
+            raise RecordError(f"round {self.round} is not a round number")
+        if not 1 <= self.nproc_per_node <= MAX_RANKS_PER_NODE:
+            raise RecordError(f"nproc_per_node must be 1..{MAX_RANKS_PER_NODE}, got "
+                              f"{self.nproc_per_node}")
+        # The trainer checks the rest of [train]; the agent reads this before any trainer runs.
+        table = self.train.get("checkpoint", {})
+        if not isinstance(table, dict) or not isinstance(table.get("dir"), (str, type(None))):
+            raise RecordError(f"train.checkpoint.dir is not a path ({_short(table)})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,13 +413,13 @@ class NodeStatus(_Record):
     node: str
     round: int = 0
     workers: str = W_IDLE
-    exit_codes: dict = field(default_factory=dict)  # local rank -> exit code of a dead worker
+    exit_codes: dict[str, int] = field(default_factory=dict)  # local rank -> a dead one's code
     failed_rank: int | None = None
     step: int = 0
-    loss: float = 0.0
+    loss: Reading = 0.0          # NaN or infinite after a step that blew up
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
-    pids: list = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
     parked: int = 0
     updated_at: float = 0.0
     fault_at: float = 0.0       # wall time the agent saw the failure
@@ -255,6 +438,16 @@ class NodeStatus(_Record):
     def __post_init__(self):
         if self.workers not in WORKER_STATES:
             raise RecordError(f"NodeStatus: unknown worker state {self.workers!r}")
+
+    def _check(self) -> None:
+        if self.hang is None:
+            return
+        try:
+            HangVerdict.from_dict(self.hang)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RecordError(f"unreadable hang report ({e})") from None
+        if number(self.hang.get("at")) is None:
+            raise RecordError(f"hang report without its time ({_short(self.hang.get('at'))})")
 
 
 @dataclass(frozen=True, slots=True)

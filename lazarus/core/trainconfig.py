@@ -215,11 +215,19 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def check_types(table: dict) -> None:
+    """UserError naming the first unknown or mistyped key of a [train] table; the checks
+    across settings (which need the node count) are TrainConfig's."""
+    if not isinstance(table, dict):
+        raise UserError(f"the train settings must be a table, got {table!r}")
+    _build(TrainConfig, table, section=None, construct=False)
+
+
 def _sections() -> dict[str, type]:
     return {k: t for k, t in typing.get_type_hints(TrainConfig).items() if dataclasses.is_dataclass(t)}
 
 
-def _build(cls: type, table: dict, *, section: str | None):
+def _build(cls: type, table: dict, *, section: str | None, construct: bool = True):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in table.items():
@@ -230,12 +238,12 @@ def _build(cls: type, table: dict, *, section: str | None):
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise UserError(f"train setting {name!r} must be a table ([train.{name}]), got {value!r}")
-            kwargs[key] = _build(hint, value, section=name)
+            kwargs[key] = _build(hint, value, section=name, construct=construct)
             continue
         if not _fits(value, hint):
             raise UserError(f"train setting {name!r} must be {_type_name(hint)}, got {value!r}")
         kwargs[key] = float(value) if hint is float else value
-    return cls(**kwargs)
+    return cls(**kwargs) if construct else None
 
 
 def _unknown(name: str, section: str | None, hints: dict) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import shutil
 import subprocess
@@ -31,7 +30,8 @@ from pathlib import Path
 
 from lazarus.core import settings
 from lazarus.core.errors import UserError
-from lazarus.core.records import DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError
+from lazarus.core.records import (DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError,
+                                  load_json, number)
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
@@ -72,13 +72,13 @@ class Story:
 
 def read_metrics(path: Path) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError:
-            raise UserError(f"{path}:{n}: not a JSON line") from None
+            row = load_json(line, f"{path}:{n}")
+        except RecordError as e:
+            raise UserError(str(e)) from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise UserError(f"{path}:{n}: a metrics line needs an integer 'step'")
         rows.append(row)
@@ -86,14 +86,20 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def _records(path: Path, cls) -> list:
+    """The records of a JSON-lines file; a line that holds none is named and skipped (one
+    bad line costs that line, not the report)."""
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             try:
-                out.append(cls.from_json(line.encode(), f"{path}:{n}"))
+                out.append(cls.from_json(line, f"{path}:{n}"))
             except RecordError as e:
-                raise UserError(str(e)) from None
+                _skipped(str(e))
     return out
+
+
+def _skipped(why: str) -> None:
+    print(f"lazarus report: skipped {why}", file=sys.stderr)
 
 
 def read_etcd(endpoint: str, keys: Keys, history: Path | None = None, auth=None
@@ -118,12 +124,16 @@ def read_etcd(endpoint: str, keys: Keys, history: Path | None = None, auth=None
     ckpts = []
     stored = {**(archive.read(CHECKPOINTS) if archive is not None else {}),
               **snap.prefix(keys.checkpoints)}
-    for _, kv in sorted(stored.items()):
+    for key, kv in sorted(stored.items()):
         try:
-            ckpts.append(CheckpointRecord.from_json(kv.value))
-        except RecordError:
-            continue
-    return [ev for _, ev in merged_events(archive, snap, keys)], ckpts
+            ckpts.append(CheckpointRecord.from_json(kv.value, key))
+        except RecordError as e:
+            _skipped(str(e))
+    events = merged_events(archive, snap, keys)
+    readable = {kv.key for kv, _ in events}
+    for key in sorted(set(snap.prefix(keys.events)) - readable):
+        _skipped(f"{key}: not an event record")
+    return [ev for _, ev in events], ckpts
 
 
 def last_run(events: list[EventRecord], ckpts: list[CheckpointRecord]):
@@ -164,8 +174,8 @@ def incidents(events: list[EventRecord]) -> list[Incident]:
 
 
 def _num(value, default: float) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else default
+    n = number(value)
+    return default if n is None else n
 
 
 def place(incs: list[Incident], rows: list[dict]) -> None:

@@ -12,7 +12,6 @@ demo and end-to-end test takes.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -33,7 +32,7 @@ from lazarus.sim import trainer_faults
 from lazarus.sim.chaos import inject_gpu_fault, inject_slowdown, slowdown_script
 from lazarus.sim.diskfault import Ballast, mount_small
 from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
-                             RunStatus)
+                             RunStatus, load_json)
 
 
 # Shorter than the production default (core.settings.LEASE_TTL_S): on one machine there is no
@@ -204,7 +203,7 @@ class LocalCluster:
                 if key == self.keys.status:
                     st.status = RunStatus.from_json(kv.value)
                 elif key == self.keys.leader:
-                    st.leader_pid = json.loads(kv.value).get("pid")
+                    st.leader_pid = load_json(kv.value, key).get("pid")
                 elif key.startswith(self.keys.nodestatus):
                     ns = NodeStatus.from_json(kv.value)
                     st.node_status[ns.node] = ns

@@ -130,6 +130,9 @@ def test_agents_restarting_take_over_the_ranks_and_the_lease(etcd, keys, tmp_pat
         _end(ranks[1], 0)
         st = _until(lambda: (s := _status(etcd, keys)) and s.workers == W_SUCCEEDED and s)
         assert st.exit_codes == {"0": 0, "1": 0}
+        # both under the node's one lease, or the daemon would not count the status
+        assert etcd.get(keys.node_key("n0")).lease == lease
+        assert etcd.get(keys.nodestatus_key("n0")).lease == lease
         # the notes were read and cleared
         assert not any(exit_note_path(tmp_path / "stacks" / "n0", p.pid).exists()
                        for p in ranks)

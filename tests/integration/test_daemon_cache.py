@@ -173,6 +173,10 @@ def test_a_burst_of_status_writes_costs_a_bounded_number_of_passes(etcd, keys):
             in_pass.set()
             release.wait(120)
 
+    for first in range(0, burst, 128):  # registered: only then is a status its node's
+        etcd.txn([], [E.put_op(keys.node_key(f"n{i:05d}"), NodeRecord(
+            node=f"n{i:05d}", host="127.0.0.1", nproc=1).to_json())
+                      for i in range(first, first + 128)])
     daemon = Daemon(etcd, keys, lease_ttl_s=5, tick_s=3600, min_pass_s=0.1, on_pass=on_pass,
                     compact_every_s=0)
     stop = threading.Event()
