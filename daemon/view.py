@@ -43,8 +43,9 @@ class ClusterView:
     last_round: int = 0                     # highest round number ever written
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     # The lease TTL of each node whose registration went away (the lease ran out or was
-    # revoked): a lost node's fault is dated one TTL before its loss is seen.
-    departed_ttl: dict[str, int] = field(default_factory=dict)
+    # revoked): a lost node's fault is dated one TTL before its loss is seen. History the
+    # watch saw, not state a snapshot holds: left out of a view's equality.
+    departed_ttl: dict[str, int] = field(default_factory=dict, compare=False)
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     cordoned: set[str] = field(default_factory=set)
