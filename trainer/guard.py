@@ -8,30 +8,32 @@ Verdicts, checked in this order (the first that applies is the reason given):
   a robust straight line (Tukey's resistant line: the slope joins the medians of the first and
   last thirds, the intercept is the median of what is left) through the logarithms of the last
   `window` accepted losses, extended one step. A falling loss is then the trend, not noise:
-  judged against the median of a steeply falling history, as a plain z-score does, every
-  early batch looks low and a spike hides in the spread of the fall. How far above counts as
-  far is learned from the guard's own record: the difference between each accepted step's
-  log-loss and the trend's forecast for it (a forecast error) is kept for the last `window`
-  accepted steps, and::
+  judged against the median of a steeply falling history, as a plain z-score does, every early
+  batch looks low and a spike hides in the spread of the fall. Two bars, either one enough:
 
-      z = (e - median(errors)) / max(1.4826 * MAD(errors), 0.01)      flagged when z > threshold
+  * the noise of this run: each accepted step's forecast error (its log-loss minus what the
+    trend forecast for it) is kept for the last 3 x `window` accepted steps, and::
 
-  where e is this step's forecast error and MAD the median absolute deviation from the median
-  (1.4826 * MAD estimates the standard deviation of normal noise without being moved by the
-  outliers themselves). Forecast errors, not the scatter around the fitted line: they also
-  carry the trend's own error where the curve bends (a loss that falls fast, then flattens),
-  which the scatter around a line hides. Subtracting their median takes out a steady bias of
-  the forecast. The 0.01 floor (1% of the loss: the values are logarithms) keeps a nearly
-  noiseless history from turning any wobble into an infinite z.
+        z = (e - median(errors)) / max(1.4826 * MAD(errors), 0.01)     flagged when z > threshold
+
+    where e is this step's forecast error and MAD the median absolute deviation from the
+    median (1.4826 * MAD estimates the standard deviation of normal noise without being moved
+    by the outliers themselves). Forecast errors, not the scatter around the fitted line: they
+    also carry the trend's own error where the curve bends (a loss that falls fast, then
+    flattens), which the scatter around a line hides. Subtracting their median takes out a
+    steady bias of the forecast. The 0.01 floor (1% of the loss: the values are logarithms)
+    keeps a nearly noiseless history from turning any wobble into an infinite z. A run of
+    large batches, whose loss barely moves from step to step, is guarded closely; a run of
+    tiny batches, where clean batches differ by 20-40%, is given the room it needs.
+  * a ceiling: a loss `loss_ratio` times its trend, whatever the noise. The noise is learned
+    from the run itself, and the first steps of some runs are wild (the small model's loss
+    jumps by 40% during warmup), which would put the first bars out of reach.
 - ``grad_norm_spike``: the gradient norm is at least `grad_ratio` times its own trend (the
   same resistant line through the logarithms of the last `window` accepted gradient norms).
   A ratio, not a z-score: healthy gradient norms jump by 3-4x now and then (measured here on
   the tiny model), so their spread says little about how rare a jump is.
 
-Either witness alone rejects the step. The loss's bar follows the run's own noise: a run of
-large batches, whose loss barely moves from step to step, is guarded closely; a run of tiny
-batches, where clean batches differ by 20% and more, is given the room it needs
-(tests/bench/bench_guard.py measures both).
+tests/bench/bench_guard.py measures what these bars catch and what they wrongly skip.
 
 What the guard ignores, on purpose:
 
@@ -53,7 +55,8 @@ group, the gradient norm of the whole model), and the trainer hands every rank r
 of them, so every rank holds the same history and reaches the same verdict. Its state is part
 of each checkpoint, so a resumed run judges exactly as the uninterrupted one would have.
 
-Pure Python, no torch: O(window log window) per step (a few medians of `window` values).
+Pure Python, no torch: O(window log window) per step (a few medians of at most 3 x `window`
+values).
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ MAD_TO_STD = 1.4826
 NOISE_FLOOR = 0.01
 # A trend needs this many points; before that there is no forecast and no forecast error.
 TREND_POINTS = 3
+# Forecast errors kept, in windows: the MAD of 20 values is itself off by a quarter now and then,
+# which at a z of 5 moves the bar by more than the noise (tests/bench/bench_guard.py).
+ERROR_WINDOWS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +132,7 @@ class Guard:
         self.cfg = cfg
         self._loss: deque[float] = deque(maxlen=cfg.window)
         self._grad_norm: deque[float] = deque(maxlen=cfg.window)
-        self._loss_errors: deque[float] = deque(maxlen=cfg.window)
+        self._loss_errors: deque[float] = deque(maxlen=ERROR_WINDOWS * cfg.window)
 
     def observe(self, loss: float, grad_norm: float) -> str | None:
         """The reason to skip this step, or None: then the values join the history."""
@@ -154,16 +160,18 @@ class Guard:
         z = None
         if error is not None and self._loss_errors:
             z = robust_z(error, self._loss_errors)
+        trend = None if loss_log is None else math.exp(loss_log)
         grad_log = forecast(self._grad_norm) if grad_norm > 0 else None
-        ratio = None if grad_log is None else grad_norm / math.exp(grad_log)
-        if z is not None and z > self.cfg.threshold:
+        grad_trend = None if grad_log is None else math.exp(grad_log)
+        ratio = None if grad_trend is None else grad_norm / grad_trend
+        if ((z is not None and z > self.cfg.threshold)
+                or (trend is not None and loss >= self.cfg.loss_ratio * trend)):
             reason = "loss_spike"
         elif ratio is not None and ratio >= self.cfg.grad_ratio:
             reason = "grad_norm_spike"
         else:
             reason = None
-        return Judgement(reason, loss_trend=None if loss_log is None else math.exp(loss_log),
-                         loss_z=z, grad_trend=None if grad_log is None else math.exp(grad_log),
+        return Judgement(reason, loss_trend=trend, loss_z=z, grad_trend=grad_trend,
                          grad_ratio=ratio, loss_error=error)
 
     def state_dict(self) -> dict:
@@ -176,7 +184,8 @@ class Guard:
         self._loss = deque(map(float, state["loss"]), maxlen=self.cfg.window)
         self._grad_norm = deque(map(float, state["grad_norm"]), maxlen=self.cfg.window)
         if "loss_errors" in state:
-            self._loss_errors = deque(map(float, state["loss_errors"]), maxlen=self.cfg.window)
+            self._loss_errors = deque(map(float, state["loss_errors"]),
+                                      maxlen=ERROR_WINDOWS * self.cfg.window)
         else:
             # A checkpoint of the guard before forecast errors: what the stored history can
             # still tell, each loss against the trend of the ones before it.
@@ -184,4 +193,4 @@ class Guard:
             self._loss_errors = deque(
                 (math.log(losses[i]) - f for i in range(len(losses))
                  if losses[i] > 0 and (f := forecast(losses[:i])) is not None),
-                maxlen=self.cfg.window)
+                maxlen=ERROR_WINDOWS * self.cfg.window)

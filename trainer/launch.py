@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
             help="accepted steps before any spike verdict (default 8)")
     setting("--guard-grad-ratio", "guard.grad_ratio", type=float,
             help="a grad norm this many times its trend is a spike (default 5)")
+    setting("--guard-loss-ratio", "guard.loss_ratio", type=float,
+            help="a loss this many times its trend is a spike, however noisy the run (default 1.5)")
     return p
 
 

@@ -129,6 +129,18 @@ def test_threshold_is_counted_in_forecast_errors_above_the_trend():
     assert guard.verdict(trend * math.exp(0.0501), 1.0) == "loss_spike"
 
 
+def test_a_loss_far_above_its_trend_is_a_spike_however_noisy_the_run():
+    # 20% noise: the z bar sits near 2.7x the trend, the ceiling at 1.5x.
+    guard = Guard(GuardConfig())
+    rng = random.Random(7)
+    for _ in range(60):
+        assert guard.observe(3.0 * math.exp(0.2 * rng.gauss(0, 1)), 1.5) is None
+    trend = guard.judge(3.0, 1.5).loss_trend
+    below, at = guard.judge(1.49 * trend, 1.5), guard.judge(1.5 * trend, 1.5)
+    assert below.reason is None
+    assert at.reason == "loss_spike" and at.loss_z < 5
+
+
 def test_grad_norm_is_judged_against_its_own_trend():
     # Gradient norms falling fast, as in a run's first steps: 5x the trend is a spike, though
     # it is less than 3x the median of the last 8 steps.
@@ -216,6 +228,7 @@ def test_a_checkpoint_from_before_forecast_errors_loads():
     ({"min_history": 60}, r"guard.min_history must be between 4 and guard.window \(20\), got 60"),
     ({"grad_ratio": 1.0}, "guard.grad_ratio must be greater than 1, got 1.0"),
     ({"grad_ratio": math.nan}, "guard.grad_ratio must be greater than 1, got nan"),
+    ({"loss_ratio": 0.9}, "guard.loss_ratio must be greater than 1, got 0.9"),
 ])
 def test_bad_policy_is_a_user_error_naming_the_setting(settings, message):
     with pytest.raises(UserError, match=message):
