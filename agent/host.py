@@ -27,9 +27,11 @@ GiB = 1 << 30
 # otherwise raise and clear an alert with every save and every cleanup ...
 CLEAR_MARGIN = 0.10          # of a free-space threshold
 CLEAR_MEMORY = 0.02          # of the memory share
-# ... and a new state (worse or better) is reported only once it has lasted this long: one
-# odd sample is no alert, and no all-clear either.
-HOLD_S = 3.0
+# ... and a new state (worse or better) is reported only once it has lasted this long -- two
+# samples in a row at the agent's one-a-second polling: one odd sample is no alert, and no
+# all-clear either. Longer would miss a disk that fills and is freed within seconds (the
+# disk-full e2e does that in ~4 s).
+HOLD_S = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
