@@ -105,7 +105,7 @@ def runs(tmp_path_factory):
     crashed = lazarus_train(COMMON + mesh + ["--metrics", str(tmp / "resumed.jsonl"), "--ckpt-dir", str(ckpt),
                                              "--ckpt-every", str(N)], faults=(f"crash@{N + 1}:0",))
     assert crashed.returncode == INJECTED_FAULT, crashed.stderr[-3000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{N:08d}"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lazarus-job", f"step-{N:08d}"]
     shutil.copytree(ckpt, tmp / "ckpt-at-N")  # pristine, for the reshard runs
 
     resumed = train_ok(COMMON + mesh + ["--metrics", str(tmp / "resumed.jsonl"), "--ckpt-dir", str(ckpt),

@@ -68,9 +68,11 @@ def test_steady_training_stays_within_the_write_budget(tmp_path):
                     writes[f"{ev.kind} {ev.kv.key}"] += 1
         start = cluster.etcd.snapshot([cluster.keys.leader]).revision
         t0 = time.monotonic()
-        watch = cluster.etcd.watch_prefix("/", start_revision=start + 1, on_events=count,
+        # the root: all the daemon's etcd user may read (etcd runs with roles)
+        root = cluster.keys.root
+        watch = cluster.etcd.watch_prefix(root, start_revision=start + 1, on_events=count,
                                           on_resync=lambda: E.retry(
-                                              lambda: cluster.etcd.snapshot(["/"]),
+                                              lambda: cluster.etcd.snapshot([root]),
                                               deadline_s=10).revision + 1)
         time.sleep(MEASURE_S)
         end = cluster.etcd.snapshot([cluster.keys.leader]).revision
