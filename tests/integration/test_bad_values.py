@@ -26,6 +26,7 @@ from lazarus.core.records import (RENDEZVOUS, RUNNING, NodeRecord, NodeStatus, R
 from lazarus.daemon import api
 from lazarus.daemon.service import Daemon
 from lazarus.ops import client, report
+from tests.integration.polling import until
 
 TOKEN = "t0ken"
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -48,13 +49,7 @@ def _status(etcd: E.Etcd, keys) -> RunStatus | None:
 
 
 def _until(pred, what: str, timeout: float = 20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    return until(pred, what, timeout=timeout, every=0.02)
 
 
 def _in_round(etcd, keys, n: int, state: str) -> RunStatus:

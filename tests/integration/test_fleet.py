@@ -21,18 +21,13 @@ from lazarus.core.records import (
     RoundRecord,
 )
 from lazarus.sim.fleetrun import FleetRun, fleet_config
+from tests.integration.polling import until
 
 NODES, SPARES, NPROC = 64, 2, 8
 
 
 def _until(pred, what: str, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return until(pred, what, timeout=timeout, every=0.1)
 
 
 def test_a_simulated_fleet_trains_and_recovers_under_the_real_daemon(tmp_path):

@@ -19,6 +19,7 @@ from lazarus.daemon.leader import Leadership
 from lazarus.daemon.retention import Pruner, Retention
 from lazarus.daemon.service import Daemon
 from lazarus.ops import client
+from tests.integration.polling import until
 
 ROUNDS = 200
 RETENTION = Retention(events=30, rounds=5, checkpoints=5)
@@ -43,13 +44,7 @@ def _status(etcd, keys) -> RunStatus | None:
 
 
 def _until(pred, what: str, timeout: float = 20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    return until(pred, what, timeout=timeout, every=0.01)
 
 
 def test_a_long_run_keeps_a_bounded_keyspace_and_its_whole_history(etcd, keys, tmp_path,
