@@ -319,6 +319,10 @@ def test_a_checkpoint_dir_is_one_jobs_and_retention_never_deletes_another_jobs(t
         {k: v for k, v in ckpt.read_manifest(ckpt.checkpoint_dir(legacy, 1)).items()
          if k != "job_id"}))
     assert "belongs to job (unnamed)" in ckpt.claim(legacy, "job-c", adopt=False)
+    # A garbled owner file is named, and nothing is claimed over it.
+    (legacy / ckpt.OWNER).write_bytes(b"\xff{not json")
+    assert ".lazarus-job cannot be read" in ckpt.claim(legacy, "job-c", adopt=True)
+    assert (legacy / ckpt.OWNER).read_bytes() == b"\xff{not json"
 
 
 def test_async_save_returns_before_the_commit_and_the_next_save_waits(tmp_path):
