@@ -1,7 +1,7 @@
 """aetcd's watcher, told of the watches etcd cancels and of the token its stream carries.
 
 aetcd multiplexes every watch of a client on one gRPC stream and misses two things that
-etcd's authentication brings (docs/architecture.md, "etcd outages"):
+etcd's authentication brings (docs/constraints.md, "Watches and etcd's tokens"):
 - etcd checks a stream's token when a watch is created on it, and refuses a create it does
   not allow (a token it no longer knows, no right to the keys) with an answer that is both
   "created" and "canceled". aetcd takes that for a created watch, which then never delivers
