@@ -788,6 +788,7 @@ class Watch:
 
     async def run(self) -> None:
         backoff = Backoff(initial_s=0.1, max_s=2.0)
+        refused = False  # the last try was refused: not said again
         while not self._cancelled:
             etcd = self._etcd
             generation, client, member = etcd._generation, etcd._client, etcd.member
@@ -826,8 +827,13 @@ class Watch:
                     # current state, re-listed in pages, does.
                     await self._resync(backoff, error)
                     continue
-                log.debug("watch on %s broke (%s); resuming from revision %d",
-                          self.prefix, error, self.next_revision)
+                # A refusal (no right to the prefix) is a mistake of the setup, not an outage:
+                # said once, and tried again in case an operator mends the role.
+                first_refusal = isinstance(error, EtcdRefused) and not refused
+                refused = isinstance(error, EtcdRefused)
+                log.log(logging.WARNING if first_refusal else logging.DEBUG,
+                        "watch on %s broke (%s); resuming from revision %d", self.prefix, error,
+                        self.next_revision)
                 if isinstance(error, EtcdUnavailable) and error.member_fault:
                     await etcd._switch(generation, error)
             await asyncio.sleep(backoff.next())
