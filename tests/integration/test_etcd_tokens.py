@@ -64,19 +64,20 @@ def test_a_client_outlives_a_restart_of_etcd_with_authentication_on(server):
         E.retry(lambda: client.put(_key("before"), b"{}"), deadline_s=30)
         watch = client.watch_prefix(KEYS.events, start_revision=1, on_events=seen)
         seen.wait_for(_key("before"), "the watch delivered nothing")
-        session = E.Session(client, ttl_s=6)
+        # keep-alives every 10 s: none in the window below, where only the watch may talk
+        session = E.Session(client, ttl_s=30)
 
         server.stop()
         server.start()
         # The watch opens its stream again before anything else of the client's talks to
-        # etcd: with the token etcd no longer knows (the case that once hung for ever).
+        # etcd, with the token etcd no longer knows: the create of the watch on it is refused
+        # (the case that once left the daemon's informer silent for ever).
         until(lambda: _watch_streams_opened(server) > 0, "the watch to watch again")
-        time.sleep(0.5)  # the watch's create request reaches etcd on that stream
 
         E.retry(lambda: client.put(_key("after"), b"{}"), deadline_s=30)
         assert client.get(_key("after")).value == b"{}"
         seen.wait_for(_key("after"), "the watch delivered nothing after the restart")
-        assert client.refresh(session.lease) > 0
+        assert client.refresh(session.lease) > 0  # the keep-alive's own call
         assert not session.lost.is_set()
         late = Seen()
         client.watch_prefix(KEYS.events, start_revision=client.revision(KEYS.root) + 1,
