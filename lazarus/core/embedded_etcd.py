@@ -78,6 +78,8 @@ class EmbeddedEtcd:
     runs faster (the fleet simulator's compressed day). `secure`: secure mode, with
     certificates and users of its own in data_dir/pki, authentication turned on by `start()`;
     `security`: those of the cluster it is a member of (whose `start` turns it on).
+    `auth_token_ttl_s`: how long etcd keeps an idle client's token (etcd's default: 300 s);
+    shorter only in the tests of clients that outlive their token.
     """
 
     def __init__(self, data_dir: Path | None = None, *, client_port: int | None = None,
@@ -85,7 +87,8 @@ class EmbeddedEtcd:
                  peer_port: int | None = None, initial_cluster: str | None = None,
                  quota_bytes: int = QUOTA_BYTES, host: str = "127.0.0.1",
                  compaction_retention: str = COMPACTION_RETENTION,
-                 secure: bool = False, security: EtcdSecurity | None = None):
+                 secure: bool = False, security: EtcdSecurity | None = None,
+                 auth_token_ttl_s: int | None = None):
         self.binary = find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
@@ -102,6 +105,7 @@ class EmbeddedEtcd:
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.quota_bytes = quota_bytes
         self.compaction_retention = compaction_retention
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.log_file = log_file or (self.data_dir / "etcd.log")
         self.proc: subprocess.Popen | None = None
 
@@ -148,6 +152,8 @@ class EmbeddedEtcd:
                "--auto-compaction-retention", self.compaction_retention,
                "--quota-backend-bytes", str(self.quota_bytes),
                "--logger", "zap", "--log-outputs", str(self.log_file)]
+        if self.auth_token_ttl_s is not None:
+            cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         if self.server_cert is not None:
             cert, key, ca = map(str, (self.server_cert.cert, self.server_cert.key,
                                       self.server_cert.ca))

@@ -20,7 +20,9 @@ What lives here and nowhere else:
   broken stream (the callback is told to resync);
 - TLS and etcd authentication (lazarus.core.etcd_auth says what a client is given): aetcd
   opens plaintext channels only, so `_Client` opens its own, and authenticates again when
-  etcd forgets its token (a restarted member forgets them all).
+  etcd forgets its token (a restarted member forgets them all, an idle one forgets it after
+  --auth-token-ttl): calls retry with the new token, watches are created again on a watch
+  stream that carries it (lazarus.core.etcd_watcher).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from aetcd.utils import prefix_range_end  # noqa: E402
 
 from lazarus.core.errors import UserError  # noqa: E402
 from lazarus.core.etcd_auth import PASSWORD_ENV, EtcdAuth  # noqa: E402
+from lazarus.core.etcd_watcher import StreamRenewed, WatchCanceled, Watcher  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,8 @@ def classify(error: BaseException, member: str, auth: EtcdAuth | None = None
     cause = error if isinstance(error, rpc.AioRpcError) else error.__cause__
     if isinstance(cause, rpc.AioRpcError):
         code, details = cause.code(), cause.details() or ""
+    elif isinstance(error, WatchCanceled):
+        code, details = error.code, error.details
     elif isinstance(error, aexc.ConnectionFailedError):
         code, details = rpc.StatusCode.UNAVAILABLE, str(error)
     elif isinstance(error, (aexc.ConnectionTimeoutError, aexc.WatchTimeoutError, TimeoutError,
@@ -357,6 +362,7 @@ class _Client(aetcd.Client):
         super().__init__(host=host, port=port, timeout=timeout, options=options)
         self.auth = auth
         self.member = f"{host}:{port}"
+        self._auth_lock = asyncio.Lock()
 
     async def connect(self) -> None:
         # aetcd's own connect opens a plaintext channel only; this is it with TLS added.
@@ -380,8 +386,8 @@ class _Client(aetcd.Client):
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
             # aetcd sends these metadata with every request and watch stream.
             self.metadata = _REQUIRE_LEADER
-            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel),
-                                                  timeout=self._timeout, metadata=self.metadata)
+            self._watcher = Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                    metadata=self.metadata)
             try:
                 await self.authenticate()
             except BaseException:
@@ -420,6 +426,25 @@ class _Client(aetcd.Client):
         self.metadata = _REQUIRE_LEADER + (("token", reply.token),)
         self._watcher._metadata = self.metadata
 
+    @property
+    def token(self) -> str | None:
+        return dict(self.metadata or ()).get("token")
+
+    @property
+    def watch_token(self) -> str | None:
+        """The token the open watch stream carries."""
+        return self._watcher.stream_token if self._watcher is not None else None
+
+    async def renew_token(self, stale: str | None) -> None:
+        """etcd refused the token `stale`: get a new one, unless another call has since, and
+        reopen the watch stream if it still carries an old one. Calls and watches that all
+        met the same restart of etcd thus authenticate once."""
+        async with self._auth_lock:
+            if stale is not None and stale == self.token:
+                await self.authenticate()
+            if self._watcher is not None:
+                await self._watcher.renew()
+
 
 class Etcd:
     """A synchronous etcd v3 client. Every call raises EtcdUnavailable (or one of its kinds)
@@ -449,7 +474,7 @@ class Etcd:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="etcd-client")
         self._thread.start()
-        self._client: aetcd.Client = self._new_client(self.members[0])
+        self._client: _Client = self._new_client(self.members[0])
         self._closed = False
 
     @property
@@ -457,7 +482,7 @@ class Etcd:
         """The member this process talks to now."""
         return self.members[self._index]
 
-    def _new_client(self, member: str) -> aetcd.Client:
+    def _new_client(self, member: str) -> _Client:
         host, port = parse_endpoint(member)
         return _Client(host=host, port=port, auth=self.auth, timeout=self.timeout_s,
                        options=dict(_CHANNEL_OPTIONS))
@@ -497,6 +522,7 @@ class Etcd:
         reauthenticated = False
         while True:
             generation, client, member = self._generation, self._client, self.member
+            token = client.token
             fut = asyncio.run_coroutine_threadsafe(call(client), self._loop)
             try:
                 result = fut.result(self.timeout_s + 2.0)
@@ -513,7 +539,7 @@ class Etcd:
                 continue
             if isinstance(error, EtcdTokenExpired) and not reauthenticated:
                 reauthenticated = True
-                self._reauthenticate(client, member)
+                self._reauthenticate(client, member, token)
                 continue
             errors.append(error)
             if isinstance(error, EtcdUnavailable) and error.member_fault and len(self.members) > 1:
@@ -526,8 +552,8 @@ class Etcd:
                 raise error
             raise error from cause
 
-    def _reauthenticate(self, client: _Client, member: str) -> None:
-        fut = asyncio.run_coroutine_threadsafe(client.authenticate(), self._loop)
+    def _reauthenticate(self, client: _Client, member: str, stale: str | None) -> None:
+        fut = asyncio.run_coroutine_threadsafe(client.renew_token(stale), self._loop)
         try:
             fut.result(self.timeout_s + 2.0)
         except (Exception, asyncio.CancelledError) as e:
@@ -762,6 +788,7 @@ class Watch:
 
     async def run(self) -> None:
         backoff = Backoff(initial_s=0.1, max_s=2.0)
+        refused = False  # the last try was refused: not said again
         while not self._cancelled:
             etcd = self._etcd
             generation, client, member = etcd._generation, etcd._client, etcd.member
@@ -780,24 +807,33 @@ class Watch:
                 # member). Watch again on the current one.
             except asyncio.CancelledError:
                 return
+            except StreamRenewed:
+                continue  # the client has a new token; so will the next stream
             except Exception as e:
                 if self._cancelled:
                     return
                 error = classify(e, member, etcd.auth) or e
                 if isinstance(error, EtcdTokenExpired):
+                    # etcd refused the token of the watch stream (it restarted since the
+                    # stream was opened, or the token idled out)
                     try:
-                        await client.authenticate()
+                        await client.renew_token(client.watch_token)
+                        continue
                     except Exception as again:
                         log.debug("watch on %s: authenticating again failed: %s",
                                   self.prefix, classify(again, member, etcd.auth) or again)
-                    continue
                 if isinstance(error, (EtcdCompacted, EtcdTooLarge)):
                     # Too large: the history to catch up on does not fit one answer; the
                     # current state, re-listed in pages, does.
                     await self._resync(backoff, error)
                     continue
-                log.debug("watch on %s broke (%s); resuming from revision %d",
-                          self.prefix, error, self.next_revision)
+                # A refusal (no right to the prefix) is a mistake of the setup, not an outage:
+                # said once, and tried again in case an operator mends the role.
+                first_refusal = isinstance(error, EtcdRefused) and not refused
+                refused = isinstance(error, EtcdRefused)
+                log.log(logging.WARNING if first_refusal else logging.DEBUG,
+                        "watch on %s broke (%s); resuming from revision %d", self.prefix, error,
+                        self.next_revision)
                 if isinstance(error, EtcdUnavailable) and error.member_fault:
                     await etcd._switch(generation, error)
             await asyncio.sleep(backoff.next())

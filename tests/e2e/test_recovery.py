@@ -121,11 +121,9 @@ def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
 def test_etcd_away_30s_evicts_nobody_and_training_goes_on(tmp_path):
     steps = 400
     metrics = tmp_path / "metrics.jsonl"
-    # Plaintext etcd: with etcd's authentication on, a 30 s outage leaves the run RUNNING for
-    # ever once etcd is back (no decision is logged after "etcd is back"; found 2026-11-22,
-    # not yet understood -- docs/architecture.md, "Not built yet"). This test holds the
-    # outage behaviour itself.
-    with LocalCluster(tmp_path / "cluster", lease_ttl_s=3, secure=False) as cluster:
+    # With etcd's authentication on (LocalCluster's default): the restarted etcd has forgotten
+    # every client's token, and watches must be created again with a new one.
+    with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=0, steps=steps, metrics=metrics)
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
                  and _last_step(metrics) >= 5, timeout=180, what="the run to reach step 5")

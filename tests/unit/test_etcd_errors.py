@@ -15,6 +15,7 @@ from grpc.aio import AioRpcError, Metadata
 from lazarus.core import etcd as E
 from lazarus.core.errors import UserError
 from lazarus.core.etcd_auth import EtcdAuth
+from lazarus.core.etcd_watcher import WatchCanceled
 from lazarus.core.records import RECOVERING, RUNNING, NodeRecord, RoundRecord, RunStatus
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.etcdhealth import evicted, lease_grace_s
@@ -59,6 +60,19 @@ def test_grpc_errors_map_onto_our_types(code, details, kind, member_fault):
     assert type(got) is kind
     assert isinstance(got, E.EtcdUnavailable)  # a loop catching it survives
     assert got.member_fault is member_fault
+
+
+@pytest.mark.parametrize("reason, kind", [
+    # a watch created on a stream whose token etcd forgot (restarted, or the token idled out)
+    ("rpc error: code = Unauthenticated desc = etcdserver: invalid auth token",
+     E.EtcdTokenExpired),
+    ("rpc error: code = PermissionDenied desc = etcdserver: permission denied",
+     E.EtcdPermissionDenied),
+    ("something etcd has not said before", E.EtcdUnavailable),
+])
+def test_watches_etcd_cancels_map_onto_our_types(reason, kind):
+    """etcd cancels a watch with a reason (a Go gRPC error as text), not with a gRPC error."""
+    assert type(E.classify(WatchCanceled(reason), "10.0.0.1:2379")) is kind
 
 
 @pytest.mark.parametrize("details, expect", [
