@@ -13,6 +13,7 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   straggler       -> flagged; swapped out at a checkpoint when a spare is idle and it pays
   host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
                      out at a checkpoint when a spare is idle
+  preflight failed-> the node is cordoned with the reason, whatever the run does (preflight)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, hostalert, spikes, stragglers
+from lazarus.daemon import commands, hostalert, preflight, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -38,6 +39,16 @@ from lazarus.daemon.view import ClusterView
 
 
 def decide(now: float, view: ClusterView) -> Decision:
+    decision = _decide(now, view)
+    # Whatever the run does, a node that failed its preflight is cordoned (and lifted when it
+    # passes again) in the same transaction: it is never chosen meanwhile (rounds.usable).
+    gate = preflight.respond(view)
+    if gate is None:
+        return decision
+    return Decision([*gate.actions, *decision.actions], f"{gate.reason}; {decision.reason}")
+
+
+def _decide(now: float, view: ClusterView) -> Decision:
     st = view.status
     sub = view.submitted
     if st is None and view.status_garbled:
