@@ -92,8 +92,7 @@ def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
 
 def _os_error(e: OSError) -> str:
     code = errno.errorcode.get(e.errno, "error") if e.errno else type(e).__name__
-    where = f" {e.filename}" if e.filename else ""
-    return f"{code}{where}: {e.strerror or e}"
+    return f"{code}: {e.strerror or e}"
 
 
 # -- gpu ---------------------------------------------------------------------------------------
@@ -122,26 +121,34 @@ def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
         data = os.urandom(nbytes)
         path = d / f".lazarus-preflight-{os.getpid()}-{threading.get_ident()}"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            with open(path, "rb") as f:
-                back = f.read()
-        finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            back = _write_read(path, data)
+        except OSError as e:
+            return False, f"{d}: {_os_error(e)}"
         if back != data:
             return False, f"{d}: read back {len(back)} bytes that differ from those written"
         done.append(str(d))
     return True, f"{nbytes // MiB} MiB written, synced, read back: {', '.join(done)}"
+
+
+def _write_read(path: Path, data: bytes) -> bytes:
+    """Write `data` to a new file, fsync it, drop it from the cache, read it back, remove it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 # -- checkpoint --------------------------------------------------------------------------------
@@ -150,17 +157,29 @@ def checkpoint_round_trip(directory: Path) -> tuple[bool, str]:
     shards), load it into zeroed tensors, compare, remove it."""
     import torch  # lazily: `lazarus preflight --skip checkpoint` need not load torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not directory.is_dir():
         return True, f"skipped: {directory} not there yet"
     gen = torch.Generator().manual_seed(os.getpid())
     state = {"weight": torch.randn(512, 512, generator=gen), "step": torch.tensor(7)}
-    target = Path(tempfile.mkdtemp(prefix=".lazarus-preflight-", dir=directory))
+    try:
+        target = Path(tempfile.mkdtemp(prefix=".lazarus-preflight-", dir=directory))
+    except OSError as e:
+        return False, f"{directory}: {_os_error(e)}"
     try:
         dcp.save(state, checkpoint_id=target, no_dist=True)
         back = {k: torch.zeros_like(v) for k, v in state.items()}
         dcp.load(back, checkpoint_id=target, no_dist=True)
         size = sum(p.stat().st_size for p in target.iterdir())
+    except OSError as e:
+        return False, f"{directory}: {_os_error(e)}"
+    except CheckpointException as e:
+        # DCP wraps the storage's error (a BaseException, not an OSError): the first says it
+        first = next(iter(e.failures.values()), None)
+        cause = first[0] if isinstance(first, tuple) else first
+        return False, f"{directory}: " + (_os_error(cause) if isinstance(cause, OSError)
+                                          else f"DCP: {cause or e!r}")
     finally:
         shutil.rmtree(target, ignore_errors=True)
     if not all(torch.equal(state[k], back[k]) for k in state):
@@ -339,7 +358,7 @@ def summary(checks: Sequence[Check], *, at: float) -> dict:
 
 @dataclass(kw_only=True, slots=True)
 class Runner:
-    """Runs the checks in a thread: at the agent's first pass, then every `every_s` while
+    """Runs the checks in a thread: at the first pass of the agent with no ranks to run, then every `every_s` while
     the node runs no ranks (0: never again). `result` is the last summary ({} before the
     first is done); `on_done` wakes the agent to publish it. The checks of a node chosen for
     a round meanwhile finish, but the node is not held back: its last verdict counted."""
@@ -351,11 +370,11 @@ class Runner:
     _last: float | None = None
 
     def due(self, now: float, *, idle: bool) -> bool:
-        if self._thread is not None and self._thread.is_alive():
+        """Only while idle, the first time too: an agent that adopted running ranks (a
+        restart) checks once they end, not under a training node's feet."""
+        if not idle or (self._thread is not None and self._thread.is_alive()):
             return False
-        if self._last is None:
-            return True
-        return idle and self.every_s > 0 and now - self._last >= self.every_s
+        return self._last is None or (self.every_s > 0 and now - self._last >= self.every_s)
 
     def poll(self, now: float, *, idle: bool) -> None:
         """Start a run when one is due (called from the agent's loop)."""
