@@ -10,9 +10,10 @@ may raise to a failure with its reason, and measures its cost:
     checkpoint   a small state dict saved and loaded through torch.distributed.checkpoint
                  (the trainer's path to storage) in the checkpoint dir, compared, removed
     clock        this host's wall clock against the etcd leader's (lazarus.agent.clockskew)
-    collective   an all-reduce between two ranks (gloo; NCCL on two GPUs) over the node's
-                 own address, or between this node and peers (`lazarus preflight --peers`),
-                 with its bus bandwidth
+    collective   an all-reduce, checked, with its bus bandwidth (lazarus.agent.collective_check):
+                 in the agent, gloo with one member of the current round when there is one
+                 and the node is not in it, else two ranks over the node's own address
+                 (NCCL with two GPUs); by hand, also between nodes (`--peers`)
 
 The agent runs them in a thread of its own (`Runner`): when it starts and then every
 `every_s` while its node runs no ranks, and publishes one compact verdict in its node status
@@ -22,7 +23,6 @@ The agent runs them in a thread of its own (`Runner`): when it starts and then e
 
 from __future__ import annotations
 
-import datetime
 import errno
 import logging
 import os
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent import clockskew
+from lazarus.agent import collective_check as coll
 from lazarus.agent.gpu import HEALTHY, GpuVerdict
 from lazarus.core import etcd as E
 from lazarus.core.etcd_auth import EtcdAuth
@@ -75,6 +76,7 @@ class PreflightConfig:
     min_bus_gbps: float = 0.0          # 0: measured and shown, never failed for its speed
     peers: tuple[str, ...] = ()        # HOST:PORT of each rank; this node's at `rank`
     rank: int = 0
+    pair: tuple[str, str, int] | None = None  # (node, store host, port): test with its agent
     expected_gpus: int = 0
     skip: frozenset[str] = frozenset()
 
@@ -211,104 +213,6 @@ def clock(etcd: E.Etcd, limit_s: float, *, now: Callable[[], float] = time.time
     return clockskew.judge(skew, limit_s)
 
 
-# -- collective --------------------------------------------------------------------------------
-def collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: float,
-               timeout_s: float = 30.0) -> tuple[bool, str]:
-    """All-reduce `nbytes` between the ranks at `peers` (HOST:PORT each; rank 0's hosts the
-    rendezvous store on its port). With one peer address given twice, both ranks run here,
-    in two threads: the node's own collective stack, over its own address."""
-    import torch
-    import torch.distributed as dist
-
-    world = len(peers)
-    host0, port0 = E.parse_endpoint(peers[0])
-    local = [r for r in range(world) if peers[r] == peers[rank]]
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= len(local) \
-        else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # rank 0's side hosts the store; every rank, here or there, has a connection of its own
-    master = (dist.TCPStore(host0, port0, world_size=world, is_master=True, timeout=timeout,
-                            wait_for_workers=False) if 0 in local else None)
-    results: dict[int, tuple[float, float] | BaseException] = {}
-
-    def run(r: int) -> None:
-        try:
-            store = dist.TCPStore(host0, port0, is_master=False, timeout=timeout)
-            results[r] = _allreduce(dist, torch, store, r, world, backend, nbytes, timeout_s,
-                                    host=E.parse_endpoint(peers[r])[0],
-                                    device=local.index(r))
-        except BaseException as e:  # a rank's failure is this check's verdict
-            results[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in local]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 5)
-    del master  # kept open until every local rank is done with it
-    for r in local:
-        res = results.get(r)
-        if res is None:
-            return False, f"rank {r}: no result within {timeout_s:.0f} s"
-        if isinstance(res, BaseException):
-            return False, f"{backend} rank {r}: {str(res).splitlines()[0] if str(res) else res!r}"
-    seconds = max(results[r][0] for r in local)
-    bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
-    text = (f"{backend} all-reduce of {nbytes // MiB} MiB over {world} ranks: "
-            f"{bus:.2f} GB/s bus bandwidth")
-    if bus < min_bus_gbps:
-        return False, f"{text}, below {min_bus_gbps:g} GB/s"
-    return True, text
-
-
-_ITERS = 5
-
-
-def _allreduce(dist, torch, store, rank: int, world: int, backend: str, nbytes: int,
-               timeout_s: float, *, host: str, device: int) -> tuple[float, float]:
-    """(seconds per all-reduce, the value every element holds) on a process group of its
-    own, made without touching the process's default group (the agent has none; a rank's
-    threads here are one each)."""
-    prefixed = dist.PrefixStore("lazarus/preflight/", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
-        tensor = torch.ones(nbytes // 4, device=f"cuda:{device}")
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        pg = dist.ProcessGroupGloo(prefixed, rank, world, opts)
-        tensor = torch.ones(nbytes // 4)
-    pg.allreduce([tensor]).wait()       # the connections are made on the first
-    tensor.fill_(1.0)
-    start = time.perf_counter()
-    for _ in range(_ITERS):
-        pg.allreduce([tensor]).wait()
-    if backend == "nccl":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - start) / _ITERS
-    value = float(tensor[0])
-    if value != float(world) ** _ITERS:
-        raise RuntimeError(f"all-reduce gave {value}, expected {float(world) ** _ITERS}")
-    return seconds, value
-
-
-def loopback_peers(host: str) -> tuple[str, str]:
-    """Two ranks on this node, meeting on a free port of its address."""
-    port = _free_port(host)
-    return (f"{host}:{port}", f"{host}:{port}")
-
-
-def _free_port(host: str) -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # -- all of them -------------------------------------------------------------------------------
 def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list, str]],
                etcd: E.Etcd | None, now: Callable[[], float] = time.time) -> list[Check]:
@@ -331,9 +235,10 @@ def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list
         ("storage", lambda: storage(dirs, c.storage_bytes)),
         ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)),
         ("clock", lambda: clock(etcd, c.skew_limit_s, now=now)),
-        ("collective", lambda: collective(c.peers or loopback_peers(c.host), c.rank,
-                                          nbytes=c.collective_bytes,
-                                          min_bus_gbps=c.min_bus_gbps)),
+        ("collective", lambda: coll.with_peer(*c.pair, host=c.host, nbytes=c.collective_bytes,
+                                              min_bus_gbps=c.min_bus_gbps) if c.pair else
+         coll.collective(c.peers or coll.loopback_peers(c.host), c.rank,
+                         nbytes=c.collective_bytes, min_bus_gbps=c.min_bus_gbps)),
     ]
     for name, fn in steps:
         if name in c.skip:
@@ -385,13 +290,20 @@ class Runner:
         self._thread.start()
 
     def _work(self) -> None:
-        checks = self.run()
+        try:
+            checks = self.run()
+        except Exception as e:  # a bug of ours: said, not a thread dying with the node unusable
+            log.exception("preflight crashed")
+            checks = [Check(name="preflight", ok=False, reason=f"internal error: {e!r}",
+                            cost_s=0.0)]
         self.result = summary(checks, at=time.time())
         level = logging.INFO if self.result["state"] == PASSED else logging.WARNING
-        log.log(level, "preflight %s in %.2f s%s: %s", self.result["state"],
+        measured = next((c.reason for c in checks if c.name == "collective" and c.ok), "")
+        log.log(level, "preflight %s in %.2f s%s: %s%s", self.result["state"],
                 self.result["cost_s"], "" if self.result["state"] == PASSED else
                 f" ({self.result['reason']})",
-                ", ".join(f"{c.name} {c.cost_s:.2f} s" for c in checks))
+                ", ".join(f"{c.name} {c.cost_s:.2f} s" for c in checks),
+                f"; {measured}" if measured else "")
         self.on_done()
 
     @property

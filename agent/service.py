@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from lazarus.core import etcd as E
@@ -40,6 +41,7 @@ from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.netif import collective_env
+from lazarus.agent import collective_check as coll
 from lazarus.agent import preflight as pre
 from lazarus.agent import frozen
 from lazarus.agent.stacks import capture, dumpable
@@ -132,6 +134,8 @@ class Agent:
         if preflight_every_s is not None and monitors:
             self.preflight = pre.Runner(every_s=preflight_every_s, run=self._preflight_checks,
                                         on_done=self.wake.set)
+            # idle nodes' collective tests against this one (lazarus.agent.collective_check)
+            self.peer_tests = coll.PeerTests(self.store, host=host, port=self.store.port)
 
     def _admits(self, pid: int) -> bool:
         """Who may use the worker channel: this process and whatever it started (its workers,
@@ -195,6 +199,7 @@ class Agent:
         self.reads = 0                      # assignment reads so far (the fleet counts them)
         self._next_reconcile = 0.0
         self.preflight: pre.Runner | None = None
+        self.peer_tests: coll.PeerTests | None = None
 
     # -- registration ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -623,24 +628,49 @@ class Agent:
         if woke or exited or now >= self._next_reconcile:
             self.reconcile(now)
             self._next_reconcile = now + RECONCILE_S
+            if self.peer_tests is not None:
+                self.peer_tests.poll()
         self.publish(force=exited)
         if self.preflight is not None:
             g = self.workers.group
             self.preflight.poll(now, idle=g is None or not g.alive)
 
     def _preflight_checks(self) -> list[pre.Check]:
-        """The node-local checks, in the preflight thread: storage and a checkpoint round trip
-        in the job's checkpoint dir (the newest round's, once one was read), the GPU
-        monitor's verdicts, this host's clock against etcd's leader, and a collective over
-        the node's own address."""
+        """The checks, in the preflight thread: storage and a checkpoint round trip in the
+        job's checkpoint dir (the newest round's, once one was read), the GPU monitor's
+        verdicts, this host's clock against etcd's leader, and a collective -- with one
+        member of the round when the node is not in it (the path a promotion would use),
+        else over the node's own address."""
         _, rec = self._assignment
         ckpt = rec.checkpoint_dir if rec is not None else self._checkpoint_dir
+        peer = self._test_peer(rec)
         config = pre.PreflightConfig(workdir=self.workdir,
                                      checkpoint_dir=Path(ckpt) if ckpt else None,
-                                     host=self.host, expected_gpus=self.nproc)
+                                     host=self.host, expected_gpus=self.nproc,
+                                     pair=(peer.node, peer.host, peer.store_port) if peer
+                                     else None)
         gpu = self.health.gpu
-        return pre.run_checks(config, etcd=self.etcd,
-                              gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))
+        checks = pre.run_checks(config, etcd=self.etcd,
+                                gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))
+        if peer is not None and not checks[-1].ok and self._test_peer(rec) != peer:
+            # The peer left (its lease ran out while the test waited for it): no verdict on
+            # this node, which a recovery may want now.
+            checks[-1] = dataclasses.replace(checks[-1], ok=True, skipped=True, reason=(
+                f"skipped: {peer.node} left during the test ({checks[-1].reason})"))
+        return checks
+
+    def _test_peer(self, rec: RoundRecord | None) -> NodeRecord | None:
+        """The member of `rec` this node tests its collective path with, when it is not one
+        itself: picked by this node's name, so that the spares of a large run spread their
+        tests over its members."""
+        if rec is None or not rec.members or self.node in rec.members:
+            return None
+        peer = rec.members[zlib.crc32(self.node.encode()) % len(rec.members)]
+        try:
+            kv = self.etcd.get(self.keys.node_key(peer))
+            return NodeRecord.from_json(kv.value, kv.key) if kv is not None else None
+        except (E.EtcdUnavailable, RecordError):
+            return None
 
     def shutdown(self) -> None:
         """Stop. Ranks still training are left running for the next agent of this node (an

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from lazarus.agent import clockskew
+from lazarus.agent import collective_check as coll
 from lazarus.agent import preflight as P
 from lazarus.agent.gpu import GpuMonitor
 from lazarus.agent.gpu_sim import SimulatedBackend, add_fault
@@ -131,21 +133,21 @@ def test_skew_is_judged_at_its_most_favourable_reading():
 
 
 def test_collective_over_loopback_measures_bandwidth():
-    ok, reason = P.collective(P.loopback_peers("127.0.0.1"), 0, nbytes=P.MiB,
+    ok, reason = coll.collective(coll.loopback_peers("127.0.0.1"), 0, nbytes=P.MiB,
                               min_bus_gbps=0.0)
     assert ok and reason.startswith("gloo all-reduce of 1 MiB over 2 ranks")
     assert float(reason.split(": ")[1].split()[0]) > 0
 
 
 def test_collective_below_the_bandwidth_floor_fails():
-    ok, reason = P.collective(P.loopback_peers("127.0.0.1"), 0, nbytes=P.MiB,
+    ok, reason = coll.collective(coll.loopback_peers("127.0.0.1"), 0, nbytes=P.MiB,
                               min_bus_gbps=1e6)
     assert not ok and reason.endswith("below 1e+06 GB/s")
 
 
 def test_a_collective_whose_peer_never_comes_fails_with_the_reason():
-    port = P._free_port("127.0.0.1")
-    ok, reason = P.collective([f"127.0.0.1:{port}", "127.0.0.1:1"], 0, nbytes=P.MiB,
+    port = coll.free_port("127.0.0.1")
+    ok, reason = coll.collective([f"127.0.0.1:{port}", "127.0.0.1:1"], 0, nbytes=P.MiB,
                               min_bus_gbps=0.0, timeout_s=2.0)
     assert not ok and reason.startswith("gloo rank 0"), reason
 
@@ -173,3 +175,37 @@ def test_checks_run_at_the_first_idle_pass_then_every_period_while_idle():
     once.poll(0.0, idle=True)
     once._thread.join()
     assert not once.due(1e9, idle=True)
+
+
+def test_an_idle_node_tests_its_collective_path_with_a_members_agent():
+    import torch.distributed as dist
+
+    # the member's agent: its store, served twice a second by its loop
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    serving = coll.PeerTests(store, host="127.0.0.1", port=store.port)
+    done = threading.Event()
+
+    def loop():
+        while not done.is_set():
+            serving.poll()
+            time.sleep(0.05)
+
+    threading.Thread(target=loop, daemon=True).start()
+    try:
+        ok, reason = coll.with_peer("n0", "127.0.0.1", store.port, host="127.0.0.1",
+                                    nbytes=P.MiB, min_bus_gbps=0.0)
+        assert ok and reason.startswith("gloo all-reduce of 1 MiB with n0: "), reason
+        ok, reason = coll.with_peer("n0", "127.0.0.1", store.port, host="127.0.0.1",
+                                    nbytes=P.MiB, min_bus_gbps=1e6)
+        assert not ok and reason.endswith("below 1e+06 GB/s")
+    finally:
+        done.set()
+
+
+def test_a_member_that_serves_no_tests_is_no_verdict():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ok, reason = coll.with_peer("old", "127.0.0.1", store.port, host="127.0.0.1",
+                                nbytes=P.MiB, min_bus_gbps=0.0, ack_s=0.5)
+    assert ok and reason == "skipped: old does not serve collective tests"
