@@ -37,7 +37,7 @@ class Skew:
     requests: int
 
 
-def _stamp(url: str, context: ssl.SSLContext | None, timeout_s: float) -> int:
+def stamp(url: str, context: ssl.SSLContext | None, timeout_s: float) -> int:
     """The Date header of one answer, as whole seconds since the epoch."""
     with urllib.request.urlopen(url, timeout=timeout_s, context=context) as reply:
         reply.read()
@@ -57,15 +57,15 @@ def measure(url: str, *, context: ssl.SSLContext | None = None,
     deadline = time.monotonic() + WINDOW_S
     while True:
         send = clock()
-        stamp = _stamp(url, context, timeout_s)
+        second = stamp(url, context, timeout_s)
         recv = clock()
         requests += 1
-        if old is not None and stamp > old[1]:
-            # The turn to second `stamp` came after old's send and before this answer came.
-            low, high = stamp - recv, stamp - old[0]
+        if old is not None and second > old[1]:
+            # The turn to `second` came after old's send and before this answer came.
+            low, high = second - recv, second - old[0]
             return Skew(offset_s=(low + high) / 2, uncertainty_s=(high - low) / 2,
                         requests=requests)
-        old = (send, stamp)
+        old = (send, second)
         if time.monotonic() > deadline:
             raise ValueError(f"{url}: its Date header did not move in {WINDOW_S} s")
         time.sleep(poll_s)

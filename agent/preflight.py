@@ -15,8 +15,8 @@ may raise to a failure with its reason, and measures its cost:
                  and the node is not in it, else two ranks over the node's own address
                  (NCCL with two GPUs); by hand, also between nodes (`--peers`)
 
-The agent runs them in a thread of its own (`Runner`): when it starts and then every
-`every_s` while its node runs no ranks, and publishes one compact verdict in its node status
+The agent runs them in a thread of its own (`Runner`): at its first pass with no ranks to
+run, then every `every_s` while its node runs none, and publishes one compact verdict in its node status
 (`summary`); the daemon cordons a node whose preflight failed (lazarus.daemon.preflight).
 `lazarus preflight` (lazarus.agent.preflight_cli) runs them on a node by hand.
 """
@@ -89,7 +89,8 @@ def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
         ok, reason = False, _os_error(e)
     except (E.EtcdUnavailable, ValueError, RuntimeError) as e:
         ok, reason = False, str(e) or type(e).__name__
-    return Check(name=name, ok=ok, reason=reason, cost_s=time.perf_counter() - start)
+    return Check(name=name, ok=ok, reason=reason, cost_s=time.perf_counter() - start,
+                 skipped=ok and reason.startswith("skipped:"))
 
 
 def _os_error(e: OSError) -> str:
@@ -209,7 +210,14 @@ def ssl_context(auth: EtcdAuth) -> ssl.SSLContext | None:
 def clock(etcd: E.Etcd, limit_s: float, *, now: Callable[[], float] = time.time
           ) -> tuple[bool, str]:
     url = etcd.leader_url().rstrip("/") + "/version"
-    skew = clockskew.measure(url, context=ssl_context(etcd.auth), clock=now)
+    context = ssl_context(etcd.auth)
+    try:
+        clockskew.stamp(url, context, 2.0)  # reachable at all?
+    except (OSError, ValueError) as e:
+        # The leader advertises a client URL this node may not route to (etcd behind a
+        # proxy or a virtual address): no measurement, and no reason to cordon every node.
+        return True, f"skipped: the etcd leader's client URL {url} did not answer ({e})"
+    skew = clockskew.measure(url, context=context, clock=now)
     return clockskew.judge(skew, limit_s)
 
 

@@ -28,7 +28,7 @@ from lazarus.core import jobspec
 from lazarus.core.errors import UserError
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
-                             SUCCEEDED, TERMINAL,
+                             ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import commands, hostalert, preflight, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
@@ -312,6 +312,14 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
     members = choose(view, job, [])
     waited = now - st.since
+    # Actives before spares: an active node whose preflight is under way is waited for
+    # rather than replaced by a spare that finished its own first.
+    checking = sorted(n for n, rec in view.nodes.items() if rec.role == ROLE_ACTIVE
+                      and n not in view.cordoned and preflight.verdict(view, n)[0] == "running")
+    spares = [m for m in members if view.nodes[m].role != ROLE_ACTIVE]
+    if checking and spares and waited < job.rendezvous_timeout_s:
+        return Decision([], f"waiting for the preflight of {', '.join(checking)} before "
+                            f"using spare(s) {', '.join(spares)}")
     if len(members) >= job.nodes or (len(members) >= job.min_nodes
                                      and waited >= job.rendezvous_timeout_s):
         return start_round(now, view, job, st, members, "first round", restarts=st.restarts)

@@ -209,3 +209,12 @@ def test_a_member_that_serves_no_tests_is_no_verdict():
     ok, reason = coll.with_peer("old", "127.0.0.1", store.port, host="127.0.0.1",
                                 nbytes=P.MiB, min_bus_gbps=0.0, ack_s=0.5)
     assert ok and reason == "skipped: old does not serve collective tests"
+
+
+def test_a_leader_url_this_node_cannot_reach_is_a_skip_not_a_cordon(etcd, monkeypatch):
+    port = coll.free_port("127.0.0.1")   # nothing listens there
+    monkeypatch.setattr(etcd, "leader_url", lambda: f"http://127.0.0.1:{port}")
+    check = P.timed("clock", lambda: P.clock(etcd, 0.5))
+    assert check.ok and check.skipped
+    assert check.reason.startswith(f"skipped: the etcd leader's client URL "
+                                   f"http://127.0.0.1:{port}/version did not answer")

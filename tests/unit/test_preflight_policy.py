@@ -87,3 +87,15 @@ def test_lazarus_nodes_shows_the_reason():
     verdict = next(h for h in nodes["s"].health if h.monitor == "preflight")
     assert (verdict.state, list(verdict.reasons)) == ("failed", [FAILED_DISK["reason"]])
     assert not any(h.monitor == "preflight" for h in nodes["a"].health)  # it runs none
+
+
+def test_the_first_round_waits_for_an_active_nodes_checks_rather_than_take_a_spare():
+    v = view(status=status(PENDING, round=0, members=()), nodes=("a", "b"), spares=("s",),
+             node_status=[idle("a", PASSED), idle("s", PASSED)])
+    v.nodes["b"] = dataclasses.replace(node("b"), preflight=True)
+    d = decide(NOW, v)
+    assert d.actions == [] and d.reason == ("waiting for the preflight of b before using "
+                                            "spare(s) s")
+    # not for ever: past the rendezvous timeout the spare is used
+    late = dataclasses.replace(v, status=status(PENDING, round=0, members=(), since=NOW - 31))
+    assert only(decide(NOW, late).actions, StartRound).record.members == ["a", "s"]
