@@ -250,7 +250,8 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict
         # healthy / failed as the monitors say it; "running" until the first checks finish
         node.health.add(monitor="preflight",
                         state={"passed": "healthy", "failed": "failed"}.get(checked, checked),
-                        reasons=[why or f"{checked} in {cost:.1f} s"])
+                        reasons=[why or ("checks under way" if checked == "running"
+                                         else f"{checked} in {cost:.1f} s")])
     return node
 
 
