@@ -108,7 +108,8 @@ def gpus(verdicts: Sequence[GpuVerdict], expected: int, backend: str) -> tuple[b
     if sick:
         return False, "; ".join(f"GPU {v.index} {v.state}: {', '.join(v.reasons)}"
                                 for v in sick)
-    return True, f"{len(verdicts)} GPUs healthy ({backend})"
+    n = len(verdicts)
+    return True, f"{n} GPU{'' if n == 1 else 's'} healthy ({backend})"
 
 
 # -- storage -----------------------------------------------------------------------------------
