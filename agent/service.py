@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from lazarus.core import etcd as E
@@ -40,6 +41,8 @@ from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.netif import collective_env
+from lazarus.agent import collective_check as coll
+from lazarus.agent import preflight as pre
 from lazarus.agent import frozen
 from lazarus.agent.stacks import capture, dumpable
 from lazarus.agent.workers import Workers
@@ -62,6 +65,8 @@ REREAD_S = 10.0
 PERIOD_JITTER = 0.2
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
+# An idle node repeats its preflight checks this often (docs/operations.md, "Preflight").
+PREFLIGHT_EVERY_S = 600.0
 # Ranks whose agent is gone wait one lease TTL and this much for the next one before they
 # stop (lazarus.agent.adopt): an agent back within the TTL still needs a moment to listen.
 ORPHAN_MARGIN_S = 5.0
@@ -71,14 +76,19 @@ class Agent:
     """`lease_ttl_s`: how long after this agent dies the daemon declares the node lost. Must be
     longer than a stall of this process (GC, swap), or a live node gets evicted.
     `status_period_s`: how stale the step and throughput in the node status may get while
-    nothing else changes; a straggler is seen up to this much later."""
+    nothing else changes; a straggler is seen up to this much later.
+    `preflight_every_s`: how often a node that runs no ranks repeats its preflight checks
+    (lazarus.agent.preflight; 0: only when the agent starts; None: never, and the node takes
+    work without them). A failure found there keeps the node out of rounds until a later
+    run passes, so this is also how long a fixed node waits to be used again."""
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, node: str, nproc: int, role: str,
                  workdir: Path, host: str = "127.0.0.1", lease_ttl_s: int = settings.LEASE_TTL_S,
                  park: bool = True, gpu_backend: str = "auto",
                  gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
                  host_limits: dict | None = None, monitors: bool = True,
-                 status_period_s: float = STATUS_PERIOD_S):
+                 status_period_s: float = STATUS_PERIOD_S,
+                 preflight_every_s: float | None = PREFLIGHT_EVERY_S):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -121,6 +131,11 @@ class Agent:
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if preflight_every_s is not None and monitors:
+            self.preflight = pre.Runner(every_s=preflight_every_s, run=self._preflight_checks,
+                                        on_done=self.wake.set)
+            # idle nodes' collective tests against this one (lazarus.agent.collective_check)
+            self.peer_tests = coll.PeerTests(self.store, host=host, port=self.store.port)
 
     def _admits(self, pid: int) -> bool:
         """Who may use the worker channel: this process and whatever it started (its workers,
@@ -183,6 +198,8 @@ class Agent:
         self._read_at = -REREAD_S
         self.reads = 0                      # assignment reads so far (the fleet counts them)
         self._next_reconcile = 0.0
+        self.preflight: pre.Runner | None = None
+        self.peer_tests: coll.PeerTests | None = None
 
     # -- registration ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -203,7 +220,8 @@ class Agent:
         assert self.session is not None
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
-                         gpu_backend=self.health.backend_name, lease_ttl_s=self.lease_ttl_s)
+                         gpu_backend=self.health.backend_name, lease_ttl_s=self.lease_ttl_s,
+                         preflight=self.preflight is not None)
         try:
             self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
         except E.LeaseLost:
@@ -517,9 +535,10 @@ class Agent:
             long_phase = bool(self._long_phase.get("since"))
             refused = bool(self._refused)
         health = self.health.poll() if self.monitors else {}
+        checked = self.preflight.result if self.preflight is not None else {}
         return (self._workers_state(step), g.round if g else 0,
                 g.failed_rank() if g else None, spikes, health.get("state"),
-                self._hang is not None, long_phase, refused)
+                self._hang is not None, long_phase, refused, checked.get("at"))
 
     def node_status(self) -> NodeStatus:
         g = self.workers.group
@@ -538,7 +557,8 @@ class Agent:
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
             window=st.get("window") or [],
             health=self.health.poll() if self.monitors else {}, hang=self._hang,
-            throughput=throughput, long_phase=long_phase, refused=refused)
+            throughput=throughput, long_phase=long_phase, refused=refused,
+            preflight=dict(self.preflight.result) if self.preflight is not None else {})
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)
@@ -608,7 +628,49 @@ class Agent:
         if woke or exited or now >= self._next_reconcile:
             self.reconcile(now)
             self._next_reconcile = now + RECONCILE_S
+            if self.peer_tests is not None:
+                self.peer_tests.poll()
         self.publish(force=exited)
+        if self.preflight is not None:
+            g = self.workers.group
+            self.preflight.poll(now, idle=g is None or not g.alive)
+
+    def _preflight_checks(self) -> list[pre.Check]:
+        """The checks, in the preflight thread: storage and a checkpoint round trip in the
+        job's checkpoint dir (the newest round's, once one was read), the GPU monitor's
+        verdicts, this host's clock against etcd's leader, and a collective -- with one
+        member of the round when the node is not in it (the path a promotion would use),
+        else over the node's own address."""
+        _, rec = self._assignment
+        ckpt = rec.checkpoint_dir if rec is not None else self._checkpoint_dir
+        peer = self._test_peer(rec)
+        config = pre.PreflightConfig(workdir=self.workdir,
+                                     checkpoint_dir=Path(ckpt) if ckpt else None,
+                                     host=self.host, expected_gpus=self.nproc,
+                                     pair=(peer.node, peer.host, peer.store_port) if peer
+                                     else None)
+        gpu = self.health.gpu
+        checks = pre.run_checks(config, etcd=self.etcd,
+                                gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))
+        if peer is not None and not checks[-1].ok and self._test_peer(rec) != peer:
+            # The peer left (its lease ran out while the test waited for it): no verdict on
+            # this node, which a recovery may want now.
+            checks[-1] = dataclasses.replace(checks[-1], ok=True, skipped=True, reason=(
+                f"skipped: {peer.node} left during the test ({checks[-1].reason})"))
+        return checks
+
+    def _test_peer(self, rec: RoundRecord | None) -> NodeRecord | None:
+        """The member of `rec` this node tests its collective path with, when it is not one
+        itself: picked by this node's name, so that the spares of a large run spread their
+        tests over its members."""
+        if rec is None or not rec.members or self.node in rec.members:
+            return None
+        peer = rec.members[zlib.crc32(self.node.encode()) % len(rec.members)]
+        try:
+            kv = self.etcd.get(self.keys.node_key(peer))
+            return NodeRecord.from_json(kv.value, kv.key) if kv is not None else None
+        except (E.EtcdUnavailable, RecordError):
+            return None
 
     def shutdown(self) -> None:
         """Stop. Ranks still training are left running for the next agent of this node (an
@@ -726,9 +788,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--status-period", type=float, default=STATUS_PERIOD_S,
                    help="seconds between node status writes while only the step moves (a "
                         "change of state is written at once) (default %(default)s)")
+    p.add_argument("--preflight-every", type=float, default=PREFLIGHT_EVERY_S,
+                   help="seconds between the preflight checks of a node that runs no ranks "
+                        "(`lazarus preflight`); 0: only at start (default %(default)s)")
+    p.add_argument("--preflight", choices=("on", "off"), default="on",
+                   help="'off': no preflight checks, and the daemon does not wait for them")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
+    if args.preflight_every < 0:
+        raise UserError("--preflight-every must be 0 (only at start) or a number of seconds")
     if not args.status_period > 0:
         raise UserError("--status-period must be positive")
     if args.nproc < 1:
@@ -751,7 +820,8 @@ def main(argv: list[str]) -> int:
                   hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
                                          long_floor_s=args.long_phase_floor),
                   host_limits=host_limits, monitors=args.monitors == "on",
-                  status_period_s=args.status_period)
+                  status_period_s=args.status_period,
+                  preflight_every_s=args.preflight_every if args.preflight == "on" else None)
     try:
         agent.run(stop)
     finally:

@@ -45,6 +45,14 @@ class RequestCheckpoint:
 @dataclass(frozen=True, slots=True)
 class Cordon:
     node: str
+    reason: str = ""
+    by: str = ""         # "preflight": lifted by the leader when a preflight passes again
+
+
+@dataclass(frozen=True, slots=True)
+class Uncordon:
+    """Lift a cordon the leader made for a failed preflight (never an operator's)."""
+    node: str
 
 
 @dataclass(frozen=True, slots=True)

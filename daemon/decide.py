@@ -13,6 +13,7 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   straggler       -> flagged; swapped out at a checkpoint when a spare is idle and it pays
   host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
                      out at a checkpoint when a spare is idle
+  preflight failed-> the node is cordoned with the reason, whatever the run does (preflight)
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from lazarus.core import jobspec
 from lazarus.core.errors import UserError
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
-                             SUCCEEDED, TERMINAL,
+                             ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, hostalert, spikes, stragglers
+from lazarus.daemon import commands, hostalert, preflight, spikes, stragglers
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -38,6 +39,16 @@ from lazarus.daemon.view import ClusterView
 
 
 def decide(now: float, view: ClusterView) -> Decision:
+    decision = _decide(now, view)
+    # Whatever the run does, a node that failed its preflight is cordoned (and lifted when it
+    # passes again) in the same transaction: it is never chosen meanwhile (rounds.usable).
+    gate = preflight.respond(view)
+    if gate is None:
+        return decision
+    return Decision([*gate.actions, *decision.actions], f"{gate.reason}; {decision.reason}")
+
+
+def _decide(now: float, view: ClusterView) -> Decision:
     st = view.status
     sub = view.submitted
     if st is None and view.status_garbled:
@@ -301,6 +312,14 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
     members = choose(view, job, [])
     waited = now - st.since
+    # Actives before spares: an active node whose preflight is under way is waited for
+    # rather than replaced by a spare that finished its own first.
+    checking = sorted(n for n, rec in view.nodes.items() if rec.role == ROLE_ACTIVE
+                      and n not in view.cordoned and preflight.verdict(view, n)[0] == "running")
+    spares = [m for m in members if view.nodes[m].role != ROLE_ACTIVE]
+    if checking and spares and waited < job.rendezvous_timeout_s:
+        return Decision([], f"waiting for the preflight of {', '.join(checking)} before "
+                            f"using spare(s) {', '.join(spares)}")
     if len(members) >= job.nodes or (len(members) >= job.min_nodes
                                      and waited >= job.rendezvous_timeout_s):
         return start_round(now, view, job, st, members, "first round", restarts=st.restarts)

@@ -11,7 +11,7 @@ import dataclasses
 
 from lazarus.core import etcd as E
 from lazarus.core.records import EventRecord, Keys, dumps
-from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit,
+from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit, Uncordon,
                                     MarkCheckpoint, RejectJob, RequestCheckpoint, RequestDrain,
                                     SetStatus,
                                     StartRound)
@@ -49,7 +49,11 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
             ops.append(E.put_op(keys.drain_key(action.node),
                                 dumps({"requested_at": now, "reason": action.reason})))
         elif isinstance(action, Cordon):
-            ops.append(E.put_op(keys.cordon_key(action.node), b"drained"))
+            ops.append(E.put_op(keys.cordon_key(action.node), dumps(
+                {"by": action.by, "reason": action.reason, "at": now}) if action.by
+                else b"drained"))
+        elif isinstance(action, Uncordon):
+            ops.append(E.delete_op(keys.cordon_key(action.node)))
         elif isinstance(action, ClearCommand):
             ops.append(E.delete_op(keys.root + "commands/" + action.name))
         else:

@@ -12,7 +12,7 @@ import json
 from google.protobuf import struct_pb2
 
 from lazarus.core import etcd as E
-from lazarus.daemon import stragglers
+from lazarus.daemon import preflight, stragglers
 from lazarus.daemon.decide import health_of
 from lazarus.daemon.history import History
 from lazarus.daemon.view import ClusterView, prefixes  # noqa: F401 (what the API reads)
@@ -245,6 +245,13 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict
                             reasons=[str(ns.hang.get("reason", ""))[:500]])
     if rec is not None:
         node.gpu_backend = rec.gpu_backend
+    checked, why, cost = preflight.verdict(view, name)
+    if checked:
+        # healthy / failed as the monitors say it; "running" until the first checks finish
+        node.health.add(monitor="preflight",
+                        state={"passed": "healthy", "failed": "failed"}.get(checked, checked),
+                        reasons=[why or ("checks under way" if checked == "running"
+                                         else f"{checked} in {cost:.1f} s")])
     return node
 
 

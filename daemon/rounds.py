@@ -8,14 +8,17 @@ import dataclasses
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (MAX_ROUND, RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord,
                                   RoundRecord, RunStatus)
+from lazarus.daemon import preflight
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.view import ClusterView
 
 
 def usable(view: ClusterView, job: JobSpec) -> list[str]:
-    """Nodes that may take work: registered, not cordoned, with enough ranks; actives first."""
+    """Nodes that may take work: registered, not cordoned, with enough ranks, not held back
+    by their preflight; actives first."""
     ok = [n for n, rec in view.nodes.items()
-          if n not in view.cordoned and rec.nproc >= job.nproc_per_node]
+          if n not in view.cordoned and rec.nproc >= job.nproc_per_node
+          and not preflight.blocked(view, n)]
     return sorted(ok, key=lambda n: (view.nodes[n].role != ROLE_ACTIVE, n))
 
 

@@ -49,6 +49,9 @@ class ClusterView:
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     cordoned: set[str] = field(default_factory=set)
+    # Who cordoned each of those when it was not an operator: "preflight" (the leader, for a
+    # failed preflight: lazarus.daemon.preflight lifts it when one passes again).
+    cordon_by: dict[str, str] = field(default_factory=dict)
     # Operator commands (see lazarus.core.records). Revisions order them against checkpoint
     # commits without trusting anybody's clock.
     checkpoint_revision: dict[int, int] = field(default_factory=dict)  # step -> mod revision
@@ -106,6 +109,7 @@ class ViewBuilder:
         self._unbound: dict[str, str] = {}  # status key -> why it is not its node's
         self._drains: dict[str, int] = {}
         self._cordoned: set[str] = set()
+        self._cordon_by: dict[str, str] = {}
         self._ignored: dict[str, str] = {}
         # Kept by key, assembled in key order at build time (as a snapshot lists them): few.
         self._rounds: dict[str, RoundRecord] = {}
@@ -176,7 +180,7 @@ class ViewBuilder:
             if key == k.checkpoint_request:
                 return "checkpoint_request", kv.mod_revision
             if key.startswith(k.cordon):
-                return "cordon", None
+                return "cordon", _cordon_by(kv.value)
         except RecordError as e:
             return "ignored", str(e)
         return None
@@ -210,6 +214,8 @@ class ViewBuilder:
             self._drains[self._name(key, kind)] = payload
         elif kind == "cordon":
             self._cordoned.add(self._name(key, kind))
+            if payload:
+                self._cordon_by[self._name(key, kind)] = payload
         elif kind == "ignored":
             self._ignored[key] = payload
         else:
@@ -241,6 +247,7 @@ class ViewBuilder:
             del self._drains[self._name(key, kind)]
         elif kind == "cordon":
             self._cordoned.discard(self._name(key, kind))
+            self._cordon_by.pop(self._name(key, kind), None)
         else:
             self._ignored.pop(key, None)
             if kind != "ignored":
@@ -283,6 +290,7 @@ class ViewBuilder:
             nodes=dict(self._nodes), departed_ttl=dict(self._departed_ttl),
             node_status=dict(self._node_status),
             checkpoints=list(checkpoints), cordoned=set(self._cordoned),
+            cordon_by=dict(self._cordon_by),
             checkpoint_revision=dict(checkpoint_revision), drains=dict(self._drains),
             pause_revision=one.get("pause"), cancel_requested="cancel" in one,
             cancel_job_id=one.get("cancel"),
@@ -352,3 +360,14 @@ class LiveView:
 
     def stop(self) -> None:
         self.informer.stop()
+
+
+def _cordon_by(value: bytes) -> str:
+    """Who wrote a cordon, when its value says (the leader's for a failed preflight does);
+    any other value -- an operator's, or bytes that are not JSON -- is simply a cordon."""
+    try:
+        doc = load_json(value, "cordon")
+    except RecordError:
+        return ""
+    by = doc.get("by") if isinstance(doc, dict) else None
+    return by if by == "preflight" else ""

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("lazarus.ops.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
+    "preflight": ("lazarus.agent.preflight_cli", "main", "check this node before it takes work: GPUs, storage, clock, collectives"),
     "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),
     "chaos": ("lazarus.sim.chaos", "main", "inject a fault into a running cluster on this host"),
     "etcd": ("lazarus.ops.etcdsetup", "main", "secure an etcd: certificates, users and roles, authentication on"),

@@ -731,6 +731,18 @@ class Etcd:
                                alarm=rpc.AlarmType.Value(alarm.kind))
         self._run(lambda c: self._unary(c, "maintenancestub", "Alarm", req))
 
+    def leader_url(self) -> str:
+        """A client URL of the member that leads the cluster now: what the gRPC API does not
+        carry (the leader's wall clock, lazarus.agent.clockskew) is asked of it over HTTP."""
+        status = self._run(lambda c: self._unary(c, "maintenancestub", "Status",
+                                                 rpc.StatusRequest()))
+        members = self._run(lambda c: self._unary(c, "clusterstub", "MemberList",
+                                                  rpc.MemberListRequest()))
+        for m in members.members:
+            if m.ID == status.leader and m.clientURLs:
+                return str(m.clientURLs[0])
+        raise EtcdNoLeader(f"{self.member} names no leader with a client URL")
+
     def compact(self, revision: int) -> None:
         """Drop the history before `revision` (keys' current values stay). Compacting to a
         revision already compacted is fine."""

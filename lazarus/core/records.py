@@ -400,6 +400,9 @@ class NodeRecord(_Record):
     started_at: float = 0.0
     gpu_backend: str = "none"
     lease_ttl_s: int = LEASE_TTL_S  # how long this node's death takes to show as a lost lease
+    # The agent runs preflight checks (lazarus.agent.preflight): the node takes no work
+    # before its status says they passed.
+    preflight: bool = False
 
     def __post_init__(self):
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):
@@ -434,6 +437,9 @@ class NodeStatus(_Record):
     # Why a rank refused the job (exitcodes.REFUSED: e.g. another job's checkpoints in its
     # dir); the run fails with it.
     refused: str = ""
+    # The last preflight (lazarus.agent.preflight.summary): {"state": passed | failed,
+    # "at": wall time, "cost_s", "reason": why it failed}; {} before the first is done.
+    preflight: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -1,0 +1,203 @@
+"""The collective part of preflight: an all-reduce whose result is checked and whose bus
+bandwidth is measured, on a process group made for it alone (the agent's process has no
+default group, and must not get one).
+
+Three shapes:
+
+    collective(peers, rank)   ranks at HOST:PORT each; those at this node's address run here,
+                              in threads. Two at one address: the node's own stack, over its
+                              own address (gloo; NCCL with two GPUs). Across nodes:
+                              `lazarus preflight --peers`, one process per node.
+    with_peer(...)            an idle node against one member of the current round, through
+                              that member's agent, which serves such tests (`PeerTests`) on
+                              the store every agent hosts: the path a promotion would use,
+                              tested before the node is chosen, off every recovery's path.
+                              Always gloo: NCCL would take GPU memory of a training node.
+    PeerTests                 the serving side, polled by every agent.
+
+A requester bumps a counter in the serving agent's store and waits for that agent's
+acknowledgement under the new number; then both join a two-rank group under that number's
+prefix. No acknowledgement within ACK_S means the peer does not serve them (an agent with
+preflight off, an older one): the test is skipped, not failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from lazarus.core import etcd as E
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_ITERS = 5
+REQUESTS = "lazarus/preflight/requests"
+ACK_S = 5.0
+# A requester asks for at most this much: it costs the serving node's CPU and network.
+MAX_PEER_BYTES = 64 * MiB
+
+
+def collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: float,
+               timeout_s: float = 30.0) -> tuple[bool, str]:
+    """All-reduce `nbytes` between the ranks at `peers` (HOST:PORT each; rank 0's hosts the
+    rendezvous store on its port). With one address given twice, both ranks run here."""
+    import torch
+    import torch.distributed as dist
+
+    world = len(peers)
+    host0, port0 = E.parse_endpoint(peers[0])
+    local = [r for r in range(world) if peers[r] == peers[rank]]
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= len(local) \
+        else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # rank 0's side hosts the store; every rank, here or there, has a connection of its own
+    master = (dist.TCPStore(host0, port0, world_size=world, is_master=True, timeout=timeout,
+                            wait_for_workers=False) if 0 in local else None)
+    results: dict[int, float | BaseException] = {}
+
+    def run(r: int) -> None:
+        try:
+            store = dist.TCPStore(host0, port0, is_master=False, timeout=timeout)
+            results[r] = allreduce(dist.PrefixStore("lazarus/preflight/", store), r, world,
+                                   backend=backend, nbytes=nbytes, timeout_s=timeout_s,
+                                   host=E.parse_endpoint(peers[r])[0], device=local.index(r))
+        except BaseException as e:  # a rank's failure is this check's verdict
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in local]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    del master  # kept open until every local rank is done with it
+    for r in local:
+        res = results.get(r)
+        if res is None:
+            return False, f"rank {r}: no result within {timeout_s:.0f} s"
+        if isinstance(res, BaseException):
+            return False, f"{backend} rank {r}: {_first_line(res)}"
+    return _judge(backend, nbytes, world, max(results[r] for r in local), min_bus_gbps,
+                  f"over {world} ranks")
+
+
+def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes: int,
+              min_bus_gbps: float, timeout_s: float = 30.0,
+              ack_s: float = ACK_S) -> tuple[bool, str]:
+    """Rank 1 of a gloo all-reduce with `peer`'s agent (rank 0), which hosts the store at
+    `store_host:store_port`; this node's side binds `host`."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore(store_host, store_port, is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    n = client.add(REQUESTS, 1)
+    prefix = f"lazarus/preflight/{n}/"
+    client.set(f"lazarus/preflight/request/{n}", json.dumps({"bytes": nbytes}))
+    try:
+        client.wait([prefix + "ack"], datetime.timedelta(seconds=ack_s))
+    except RuntimeError:  # torch's DistStoreError: a timeout
+        return True, f"skipped: {peer} does not serve collective tests"
+    seconds = allreduce(dist.PrefixStore(prefix, client), 1, 2, backend="gloo", nbytes=nbytes,
+                        timeout_s=timeout_s, host=host, device=0)
+    return _judge("gloo", nbytes, 2, seconds, min_bus_gbps, f"with {peer}")
+
+
+class PeerTests:
+    """Serves other nodes' `with_peer` tests on this agent's store: `poll` (the agent's loop,
+    twice a second) starts a thread for each new request."""
+
+    def __init__(self, store, *, host: str, port: int, timeout_s: float = 30.0):
+        self.store, self.host, self.port, self.timeout_s = store, host, port, timeout_s
+        self._seen = 0
+
+    def poll(self) -> None:
+        requested = self.store.add(REQUESTS, 0)
+        while self._seen < requested:
+            self._seen += 1
+            threading.Thread(target=self._serve, args=(self._seen,), daemon=True,
+                             name=f"peer-test-{self._seen}").start()
+
+    def _serve(self, n: int) -> None:
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        try:
+            client = dist.TCPStore(self.host, self.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+            req = json.loads(client.get(f"lazarus/preflight/request/{n}"))
+            nbytes = min(int(req.get("bytes", 0)), MAX_PEER_BYTES)
+            if nbytes < 4:
+                raise ValueError(f"request of {nbytes} bytes")
+            client.set(f"lazarus/preflight/{n}/ack", "1")
+            allreduce(dist.PrefixStore(f"lazarus/preflight/{n}/", client), 0, 2,
+                      backend="gloo", nbytes=nbytes, timeout_s=self.timeout_s, host=self.host,
+                      device=0)
+            client.delete_key(f"lazarus/preflight/request/{n}")
+            log.info("served collective test %d (%d MiB) in %.2f s", n, nbytes // MiB,
+                     time.monotonic() - started)
+        except Exception as e:  # the requester's verdict, not this agent's business
+            log.info("collective test %d not served: %s", n, _first_line(e))
+
+
+def allreduce(store, rank: int, world: int, *, backend: str, nbytes: int, timeout_s: float,
+              host: str, device: int) -> float:
+    """Seconds per all-reduce of `nbytes`, on a group of its own over `store`; the result is
+    checked."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        tensor = torch.ones(nbytes // 4, device=f"cuda:{device}")
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        pg = dist.ProcessGroupGloo(store, rank, world, opts)
+        tensor = torch.ones(nbytes // 4)
+    pg.allreduce([tensor]).wait()       # the connections are made on the first
+    tensor.fill_(1.0)
+    start = time.perf_counter()
+    for _ in range(_ITERS):
+        pg.allreduce([tensor]).wait()
+    if backend == "nccl":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / _ITERS
+    value = float(tensor[0])
+    if value != float(world) ** _ITERS:
+        raise RuntimeError(f"all-reduce gave {value}, expected {float(world) ** _ITERS}")
+    return seconds
+
+
+def _judge(backend: str, nbytes: int, world: int, seconds: float, min_bus_gbps: float,
+           between: str) -> tuple[bool, str]:
+    bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
+    text = f"{backend} all-reduce of {nbytes // MiB} MiB {between}: {bus:.2f} GB/s bus bandwidth"
+    if bus < min_bus_gbps:
+        return False, f"{text}, below {min_bus_gbps:g} GB/s"
+    return True, text
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)
+
+
+def loopback_peers(host: str) -> tuple[str, str]:
+    """Two ranks on this node, meeting on a free port of its address."""
+    port = free_port(host)
+    return (f"{host}:{port}", f"{host}:{port}")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

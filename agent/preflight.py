@@ -1,0 +1,320 @@
+"""Preflight: what a node must pass before it joins a round, and what an idle node repeats.
+
+Each check is a small function that returns `(ok, reason)`; `timed` runs one, bounds what it
+may raise to a failure with its reason, and measures its cost:
+
+    gpu          every GPU the node should have is there and healthy by the GPU monitor's
+                 rules (lazarus.agent.gpu: NVML, or the simulated backend without GPUs)
+    storage      a file of a few MB written, fsynced, dropped from the page cache, read back
+                 and compared, in the agent's work dir and the job's checkpoint dir
+    checkpoint   a small state dict saved and loaded through torch.distributed.checkpoint
+                 (the trainer's path to storage) in the checkpoint dir, compared, removed
+    clock        this host's wall clock against the etcd leader's (lazarus.agent.clockskew)
+    collective   an all-reduce, checked, with its bus bandwidth (lazarus.agent.collective_check):
+                 in the agent, gloo with one member of the current round when there is one
+                 and the node is not in it, else two ranks over the node's own address
+                 (NCCL with two GPUs); by hand, also between nodes (`--peers`)
+
+The agent runs them in a thread of its own (`Runner`): at its first pass with no ranks to
+run, then every `every_s` while its node runs none, and publishes one compact verdict in its node status
+(`summary`); the daemon cordons a node whose preflight failed (lazarus.daemon.preflight).
+`lazarus preflight` (lazarus.agent.preflight_cli) runs them on a node by hand.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import ssl
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lazarus.agent import clockskew
+from lazarus.agent import collective_check as coll
+from lazarus.agent.gpu import HEALTHY, GpuVerdict
+from lazarus.core import etcd as E
+from lazarus.core.etcd_auth import EtcdAuth
+
+log = logging.getLogger(__name__)
+# DCP warns that it saves "in a single process" when there is no process group: that is the
+# round trip's intent.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+CHECKS = ("gpu", "storage", "checkpoint", "clock", "collective")
+PASSED, FAILED, RUNNING = "passed", "failed", "running"
+MiB = 1 << 20
+# What a node status carries of a failure: the daemon copies it into events and cordons.
+REASON_CHARS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    reason: str
+    cost_s: float
+    skipped: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class PreflightConfig:
+    workdir: Path
+    checkpoint_dir: Path | None = None
+    # Bytes written and read back per directory: past the page cache's write-back batching,
+    # small enough to cost tens of milliseconds on a healthy disk.
+    storage_bytes: int = 4 * MiB
+    skew_limit_s: float = 0.5
+    host: str = "127.0.0.1"            # the address the collective test binds
+    collective_bytes: int = 8 * MiB
+    min_bus_gbps: float = 0.0          # 0: measured and shown, never failed for its speed
+    peers: tuple[str, ...] = ()        # HOST:PORT of each rank; this node's at `rank`
+    rank: int = 0
+    pair: tuple[str, str, int] | None = None  # (node, store host, port): test with its agent
+    expected_gpus: int = 0
+    skip: frozenset[str] = frozenset()
+
+
+def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
+    start = time.perf_counter()
+    try:
+        ok, reason = fn()
+    except OSError as e:
+        ok, reason = False, _os_error(e)
+    except (E.EtcdUnavailable, ValueError, RuntimeError) as e:
+        ok, reason = False, str(e) or type(e).__name__
+    return Check(name=name, ok=ok, reason=reason, cost_s=time.perf_counter() - start,
+                 skipped=ok and reason.startswith("skipped:"))
+
+
+def _os_error(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno, "error") if e.errno else type(e).__name__
+    return f"{code}: {e.strerror or e}"
+
+
+# -- gpu ---------------------------------------------------------------------------------------
+def gpus(verdicts: Sequence[GpuVerdict], expected: int, backend: str) -> tuple[bool, str]:
+    """Every expected GPU seen, each healthy by the monitor's rules (a degraded GPU fails too:
+    a node chosen with one would be swapped out again at its first checkpoint)."""
+    if len(verdicts) < expected:
+        return False, f"{len(verdicts)} of {expected} GPUs visible ({backend})"
+    sick = [v for v in verdicts if v.state != HEALTHY]
+    if sick:
+        return False, "; ".join(f"GPU {v.index} {v.state}: {', '.join(v.reasons)}"
+                                for v in sick)
+    n = len(verdicts)
+    return True, f"{n} GPU{'' if n == 1 else 's'} healthy ({backend})"
+
+
+# -- storage -----------------------------------------------------------------------------------
+def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
+    """Write, fsync, read back and compare `nbytes` in each directory. The pages are dropped
+    from the cache after the fsync so that the read comes from the device where the
+    filesystem allows it (tmpfs and some network filesystems keep them)."""
+    done = []
+    for d in directories:
+        if not d.is_dir():
+            done.append(f"{d} not there yet")
+            continue
+        data = os.urandom(nbytes)
+        path = d / f".lazarus-preflight-{os.getpid()}-{threading.get_ident()}"
+        try:
+            back = _write_read(path, data)
+        except OSError as e:
+            return False, f"{d}: {_os_error(e)}"
+        if back != data:
+            return False, f"{d}: read back {len(back)} bytes that differ from those written"
+        done.append(str(d))
+    return True, f"{nbytes // MiB} MiB written, synced, read back: {', '.join(done)}"
+
+
+def _write_read(path: Path, data: bytes) -> bytes:
+    """Write `data` to a new file, fsync it, drop it from the cache, read it back, remove it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+# -- checkpoint --------------------------------------------------------------------------------
+def checkpoint_round_trip(directory: Path) -> tuple[bool, str]:
+    """Save a small state dict with torch.distributed.checkpoint (as the trainer saves its
+    shards), load it into zeroed tensors, compare, remove it."""
+    import torch  # lazily: `lazarus preflight --skip checkpoint` need not load torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not directory.is_dir():
+        return True, f"skipped: {directory} not there yet"
+    gen = torch.Generator().manual_seed(os.getpid())
+    state = {"weight": torch.randn(512, 512, generator=gen), "step": torch.tensor(7)}
+    try:
+        target = Path(tempfile.mkdtemp(prefix=".lazarus-preflight-", dir=directory))
+    except OSError as e:
+        return False, f"{directory}: {_os_error(e)}"
+    try:
+        dcp.save(state, checkpoint_id=target, no_dist=True)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(back, checkpoint_id=target, no_dist=True)
+        size = sum(p.stat().st_size for p in target.iterdir())
+    except OSError as e:
+        return False, f"{directory}: {_os_error(e)}"
+    except CheckpointException as e:
+        # DCP wraps the storage's error (a BaseException, not an OSError): the first says it
+        first = next(iter(e.failures.values()), None)
+        cause = first[0] if isinstance(first, tuple) else first
+        return False, f"{directory}: " + (_os_error(cause) if isinstance(cause, OSError)
+                                          else f"DCP: {cause or e!r}")
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+    if not all(torch.equal(state[k], back[k]) for k in state):
+        return False, f"{directory}: the state loaded back differs from the one saved"
+    return True, f"{size / MiB:.1f} MiB saved and loaded through DCP in {directory}"
+
+
+# -- clock -------------------------------------------------------------------------------------
+def ssl_context(auth: EtcdAuth) -> ssl.SSLContext | None:
+    """TLS for etcd's HTTP side, from the same material as the gRPC client's."""
+    if not auth.tls:
+        return None
+    ctx = ssl.create_default_context(cadata=auth.ca.decode())
+    if auth.cert is not None and auth.key is not None:
+        # load_cert_chain reads files only: the key goes to a private file for the moment
+        with tempfile.TemporaryDirectory() as d:
+            cert, key = Path(d) / "cert.pem", Path(d) / "key.pem"
+            cert.write_bytes(auth.cert)
+            key.touch(0o600)
+            key.write_bytes(auth.key)
+            ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def clock(etcd: E.Etcd, limit_s: float, *, now: Callable[[], float] = time.time
+          ) -> tuple[bool, str]:
+    url = etcd.leader_url().rstrip("/") + "/version"
+    context = ssl_context(etcd.auth)
+    try:
+        clockskew.stamp(url, context, 2.0)  # reachable at all?
+    except (OSError, ValueError) as e:
+        # The leader advertises a client URL this node may not route to (etcd behind a
+        # proxy or a virtual address): no measurement, and no reason to cordon every node.
+        return True, f"skipped: the etcd leader's client URL {url} did not answer ({e})"
+    skew = clockskew.measure(url, context=context, clock=now)
+    return clockskew.judge(skew, limit_s)
+
+
+# -- all of them -------------------------------------------------------------------------------
+def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list, str]],
+               etcd: E.Etcd | None, now: Callable[[], float] = time.time) -> list[Check]:
+    """Every check not in `config.skip`, in order. `gpu_verdicts`: the GPU monitor's verdicts
+    and its backend's name. Without `etcd` the clock check is skipped."""
+    c = config
+    out: list[Check] = []
+
+    def skipped(name: str, why: str) -> None:
+        out.append(Check(name=name, ok=True, reason=f"skipped: {why}", cost_s=0.0,
+                         skipped=True))
+
+    def gpu_check() -> tuple[bool, str]:
+        verdicts, backend = gpu_verdicts()
+        return gpus(verdicts, c.expected_gpus, backend)
+
+    dirs = [c.workdir] + ([c.checkpoint_dir] if c.checkpoint_dir is not None else [])
+    steps: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
+        ("gpu", gpu_check),
+        ("storage", lambda: storage(dirs, c.storage_bytes)),
+        ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)),
+        ("clock", lambda: clock(etcd, c.skew_limit_s, now=now)),
+        ("collective", lambda: coll.with_peer(*c.pair, host=c.host, nbytes=c.collective_bytes,
+                                              min_bus_gbps=c.min_bus_gbps) if c.pair else
+         coll.collective(c.peers or coll.loopback_peers(c.host), c.rank,
+                         nbytes=c.collective_bytes, min_bus_gbps=c.min_bus_gbps)),
+    ]
+    for name, fn in steps:
+        if name in c.skip:
+            skipped(name, "--skip")
+        elif name == "clock" and etcd is None:
+            skipped(name, "no etcd")
+        else:
+            out.append(timed(name, fn))
+    return out
+
+
+def summary(checks: Sequence[Check], *, at: float) -> dict:
+    """What a node status carries: the verdict, when, the whole cost, and why it failed --
+    small, whatever the checks said (the etcd write budget, docs/architecture.md)."""
+    failed = [c for c in checks if not c.ok]
+    reason = "; ".join(f"{c.name}: {c.reason}" for c in failed)
+    if len(reason) > REASON_CHARS:
+        reason = reason[:REASON_CHARS - 3] + "..."
+    return {"state": FAILED if failed else PASSED, "at": round(at, 3),
+            "cost_s": round(sum(c.cost_s for c in checks), 3), "reason": reason}
+
+
+@dataclass(kw_only=True, slots=True)
+class Runner:
+    """Runs the checks in a thread: at the first pass of the agent with no ranks to run, then every `every_s` while
+    the node runs no ranks (0: never again). `result` is the last summary ({} before the
+    first is done); `on_done` wakes the agent to publish it. The checks of a node chosen for
+    a round meanwhile finish, but the node is not held back: its last verdict counted."""
+    every_s: float
+    run: Callable[[], list[Check]]
+    on_done: Callable[[], None]
+    result: dict = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+    _last: float | None = None
+
+    def due(self, now: float, *, idle: bool) -> bool:
+        """Only while idle, the first time too: an agent that adopted running ranks (a
+        restart) checks once they end, not under a training node's feet."""
+        if not idle or (self._thread is not None and self._thread.is_alive()):
+            return False
+        return self._last is None or (self.every_s > 0 and now - self._last >= self.every_s)
+
+    def poll(self, now: float, *, idle: bool) -> None:
+        """Start a run when one is due (called from the agent's loop)."""
+        if not self.due(now, idle=idle):
+            return
+        self._last = now
+        self._thread = threading.Thread(target=self._work, name="preflight", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            checks = self.run()
+        except Exception as e:  # a bug of ours: said, not a thread dying with the node unusable
+            log.exception("preflight crashed")
+            checks = [Check(name="preflight", ok=False, reason=f"internal error: {e!r}",
+                            cost_s=0.0)]
+        self.result = summary(checks, at=time.time())
+        level = logging.INFO if self.result["state"] == PASSED else logging.WARNING
+        measured = next((c.reason for c in checks if c.name == "collective" and c.ok), "")
+        log.log(level, "preflight %s in %.2f s%s: %s%s", self.result["state"],
+                self.result["cost_s"], "" if self.result["state"] == PASSED else
+                f" ({self.result['reason']})",
+                ", ".join(f"{c.name} {c.cost_s:.2f} s" for c in checks),
+                f"; {measured}" if measured else "")
+        self.on_done()
+
+    @property
+    def state(self) -> str:
+        return self.result.get("state", RUNNING)
