@@ -479,7 +479,7 @@ class Checkpointer:
             (done if future.done() else pending).append((timing, future))
         self._timings = pending
         return [CheckpointStall(step=t.step, tier="storage", blocked_s=t.blocked_s,
-                                durable_s=t.durable_s) for t, _ in done]
+                                durable_s=t.durable_s, ranks=self._world) for t, _ in done]
 
     def _finish(self, directory: Path, written: Future, rng: dict, commit: dict,
                 commit_gate: Callable[[int], bool] | None,
