@@ -1,0 +1,106 @@
+"""Checkpoint stall lines from real `lazarus train` runs, and what reads them: the report's
+stall table and `lazarus goodput`."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lazarus import cli
+from lazarus.core import ettr
+from lazarus.core.stall import CheckpointStall, is_step
+from tests.integration.test_train_cli import train_ok
+
+RUN = ["--model", "tiny", "--steps", "4", "--global-batch", "2", "--seq-len", "16",
+       "--nproc", "1", "--ckpt-every", "2", "--warmup-steps", "1"]
+
+
+def run(tmp: Path, *extra: str) -> tuple[list[dict], list[CheckpointStall]]:
+    metrics = tmp / "metrics.jsonl"
+    train_ok(RUN + ["--ckpt-dir", str(tmp / "ckpt"), "--metrics", str(metrics), *extra])
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return ([r for r in rows if is_step(r)],
+            [CheckpointStall.from_row(r) for r in rows if not is_step(r)])
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("async")
+    steps, stalls = run(tmp)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [(s.step, s.tier, s.ranks) for s in stalls] == [(2, "storage", 1), (4, "storage", 1)]
+    assert all(s.durable_s is not None for s in stalls)  # both committed
+    return tmp
+
+
+def test_a_sync_checkpoint_holds_the_loop_until_it_is_durable(tmp_path):
+    # --sync-checkpoint: save() returns only after the commit, so what it held the loop
+    # contains the whole time to durable; step_time_s (ends before the save) does not.
+    _, stalls = run(tmp_path, "--sync-checkpoint")
+    assert [s.step for s in stalls] == [2, 4]
+    for s in stalls:
+        assert s.blocked_s >= s.durable_s > 0
+
+
+def test_report_shows_the_stall_table(async_run, capsys):
+    events = async_run / "events.jsonl"
+    events.write_text("")  # `lazarus train` has no daemon, hence no events
+    assert cli.main(["report", str(async_run / "metrics.jsonl"), "--events", str(events)]) == 0
+    page = (async_run / "report.html").read_text()
+    rows = re.findall(r'<tr class="stall" data-tier="(\w+)">(.*?)</tr>', page)
+    assert [tier for tier, _ in rows] == ["storage"]
+    cells = re.findall(r"<td>(.*?)</td>", rows[0][1])
+    assert cells[:2] == ["storage (tier 1)", "2"]
+    assert all(c.endswith(" ms") for c in cells[2:6]) and cells[6].endswith("%")
+
+
+def test_goodput_from_the_runs_metrics(async_run, capsys):
+    metrics = async_run / "metrics.jsonl"
+    assert cli.main(["goodput", "--metrics", str(metrics), "--restart-s", "3"]) == 0
+    out = capsys.readouterr().out
+    table = {cells[0]: cells[1:] for line in out.splitlines()[2:]
+             if len(cells := re.split(r" {2,}", line)) > 1}
+    assert "1 GPU (the ranks of the last checkpoint)" in out
+    assert table["checkpoint every"] == ["2 steps (measured)", "not measured"]
+    assert table["ETTR"][1] == "not measured"  # no tier-0 figures: none invented
+    # The figure printed is the model's over the medians of the file.
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    stalls = [CheckpointStall.from_row(r) for r in rows if not is_step(r)]
+    tier = ettr.Tier(every=2, blocked_s=statistics.median(s.blocked_s for s in stalls),
+                     durable_s=statistics.median(s.durable_s for s in stalls))
+    want = ettr.expected_ettr(step_s=statistics.median(r["step_time_s"] for r in rows
+                                                       if is_step(r)),
+                              tiers=[tier], restore_from=tier, restart_s=3.0,
+                              mtbf_s=ettr.job_mtbf_s(1))
+    assert table["ETTR"][0] == f"{want.ettr:.2%}"
+    assert table["lost to checkpoint stalls"][0] == f"{want.stalls:.2%}"
+
+
+def test_goodput_names_what_it_lacks(async_run, capsys):
+    metrics = str(async_run / "metrics.jsonl")
+    assert cli.main(["goodput", "--metrics", metrics, "--interruptions", "-4"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "lazarus goodput: error: interruptions must be > 0, not -4"
+    assert cli.main(["goodput", "--metrics", metrics, "--t0-blocked-s", "-0.1"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "lazarus goodput: error: --t0-blocked-s must be >= 0, not -0.1"
+    # No restart measured (no recoveries, no events): the table says so and names the flag.
+    assert cli.main(["goodput", "--metrics", metrics]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ETTR +not measured +not measured$", out, re.M)
+    assert "give them to fill the table: --restart-s --t0-every" in out
+
+
+def test_goodput_command_line(async_run):
+    # the installed entry point, as an operator runs it
+    done = subprocess.run([sys.executable, "-m", "lazarus.cli", "goodput", "--metrics",
+                           str(async_run / "metrics.jsonl"), "--restart-s", "2",
+                           "--gpus", "16384"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "scaled to 16,384 GPUs (given): one every 3.1 h" in done.stdout
