@@ -23,6 +23,7 @@ names. Step lines carry no `kind`: readers that want steps only use `is_step`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ def by_tier(stalls: list[CheckpointStall]) -> dict[str, TierStalls]:
         durable = [s.durable_s for s in mine if s.durable_s is not None]
         # A restore sends the steps back, and the run's last step is checkpointed whatever the
         # interval: the most common forward gap is the interval.
-        gaps = [b.step - a.step for a, b in zip(mine, mine[1:]) if b.step > a.step]
+        gaps = [b.step - a.step for a, b in itertools.pairwise(mine) if b.step > a.step]
         out[tier] = TierStalls(
             tier=tier, count=len(mine), committed=len(durable),
             blocked_median_s=statistics.median(blocked), blocked_max_s=max(blocked),

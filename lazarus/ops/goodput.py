@@ -6,7 +6,7 @@ Figures come from the run where it measured them, and from flags otherwise (a fl
 the median step time (metrics), the checkpoint interval, blocked and durable time per
 checkpoint of each tier (the metrics' checkpoint lines, lazarus.core.stall), the restart cost
 per failure (the events' recovered incidents: fault to the first step after the restore, less
-that step) and the GPU count (the checkpoint lines' ranks). The model and its sources are in
+that step; only in a run without tier 0, whose restores all came from tier 1) and the GPU count (the checkpoint lines' ranks). The model and its sources are in
 lazarus.core.ettr; docs/operations.md ("Goodput") explains the table.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lazarus.core import ettr as model
 from lazarus.core.errors import UserError
-from lazarus.core.records import EventRecord
+from lazarus.core.records import number
 from lazarus.core.stall import by_tier, is_step
 from lazarus.ops import report
 
@@ -79,8 +79,8 @@ def measure(metrics: Path | None, events: Path | None) -> tuple[Figure, Figure, 
     if not metrics.is_file():
         raise UserError(f"--metrics {metrics}: no such file")
     rows = report.read_metrics(metrics)
-    times = [r["step_time_s"] for r in rows if is_step(r) and not r.get("skipped")
-             and report._finite(r.get("step_time_s")) and r["step_time_s"] > 0]
+    times = [t for r in rows if is_step(r) and not r.get("skipped")
+             and (t := number(r.get("step_time_s"))) is not None and t > 0]
     if times:
         step_s = Figure(statistics.median(times), f"median of {len(times)} steps")
     stalls = report.stall_records(rows)
@@ -95,8 +95,7 @@ def measure(metrics: Path | None, events: Path | None) -> tuple[Figure, Figure, 
             Figure(t.durable_median_s, f"median of {t.committed} committed")
             if t.durable_median_s is not None else Figure(None))
     if events is not None and events.is_file() and step_s.value is not None:
-        recovered = [i.recovered_after_s for i in report.incidents(report._records(events,
-                                                                               EventRecord))
+        recovered = [i.recovered_after_s for i in report.incidents(report.read_events(events))
                      if i.outcome == "recovered" and i.recovered_after_s is not None]
         if recovered:
             # recovered_at is the end of the first step after the restore: a step redone,
@@ -179,8 +178,8 @@ def table(inputs: Inputs, mtbf_s: float) -> list[tuple[str, str, str]]:
 
 def render(inputs: Inputs, mtbf_s: float, rate: str) -> str:
     rows = table(inputs, mtbf_s)
-    lines = [f"failures: {rate}, scaled to {inputs.gpus.text(lambda g: f'{int(g):,} GPU' + ('' if g == 1 else 's'))}: "
-             f"one every {_secs(mtbf_s)}", ""]
+    gpus = inputs.gpus.text(lambda g: f"{int(g):,} GPU" + ("" if g == 1 else "s"))
+    lines = [f"failures: {rate}, scaled to {gpus}: one every {_secs(mtbf_s)}", ""]
     widths = [max(len(r[i]) for r in rows + [("", "tier 1 only", "with tier 0")])
               for i in range(3)]
     for r in [("", "tier 1 only", "with tier 0")] + rows:
@@ -239,6 +238,9 @@ def main(argv: list[str]) -> int:
     elif events is not None and not events.is_file():
         raise UserError(f"--events {events}: no such file")
     step_s, gpus, tiers, restart = measure(args.metrics, events)
+    if "memory" in tiers:
+        # Its recoveries restored from either tier, and the events do not say which yet.
+        restart = Figure(None)
     inputs = Inputs(step_s=_given(args.step_time_s, step_s), gpus=_given(args.gpus, gpus),
                     storage=_tier(tiers, "storage", restart, args, ""),
                     memory=_tier(tiers, "memory", Figure(None), args, "t0_"))

@@ -102,6 +102,11 @@ def _records(path: Path, cls) -> list:
     return out
 
 
+def read_events(path: Path) -> list[EventRecord]:
+    """The event records of a JSON-lines file (events.jsonl); bad lines are named, skipped."""
+    return _records(path, EventRecord)
+
+
 def _skipped(why: str) -> None:
     print(f"lazarus report: skipped {why}", file=sys.stderr)
 
