@@ -222,7 +222,7 @@ def build(rows: list[dict], events: list[EventRecord], ckpts: list[CheckpointRec
     events, ckpts = last_run(events, ckpts)
     story = Story(rows=[r for r in rows if is_step(r)], events=events, checkpoints=ckpts,
                   incidents=incidents(events), title=title, stalls=stall_records(rows))
-    place(story.incidents, rows)
+    place(story.incidents, story.rows)
     return story
 
 

@@ -150,3 +150,22 @@ def test_goodput_with_tier_0_lines(tmp_path, capsys):
     t0 = ettr.expected_ettr(step_s=0.1, tiers=[storage, memory], restore_from=memory,
                             restart_s=3, mtbf_s=mtbf)
     assert re.search(rf"^ETTR +{t1.ettr:.2%} +{t0.ettr:.2%}$", out, re.MULTILINE)
+
+
+def test_checkpoint_lines_do_not_move_the_faults_in_the_report(tmp_path):
+    # An async save's line comes steps after the step it names: step 10's after step 13,
+    # just before the crash that restores step 10. The fault stays after step 13.
+    write_run(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["step"] == 13) + 1
+    late = json.dumps(CheckpointStall(step=10, tier="storage", blocked_s=0.01,
+                                      durable_s=0.2).to_row()) + "\n"
+    metrics.write_text("".join(lines[:at] + [late] + lines[at:]))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    incidents = [re.findall(r"<td>(.*?)</td>", r)
+                 for r in re.findall(r'<tr class="incident" data-outcome="\w+">(.*?)</tr>', page)]
+    assert [c[1:5] for c in incidents] == [["worker_crash", "n1", "13", "10"],
+                                           ["node_lost", "n1", "30", "30"]]
+    assert page.count('data-segment="') == 2
