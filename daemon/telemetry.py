@@ -21,8 +21,8 @@ Only the leader emits; standbys follow the events so that a new leader can finis
 
 Metrics are read from the daemon's cached view once per loop pass (daemon.health, what
 `lazarus status` shows); instrument names and their Prometheus forms are listed in METRICS. Checkpoint stall is
-not among them: neither etcd nor the trainer's metrics record how long a save blocked the step
-loop (step_time_s stops before the save), so there is nothing honest to export yet.
+not among them: the trainer's metrics file records it (lazarus.core.stall), but nothing of it
+reaches etcd, so the daemon has nothing to export.
 
 Export: OTLP over HTTP when an endpoint is configured (a collector's base URL, e.g.
 http://collector:4318; /v1/traces and /v1/metrics are appended), and a Prometheus scrape

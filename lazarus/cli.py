@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("lazarus.trainer.export", "main", "export a checkpoint's weights as safetensors"),
     "up": ("lazarus.sim.up", "main", "run a whole local cluster (etcd, daemon, agents) with faults"),
     "report": ("lazarus.ops.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
+    "goodput": ("lazarus.ops.goodput", "main", "the expected ETTR of a run from its measured figures and a failure rate"),
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "preflight": ("lazarus.agent.preflight_cli", "main", "check this node before it takes work: GPUs, storage, clock, collectives"),

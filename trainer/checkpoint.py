@@ -41,9 +41,11 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from lazarus.core.errors import CheckpointError
+from lazarus.core.stall import CheckpointStall
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +367,14 @@ def _mesh_of(model: torch.nn.Module) -> dict | None:
     return {"dims": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)}
 
 
+@dataclass(slots=True)
+class _Timing:
+    step: int
+    started: float  # time.perf_counter() when save() was called
+    blocked_s: float = 0.0
+    durable_s: float | None = None  # set on rank 0 once the manifest is durable
+
+
 class Checkpointer:
     """Saves checkpoints under `root`, asynchronously, at most one in flight.
 
@@ -392,6 +403,7 @@ class Checkpointer:
         self._world = dist.get_world_size() if self._distributed else 1
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazarus-ckpt")
         self._inflight: Future | None = None
+        self._timings: list[tuple[_Timing, Future]] = []
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -411,8 +423,15 @@ class Checkpointer:
         (from the background thread) whether this process may still commit; `on_commit(step,
         path)` is then called there, on rank 0 only, once the manifest is durable. If the
         storage refused the save, `on_fail(step, why)` is called there instead, after the
-        directory is removed.
+        directory is removed. What the save cost the caller's loop is in `stalls()`.
         """
+        timing = _Timing(step=step, started=time.perf_counter())
+
+        def committed(at_step: int, path: Path) -> None:
+            timing.durable_s = time.perf_counter() - timing.started
+            if on_commit is not None:
+                on_commit(at_step, path)
+
         self.wait()
         extra_json = json.dumps(extra)  # fail now, in the caller, if it is not JSON-able
         directory = checkpoint_dir(self.root, step)
@@ -444,10 +463,23 @@ class Checkpointer:
                 written.set_exception(e)  # judged in _finish, like an async failure
         commit = {"step": step, "extra": json.loads(extra_json), "world_size": self._world,
                   "mesh": _mesh_of(model)}
-        self._inflight = self._executor.submit(self._finish, directory, written, rng, commit,
-                                               commit_gate, on_commit, on_fail, refused)
+        future = self._inflight = self._executor.submit(self._finish, directory, written, rng,
+                                                        commit, commit_gate, committed, on_fail,
+                                                        refused)
         if not async_save:
             self.wait()
+        timing.blocked_s = time.perf_counter() - timing.started
+        self._timings.append((timing, future))
+
+    def stalls(self) -> list[CheckpointStall]:
+        """The stall records (tier "storage") of the saves finished since the last call, oldest
+        first. `durable_s` is known on rank 0 only (it commits); elsewhere it is None."""
+        done, pending = [], []
+        for timing, future in self._timings:
+            (done if future.done() else pending).append((timing, future))
+        self._timings = pending
+        return [CheckpointStall(step=t.step, tier="storage", blocked_s=t.blocked_s,
+                                durable_s=t.durable_s, ranks=self._world) for t, _ in done]
 
     def _finish(self, directory: Path, written: Future, rng: dict, commit: dict,
                 commit_gate: Callable[[int], bool] | None,

@@ -13,6 +13,9 @@ A step whose batch the guard rejects (trainer/guard.py) updates nothing; its met
                "window": [88, 95]}}       # data cursors of the rejected batch (inclusive)
 
 `window` is what a rollback puts in `skip_windows` to leave that data out for good.
+
+A step's `step_time_s` ends before its checkpoint; what each save held the loop, and how long
+until it was durable, is a line of its own (`"kind": "checkpoint"`, lazarus.core.stall).
 """
 
 from __future__ import annotations
@@ -252,9 +255,12 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
                                   # a full or read-only disk costs this checkpoint, not the run
                                   on_fail=session.checkpoint_failed)
+            if checkpointer is not None:
+                _log_stalls(metrics, checkpointer)
     finally:
         if checkpointer is not None:
             checkpointer.close()
+            _log_stalls(metrics, checkpointer)
         if metrics is not None:
             metrics.close()
 
@@ -278,6 +284,13 @@ def _log(metrics, row: dict) -> None:
     if metrics is not None:
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
+
+
+def _log_stalls(metrics, checkpointer: ckpt.Checkpointer) -> None:
+    # A save's line goes out once the save has finished (an async one: some steps later),
+    # when its durable_s is known; lazarus.core.stall has the shape.
+    for stall in checkpointer.stalls():
+        _log(metrics, stall.to_row())
 
 
 def _checkpoint_now(session: Session, step: int, cfg: TrainConfig, device: torch.device) -> bool:

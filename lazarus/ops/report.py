@@ -3,9 +3,10 @@
     lazarus report WORKDIR_OR_METRICS [--events FILE | --etcd HOST:PORT [--history DIR]]
                    [--out report.html] [--png report.png]
 
-The loss curve by step, with faults, recoveries, skipped batches and checkpoints marked, and a
-table of incidents. Inputs: the trainer's metrics (JSON lines: step, loss, ..., `skipped` on a
-batch the guard rejected), the run's events (JSON lines of EventRecord, as `lazarus up` leaves
+The loss curve by step, with faults, recoveries, skipped batches and checkpoints marked, a
+table of incidents and one of what checkpoints cost (stall per tier). Inputs: the trainer's
+metrics (JSON lines: step, loss, ..., `skipped` on a batch the guard rejected; and one line per
+checkpoint, lazarus.core.stall), the run's events (JSON lines of EventRecord, as `lazarus up` leaves
 in events.jsonl, or read from etcd) and its checkpoint records (checkpoints.jsonl beside the
 events file, or etcd). What the daemon's retention moved out of etcd is in its history files
 (lazarus.daemon.history): --history DIR (the daemon's --data-dir) adds them to etcd's.
@@ -32,6 +33,8 @@ from lazarus.core import settings
 from lazarus.core.errors import UserError
 from lazarus.core.records import (DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError,
                                   load_json, number)
+from lazarus.core.stall import KIND as STALL_KIND
+from lazarus.core.stall import CheckpointStall, StallError, by_tier, is_step
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
@@ -66,6 +69,7 @@ class Story:
     checkpoints: list[CheckpointRecord]
     incidents: list[Incident] = field(default_factory=list)
     title: str = "Lazarus run"
+    stalls: list[CheckpointStall] = field(default_factory=list)
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -96,6 +100,11 @@ def _records(path: Path, cls) -> list:
             except RecordError as e:
                 _skipped(str(e))
     return out
+
+
+def read_events(path: Path) -> list[EventRecord]:
+    """The event records of a JSON-lines file (events.jsonl); bad lines are named, skipped."""
+    return _records(path, EventRecord)
 
 
 def _skipped(why: str) -> None:
@@ -195,12 +204,25 @@ def place(incs: list[Incident], rows: list[dict]) -> None:
         inc.fault_step, inc.resume_step, at = trained[i - 1], want, i + 1
 
 
+def stall_records(rows: list[dict]) -> list[CheckpointStall]:
+    """The checkpoint stall lines among a metrics file's rows; a bad one is named and
+    skipped."""
+    out = []
+    for row in rows:
+        if row.get("kind") == STALL_KIND:
+            try:
+                out.append(CheckpointStall.from_row(row))
+            except StallError as e:
+                _skipped(f"checkpoint line of step {row['step']}: {e}")
+    return out
+
+
 def build(rows: list[dict], events: list[EventRecord], ckpts: list[CheckpointRecord],
           title: str) -> Story:
     events, ckpts = last_run(events, ckpts)
-    story = Story(rows=rows, events=events, checkpoints=ckpts, incidents=incidents(events),
-                  title=title)
-    place(story.incidents, rows)
+    story = Story(rows=[r for r in rows if is_step(r)], events=events, checkpoints=ckpts,
+                  incidents=incidents(events), title=title, stalls=stall_records(rows))
+    place(story.incidents, story.rows)
     return story
 
 
@@ -377,6 +399,34 @@ def alerts_table(story: Story) -> str:
     return "".join(out)
 
 
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:,.0f} ms"
+
+
+def stall_table(story: Story) -> str:
+    """Per tier: how long saves held the training loop (blocked) and how long until they were
+    committed (durable), and the blocked total as a share of the run's step time."""
+    step_total = sum(r["step_time_s"] for r in story.rows
+                     if not r.get("skipped") and _finite(r.get("step_time_s")))
+    out = ['<table id="checkpoint-stall"><thead><tr><th>tier</th><th>checkpoints</th>'
+           '<th>blocked median</th><th>blocked max</th><th>durable median</th>'
+           '<th>durable max</th><th>stall, % of step time</th></tr></thead><tbody>']
+    tiers = by_tier(story.stalls)
+    for t in tiers.values():
+        count = str(t.count) + ("" if t.committed == t.count
+                                else f" ({t.count - t.committed} never durable)")
+        share = f"{t.blocked_total_s / step_total:.1%}" if step_total > 0 else "–"
+        cells = [f"{t.tier} (tier {0 if t.tier == 'memory' else 1})", count,
+                 _ms(t.blocked_median_s), _ms(t.blocked_max_s), _ms(t.durable_median_s),
+                 _ms(t.durable_max_s), share]
+        out.append(f'<tr class="stall" data-tier="{html.escape(t.tier)}">'
+                   + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not tiers:
+        out.append('<tr><td colspan="7">no checkpoint stall lines in the metrics</td></tr>')
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
 def render(story: Story) -> str:
     table = ["<table id=\"incidents\"><thead><tr><th>#</th><th>kind</th><th>culprit</th>"
              "<th>after step</th><th>restored step</th><th>detected after</th>"
@@ -420,6 +470,9 @@ th {{ background: #f3f3f3; }}
 {chart(story)}
 <h2 style="font-size:16px;margin:18px 0 0">Incidents</h2>
 {"".join(table)}
+<h2 style="font-size:16px;margin:18px 0 0">Checkpoint stall (blocked: the training loop waited;
+durable: until committed)</h2>
+{stall_table(story)}
 <h2 style="font-size:16px;margin:18px 0 0">Alerts (stragglers, degraded GPUs, disks, planned swaps)</h2>
 {alerts_table(story)}
 </body></html>

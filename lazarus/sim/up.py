@@ -27,12 +27,14 @@ from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
+from lazarus.core.stall import is_step
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
 
 
 class MetricsTail:
-    """Follows the rank-0 metrics file; remembers when each step line was first seen."""
+    """Follows the rank-0 metrics file; remembers when each step line was first seen (the
+    checkpoint lines among them are left out)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -57,6 +59,8 @@ class MetricsTail:
                 rec = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(rec, dict) or not is_step(rec):
+                continue  # a checkpoint's stall line: the report reads those
             out.append(rec)
             self.seen.append((now, rec))
             self.latest = rec

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from lazarus.core.stall import is_step
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer
@@ -66,7 +67,7 @@ def lazarus_tokens_per_s(tmp_path, model_name: str, nproc: int, seq_len: int, gl
                     "--global-batch", str(global_batch), "--metrics", str(metrics)],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    timeout=1800)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if is_step(r)][WARMUP:]
     return sum(r["tokens"] for r in rows) / sum(r["step_time_s"] for r in rows)
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from lazarus.core.stall import is_step
 from lazarus.sim.localcluster import LocalCluster
 from lazarus.sim.trainer_faults import worker_env
 
@@ -18,7 +19,8 @@ def losses(metrics: Path) -> dict[int, float]:
     out = {}
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
+        if is_step(rec):
+            out[rec["step"]] = rec["loss"]
     return out
 
 

@@ -14,6 +14,7 @@ import signal
 import psutil
 import pytest
 
+from lazarus.core.stall import is_step
 from lazarus.core import jobspec
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim.localcluster import LocalCluster
@@ -40,7 +41,8 @@ def _start(cluster: LocalCluster, *, spares: int, steps: int, metrics) -> None:
 
 def _last_step(metrics) -> int:
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
+    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
+    return steps[-1] if steps else 0
 
 
 def _alive(pid: int) -> bool:

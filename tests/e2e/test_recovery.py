@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from lazarus.core.stall import is_step
 from lazarus.core import jobspec
 from lazarus.sim.localcluster import LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
@@ -87,7 +88,8 @@ def _last_step(metrics) -> int:
     if not metrics.exists():
         return 0
     lines = metrics.read_text().splitlines()
-    return json.loads(lines[-1])["step"] if lines else 0
+    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
+    return steps[-1] if steps else 0
 
 
 def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):

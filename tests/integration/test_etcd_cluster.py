@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.core.stall import is_step
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd
@@ -46,7 +47,8 @@ def start(cluster: LocalCluster, server, *, steps: int, metrics: Path) -> None:
 
 def last_step(metrics: Path) -> int:
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
+    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
+    return steps[-1] if steps else 0
 
 
 def wait_steps(metrics: Path, at_least: int, *, timeout: float, what: str) -> None:
@@ -71,7 +73,7 @@ def assert_untouched(cluster: LocalCluster, final, steps: int, metrics: Path) ->
     assert (final.round, final.restarts) == (1, 0), final
     kinds = [e.kind for e in cluster.new_events()]
     assert "fault_detected" not in kinds, kinds
-    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    rows = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if is_step(r)]
     assert rows == list(range(1, steps + 1))
 
 

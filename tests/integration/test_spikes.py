@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.core.stall import is_step
 from lazarus.core.exitcodes import INJECTED_FAULT
 from lazarus.sim.trainer_faults import DIVERGE_STEPS, worker_env
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
@@ -69,7 +70,7 @@ def train_ok(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def rows(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if is_step(r)]
 
 
 def by_step(rows_: list[dict]) -> dict[int, tuple[float, float]]:

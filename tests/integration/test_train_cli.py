@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.core.stall import is_step
 from lazarus.core.exitcodes import INJECTED_FAULT
 from lazarus.sim.trainer_faults import worker_env
 from lazarus.trainer.launch import job_from_args
@@ -43,7 +44,7 @@ def train_ok(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def losses(metrics: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if is_step(r)]
     assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s"} for r in rows)
     return {r["step"]: r["loss"] for r in rows}
 
