@@ -367,6 +367,9 @@ class RoundRecord(_Record):
     restore: str | None = None
     restore_step: int = 0
     train: dict = field(default_factory=dict)
+    # Restore from memory (tier 0) instead of `restore`: {"step": the step, "sources":
+    # {global rank: node that holds its copy}} (lazarus.daemon.tier0).
+    tier0: dict | None = None
 
     def ranks_of(self, node: str) -> list[int]:
         i = self.members.index(node)
@@ -400,6 +403,7 @@ class NodeRecord(_Record):
     started_at: float = 0.0
     gpu_backend: str = "none"
     lease_ttl_s: int = LEASE_TTL_S  # how long this node's death takes to show as a lost lease
+    replica_port: int = 0           # where its agent takes tier-0 copies (0: it takes none)
 
     def __post_init__(self):
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):
@@ -434,6 +438,9 @@ class NodeStatus(_Record):
     # Why a rank refused the job (exitcodes.REFUSED: e.g. another job's checkpoints in its
     # dir); the run fails with it.
     refused: str = ""
+    # The tier-0 copies the node holds (lazarus.agent.tier0.Tier0Store.holdings): {"job",
+    # "world", "ranks": {global rank: [steps]}, "bytes", "limit"}; its memory use, reported.
+    tier0: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:
