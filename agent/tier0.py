@@ -96,8 +96,8 @@ class Tier0Store:
                 break
             total -= c.size
             self._drop(c)
-            log.warning("tier-0 memory limit (%d MiB) reached: dropped rank %d step %d",
-                        self.limit_bytes >> 20, c.rank, c.step)
+            log.warning("tier-0 memory limit (%.1f MiB) reached: dropped rank %d step %d",
+                        self.limit_bytes / (1 << 20), c.rank, c.step)
 
     def _drop(self, c: Copy) -> None:
         self._copies.pop((c.job, c.rank, c.step), None)

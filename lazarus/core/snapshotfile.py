@@ -1,12 +1,14 @@
 """The file of one tier-0 snapshot: one rank's shard at one step, as it sits in host memory
 and travels to a peer node (docs/architecture.md, "Checkpoints").
 
-    MAGIC (6 bytes) | header length (4 bytes, big-endian) | header (JSON) | body
-    body = zstd(safetensors of the rank's tensors)
+    MAGIC (6 bytes) | header length (4 bytes, big-endian) | header (JSON) | body | digest
+    body   = zstd(safetensors of the rank's tensors)
+    digest = sha256 of everything before it (32 bytes)
 
 The header says whose shard it is (job, round, rank, world size, mesh, step), carries what is
 not a tensor (the data position and schedule as `extra`, the RNG state, the optimizer's
-scalar settings) and the body's size and sha256. Nothing in it is a pickle: the header is
+scalar settings) and the body's size; the digest covers header and body alike, so any byte
+changed anywhere is caught. Nothing in it is a pickle: the header is
 JSON, the tensors are safetensors. Reading is total: `read_header` and `unpack` return what
 they promise or raise SnapshotError naming what is wrong, whatever the bytes.
 
@@ -31,7 +33,8 @@ MAX_HEADER_BYTES = 16 << 20
 _LEN = 4
 # Fields every header has, with their types; a reader may rely on them.
 _FIELDS = {"format": int, "job": str, "round": int, "rank": int, "world_size": int,
-           "step": int, "body_bytes": int, "body_sha256": str, "raw_bytes": int}
+           "step": int, "body_bytes": int, "raw_bytes": int}
+_DIGEST = hashlib.sha256().digest_size
 
 
 class SnapshotError(CheckpointError):
@@ -43,10 +46,10 @@ def pack(header: dict, raw: bytes, *, level: int = 1) -> bytes:
     whatever the trainer adds) and `raw`, the safetensors bytes, zstd-compressed. Level 1:
     the fastest, since the point of this tier is a cheap save."""
     body = zstandard.ZstdCompressor(level=level).compress(raw)
-    head = {**header, "format": FORMAT_VERSION, "body_bytes": len(body),
-            "body_sha256": hashlib.sha256(body).hexdigest(), "raw_bytes": len(raw)}
+    head = {**header, "format": FORMAT_VERSION, "body_bytes": len(body), "raw_bytes": len(raw)}
     text = json.dumps(head, sort_keys=True, allow_nan=False).encode()
-    return MAGIC + len(text).to_bytes(_LEN, "big") + text + body
+    out = MAGIC + len(text).to_bytes(_LEN, "big") + text + body
+    return out + hashlib.sha256(out).digest()
 
 
 def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
@@ -73,27 +76,25 @@ def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
     if header["format"] != FORMAT_VERSION:
         raise SnapshotError(f"{what}: format {header['format']}, this reader knows "
                             f"{FORMAT_VERSION}")
-    if start + size + header["body_bytes"] != len(view):
-        raise SnapshotError(f"{what} has {len(view) - start - size} body bytes, its header "
-                            f"says {header['body_bytes']}: cut short or garbled")
+    if start + size + header["body_bytes"] + _DIGEST != len(view):
+        raise SnapshotError(f"{what} has {len(view) - start - size - _DIGEST} body bytes, its "
+                            f"header says {header['body_bytes']}: cut short or garbled")
     header["_body_at"] = start + size
     return header
 
 
 def verify(data: bytes | memoryview, what: str = "snapshot") -> dict:
-    """The header, once the body's checksum holds."""
-    header = read_header(data, what)
-    body = memoryview(data)[header["_body_at"]:]
-    if hashlib.sha256(body).hexdigest() != header["body_sha256"]:
-        raise SnapshotError(f"{what} (rank {header['rank']}, step {header['step']}) fails its "
-                            "sha256 checksum: corrupted")
-    return header
+    """The header, once the file's checksum holds."""
+    view = memoryview(data)
+    if len(view) < _DIGEST or hashlib.sha256(view[:-_DIGEST]).digest() != bytes(view[-_DIGEST:]):
+        raise SnapshotError(f"{what} fails its sha256 checksum: corrupted or cut short")
+    return read_header(data, what)
 
 
 def unpack(data: bytes | memoryview, what: str = "snapshot") -> tuple[dict, bytes]:
     """(header, safetensors bytes) of a snapshot file, checksum verified."""
     header = verify(data, what)
-    body = memoryview(data)[header["_body_at"]:]
+    body = memoryview(data)[header["_body_at"]:-_DIGEST]
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header["raw_bytes"])
     except zstandard.ZstdError as e:
