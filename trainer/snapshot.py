@@ -210,8 +210,10 @@ class Snapshotter:
         if inflight is not None:
             try:
                 inflight.result()
-            except OSError as e:  # a full /dev/shm costs this snapshot, not the run
-                print(f"tier-0 snapshot not written: {e}", flush=True)
+            except (OSError, ValueError) as e:
+                # A full /dev/shm, a value JSON cannot hold: this snapshot is lost, and the
+                # restore point stays the one before; training goes on.
+                print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
 
     def close(self) -> None:
         try:
