@@ -87,8 +87,12 @@ class Tier0:
         self.node = node
         self.key = options.key
         self.lookup = lookup
-        options.directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes)
+        try:
+            options.directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes)
+        except OSError as e:
+            raise UserError(f"--tier0-dir {options.directory}: {e.strerror or e} (give a "
+                            "writable directory in host memory, or --tier0 off)") from None
         self.server = (replica.ReplicaServer(host, key=self.key, accept=self._accept,
                                              find=self._find, max_bytes=options.limit_bytes)
                        if self.key is not None else None)
