@@ -50,10 +50,11 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
     assert (lost["kind"], lost["detected_as"], lost["culprit"]) == ("kill-node", "node_lost", "n1")
     for r in (crash, lost):
         assert r["recovered_after_s"] is not None and r["recovered_after_s"] > 0
-        # from memory (tier 0), at most one step redone: the crash from the node's own copy,
-        # the lost node's ranks from the copy its peer n0 held, fetched by the spare
+        # from memory (tier 0), a step or two redone (the copy sent to the peer may lag the
+        # rank by one): the crash from each node's own copies, the lost node's ranks from the
+        # copies its peer n0 held, fetched by the spare
         assert r["restored_from_tier"] == 0, r
-        assert r["restored_step"] >= r["fault_step"] - 1, r
+        assert r["restored_step"] >= r["fault_step"] - 2, r
     # the spare was promoted: the run finished on n0 + n2
     events = (tmp_path / "up" / "daemon-0.log").read_text() + (
         tmp_path / "up" / "daemon-1.log").read_text()
