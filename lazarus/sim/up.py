@@ -419,12 +419,16 @@ def print_summary(summary: dict) -> None:
     print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
           f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
     if summary["recoveries"]:
-        print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  culprit")
+        print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  "
+              f"{'culprit':<8} restored")
         for r in summary["recoveries"]:
             det = "-" if r["detected_after_s"] is None else f"{r['detected_after_s']:.2f} s"
             rec = "-" if r["recovered_after_s"] is None else f"{r['recovered_after_s']:.2f} s"
+            tier = r.get("restored_from_tier")
+            restored = ("-" if tier is None else
+                        f"step {r['restored_step']} from {'memory' if tier == 0 else 'storage'}")
             print(f"{r['kind']:<12} {r['fault_step'] or '-':>7} {str(r['target']):<16} "
-                  f"{det:>9} {rec:>10}  {r['culprit'] or '-'}")
+                  f"{det:>9} {rec:>10}  {r['culprit'] or '-':<8} {restored}")
 
 
 def main(argv: list[str]) -> int:
