@@ -150,7 +150,7 @@ class Snapshotter:
     """
 
     def __init__(self, directory: Path, *, every: int, header: dict,
-                 on_written: Callable[[int, str, dict], None], first_step: int):
+                 on_written: Callable[[int, str], None], first_step: int):
         self.directory = Path(directory)
         self.every = every
         self.header = header
@@ -203,7 +203,7 @@ class Snapshotter:
         tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, final)
-        self.on_written(step, str(final), {"bytes": len(data), "raw_bytes": len(data)})
+        self.on_written(step, str(final))
 
     def wait(self) -> None:
         inflight, self._inflight = self._inflight, None

@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         Path(snapshot_dir), every=ck.memory_every, first_step=step,
         header={"job": job_id, "round": round_, "rank": rank,
                 "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
-        on_written=lambda s, path, _: session.snapshot_written(s, path))
+        on_written=session.snapshot_written)
         if snapshot_dir is not None and ck.memory_every >= 0 and session.connected else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
