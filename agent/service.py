@@ -46,6 +46,7 @@ from lazarus.agent import preflight as pre
 from lazarus.agent import frozen
 from lazarus.agent.stacks import capture, dumpable
 from lazarus.agent.workers import Workers
+from lazarus.agent.tier0_agent import Tier0, Tier0Options, add_tier0_args, tier0_options
 
 log = logging.getLogger("lazarus.agent")
 
@@ -88,7 +89,8 @@ class Agent:
                  gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
                  host_limits: dict | None = None, monitors: bool = True,
                  status_period_s: float = STATUS_PERIOD_S,
-                 preflight_every_s: float | None = PREFLIGHT_EVERY_S):
+                 preflight_every_s: float | None = PREFLIGHT_EVERY_S,
+                 tier0: Tier0Options | None = None):
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -128,6 +130,8 @@ class Agent:
             self._adopt(left)
         # Listening before the store's slow import: adopted ranks reconnect at once.
         self.channel = Channel(sock, on_message=self._on_message, admit=self._admits)
+        if tier0 is not None:
+            self.tier0 = Tier0(node=node, host=host, options=tier0, lookup=self._node_record)
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -200,6 +204,7 @@ class Agent:
         self._next_reconcile = 0.0
         self.preflight: pre.Runner | None = None
         self.peer_tests: coll.PeerTests | None = None
+        self.tier0: Tier0 | None = None     # in-memory snapshots (lazarus.agent.tier0_agent)
 
     # -- registration ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -221,7 +226,8 @@ class Agent:
         rec = NodeRecord(node=self.node, host=self.host, nproc=self.nproc, role=self.role,
                          store_port=self.store.port, pid=os.getpid(), started_at=time.time(),
                          gpu_backend=self.health.backend_name, lease_ttl_s=self.lease_ttl_s,
-                         preflight=self.preflight is not None)
+                         preflight=self.preflight is not None,
+                         replica_port=self.tier0.port if self.tier0 is not None else 0)
         try:
             self.etcd.put(self.keys.node_key(self.node), rec.to_json(), lease=self.session.lease)
         except E.LeaseLost:
@@ -282,6 +288,10 @@ class Agent:
         if kind == "checkpoint_failed":
             self._report_checkpoint_failure(msg)
             return None
+        if kind == "snapshot":
+            if self.tier0 is not None and msg.get("round") == self._group_round():
+                self.tier0.taken(self._job_id, msg)
+            return None
         if kind == "refused":
             with self._lock:
                 if msg.get("round") == self._group_round():
@@ -325,6 +335,11 @@ class Agent:
     def _local_ranks(self) -> list[int]:
         g = self.workers.group
         return list(g.ranks.values()) if g is not None else []
+
+    def _node_record(self, node: str) -> NodeRecord | None:
+        """A node's registration as etcd has it now (where its agent takes tier-0 copies)."""
+        kv = self.etcd.get(self.keys.node_key(node))
+        return self._readable(NodeRecord, kv) if kv is not None else None
 
     def _round_is_current(self, round_: object) -> bool:
         """Fencing: a linearizable compare in etcd, not our possibly stale view."""
@@ -444,6 +459,9 @@ class Agent:
                          f"run is {status.state if status else 'gone'}")
                 self.workers.stop()
                 self._save_left()
+        if self.tier0 is not None and rec is not None and status is not None \
+                and rec.round == status.round:
+            self.tier0.round_seen(rec)
         if mine and (self.workers.group is None or self.workers.group.round != rec.round):
             self._launch(rec)
         # Refill at once, even while a round starts: the next fault may come any second, and
@@ -452,12 +470,17 @@ class Agent:
 
     def _launch(self, rec: RoundRecord) -> None:
         ranks = rec.ranks_of(self.node)
+        snapshots = (self.tier0.prepare(rec, ranks) if self.tier0 is not None
+                     else dict.fromkeys(ranks))
         assignments = {
             local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
                                     round=rec.round, store_host=rec.store_host,
                                     store_port=rec.store_port, train=rec.train,
                                     restore=rec.restore, report_socket=self.channel.path,
-                                    job_id=rec.job_id)
+                                    job_id=rec.job_id, snapshot=snapshots[rank],
+                                    restore_step=rec.restore_step,
+                                    snapshot_dir=str(self.tier0.store.incoming)
+                                    if self.tier0 is not None else None)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -474,7 +497,9 @@ class Agent:
         self.workers.launch(rec.round, assignments)
         self._save_left()
         log.info("round %d: started ranks %s%s", rec.round, ranks,
-                 f", restoring step {rec.restore_step}" if rec.restore else "")
+                 f", restoring step {rec.restore_step}" + (" from memory (tier 0)" if rec.tier0
+                                                           else "")
+                 if rec.restore or rec.tier0 else "")
 
     def _check_hang(self, now: float) -> None:
         """A hang is reported with the stacks of every local rank taken before anything is
@@ -558,7 +583,9 @@ class Agent:
             window=st.get("window") or [],
             health=self.health.poll() if self.monitors else {}, hang=self._hang,
             throughput=throughput, long_phase=long_phase, refused=refused,
-            preflight=dict(self.preflight.result) if self.preflight is not None else {})
+            preflight=dict(self.preflight.result) if self.preflight is not None else {},
+            tier0=self.tier0.holdings(self._job_id, self._world_size)
+            if self.tier0 is not None else {})
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)
@@ -682,6 +709,8 @@ class Agent:
         self.workers.shutdown(leave_ranks=leave)
         self.health.close()
         self.channel.close()
+        if self.tier0 is not None:
+            self.tier0.close()
         if not leave:
             forget(self._left_path)
         if self.session is not None:
@@ -793,6 +822,7 @@ def main(argv: list[str]) -> int:
                         "(`lazarus preflight`); 0: only at start (default %(default)s)")
     p.add_argument("--preflight", choices=("on", "off"), default="on",
                    help="'off': no preflight checks, and the daemon does not wait for them")
+    add_tier0_args(p)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -821,7 +851,8 @@ def main(argv: list[str]) -> int:
                                          long_floor_s=args.long_phase_floor),
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period,
-                  preflight_every_s=args.preflight_every if args.preflight == "on" else None)
+                  preflight_every_s=args.preflight_every if args.preflight == "on" else None,
+                  tier0=tier0_options(args, Path(args.workdir)))
     try:
         agent.run(stop)
     finally:

@@ -240,6 +240,7 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict
         if ns.throughput:
             node.health.add(monitor="throughput", state="degraded" if name in slow else "healthy",
                             reasons=[slow[name]] if name in slow else [])
+        _tier0(node, ns.tier0)
         if isinstance(ns.hang, dict) and ns.round == (view.status.round if view.status else -1):
             node.health.add(monitor="hang", state="failed",
                             reasons=[str(ns.hang.get("reason", ""))[:500]])
@@ -253,6 +254,19 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict
                         reasons=[why or ("checks under way" if checked == "running"
                                          else f"{checked} in {cost:.1f} s")])
     return node
+
+
+def _tier0(node: pb.Node, held) -> None:
+    """The node's tier-0 report (NodeStatus.tier0), where it has the shape agents write."""
+    if not isinstance(held, dict):
+        return
+    steps = [s for v in (held.get("ranks") or {}).values() if isinstance(v, list) for s in v
+             if isinstance(s, int) and not isinstance(s, bool)] \
+        if isinstance(held.get("ranks"), dict) else []
+    for field, value in (("tier0_bytes", held.get("bytes")), ("tier0_limit_bytes", held.get("limit")),
+                         ("tier0_step", max(steps, default=0))):
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+            setattr(node, field, value)
 
 
 def list_checkpoints(view: ClusterView, *, limit: int) -> list[pb.Checkpoint]:

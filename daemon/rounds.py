@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from lazarus.core.jobspec import JobSpec
-from lazarus.core.records import (MAX_ROUND, RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord,
+from lazarus.core.records import (MAX_ROUND, RECOVERING, RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord,
                                   RoundRecord, RunStatus)
 from lazarus.daemon import preflight
+from lazarus.daemon import tier0
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.view import ClusterView
 
@@ -56,29 +57,59 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                 members: list[str], reason: str, *, restarts: int,
                 restore=_LATEST) -> Decision:
     """`restore`: the checkpoint to resume from (a CheckpointRecord or None for a fresh start);
-    by default the newest good one of this job."""
+    by default the newest step every shard has, in memory (tier 0) or on storage (tier 1)."""
     n = max(st.round, view.last_round) + 1
     if n >= MAX_ROUND:  # what we wrote, we could not read back
         return Decision([], f"no round after round {n - 1}, the last a key can number: "
                             "delete the round records that are not the run's")
     first = view.nodes[members[0]]
+    world = job.world_size(len(members))
     ckpt = restore_point(view, job.id) if restore is _LATEST else restore
-    train = round_train_config(job, st, len(members), ckpt.step if ckpt else 0)
+    memory = None
+    if restore is _LATEST:
+        waiting = _stale_holdings(now, view, st)
+        if waiting:
+            return Decision([], f"round {n}: waiting up to {tier0.FRESH_WAIT_S:.0f} s for "
+                                f"{', '.join(waiting)} to report their in-memory copies")
+        memory = tier0.choose(
+            tier0=tier0.newest_in_memory(
+                {node: s.tier0 for node, s in view.node_status.items() if node in view.nodes},
+                job_id=job.id, world_size=world, members=members, nproc=job.nproc_per_node),
+            tier1_step=ckpt.step if ckpt else None, tier0_failed=tier0.failed_before(st.incident))
+    step = memory.step if memory else ckpt.step if ckpt else 0
+    train = round_train_config(job, st, len(members), step)
     record = RoundRecord(
         round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
-        world_size=job.world_size(len(members)), dp=job.dp_for(len(members)), tp=job.tp,
+        world_size=world, dp=job.dp_for(len(members)), tp=job.tp,
         store_host=first.host, store_port=first.store_port,
-        restore=ckpt.path if ckpt else None, restore_step=ckpt.step if ckpt else 0,
-        train=train)
+        restore=ckpt.path if ckpt and not memory else None, restore_step=step,
+        train=train, tier0=memory.to_record() if memory else None)
     status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
-                                 reason=reason, restarts=restarts, restore=record.restore,
+                                 reason=reason, restarts=restarts,
+                                 restore=memory.label if memory else record.restore,
                                  restore_step=record.restore_step)
+    where = ("from memory (tier 0)" if memory else "from storage (tier 1)") if step else ""
     msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size} "
            f"(dp {record.dp} x tp {record.tp}), "
-           + (f"restoring step {ckpt.step}" if ckpt else "from scratch") + f" -- {reason}")
+           + (f"restoring step {step} {where}" if step else "from scratch") + f" -- {reason}")
+    fields = {"members": members, "restore_step": record.restore_step}
+    if step:
+        fields["restore_tier"] = 0 if memory else 1
     return Decision([StartRound(record), SetStatus(status),
-                     Emit("round_started", msg, {"members": members, "restore_step":
-                                                 record.restore_step})], msg)
+                     Emit("round_started", msg, fields)], msg)
+
+
+def _stale_holdings(now: float, view: ClusterView, st: RunStatus) -> list[str]:
+    """Members of a failed round whose in-memory copies are known only from before the fault
+    (their agents report within a second of it); waited for at most tier0.FRESH_WAIT_S."""
+    inc = st.incident
+    if st.state != RECOVERING or not isinstance(inc, dict) or now - st.since >= tier0.FRESH_WAIT_S:
+        return []
+    fault_at = inc.get("fault_at")
+    if isinstance(fault_at, bool) or not isinstance(fault_at, (int, float)):
+        return []
+    return tier0.stale({n: (s.updated_at, bool(s.tier0)) for n, s in view.node_status.items()
+                        if n in st.members and n in view.nodes}, float(fault_at))
 
 
 def free_spares(view: ClusterView, job: JobSpec, st: RunStatus) -> list[str]:

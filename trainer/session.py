@@ -250,6 +250,11 @@ class Session:
         was committed and training goes on; the agent publishes it as an event."""
         self._send({"type": "checkpoint_failed", "step": int(step), "error": str(error)[:500]})
 
+    def snapshot_written(self, step: int, path: str) -> None:
+        """A tier-0 snapshot of this rank at `step` is in `path` (lazarus.trainer.snapshot):
+        the agent owns the file from now on and replicates it to its peer node."""
+        self._send({"type": "snapshot", "step": int(step), "path": str(path)})
+
     def refused(self, reason: str) -> None:
         """This rank will not run the job as configured (lazarus.core.exitcodes.REFUSED):
         the agent publishes why, and the daemon fails the run with it."""

@@ -33,6 +33,7 @@ from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.guard import Guard
 from lazarus.trainer.hooks import PhaseHooks, StepContext
@@ -117,11 +118,13 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 
 
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
-          hooks: PhaseHooks | None = None, job_id: str = "") -> None:
-    """Train to cfg.steps. `restore` is a committed checkpoint to continue from; `hooks` are
-    called at every phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints
-    this run writes (lazarus.trainer.checkpoint.claim). JobRefused when the checkpoint dir is
-    another job's."""
+          hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
+          snapshot_dir: str | None = None, round_: int = 0) -> None:
+    """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
+    tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
+    phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
+    (lazarus.trainer.checkpoint.claim). `snapshot_dir`: where tier-0 snapshots go (the
+    agent's; None: no tier 0). JobRefused when the checkpoint dir is another job's."""
     rank = dist.get_rank()
     kind = device_type()
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
@@ -143,8 +146,13 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     step = 0
     extra: dict = {}
     guard = Guard(cfg.guard)
-    if restore is not None:
+    if snapshot is not None:
+        extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
+                              world_size=dist.get_world_size(), what=snapshot)["extra"]
+        restore = f"memory (tier 0) {snapshot}"
+    elif restore is not None:
         extra = ckpt.load_checkpoint(Path(restore), model, optimizer)
+    if restore is not None:
         step = int(extra["step"])
         loader.load_state_dict(extra["loader"])
         if "guard" in extra:  # checkpoints written before the guard existed have none
@@ -187,6 +195,12 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good,
                                       job_id=job_id)
                     if ck.dir is not None else None)
+    snapshots = (tier0.Snapshotter(
+        Path(snapshot_dir), every=ck.memory_every, first_step=step,
+        header={"job": job_id, "round": round_, "rank": rank,
+                "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
+        on_written=session.snapshot_written)
+        if snapshot_dir is not None and ck.memory_every >= 0 and session.connected else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
     clock = ComputeClock(device)
@@ -243,14 +257,21 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                           flush=True)
 
             judged[0] = step
+
+            def resumable() -> dict:  # what a restore needs besides the tensors
+                return {"step": step, "loader": loader.state_dict(),
+                        "schedule": _fields(schedule), "global_batch": data.global_batch,
+                        "guard": guard.state_dict(),
+                        **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
+                                         "last": lr_scaled[1]}} if lr_scaled else {})}
+
+            if snapshots is not None:
+                snapshots.observe_step(result.step_time_s)
+                if snapshots.due(step):
+                    snapshots.take(step, model, optimizer, resumable())
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 enter("checkpoint")
-                checkpointer.save(step, model, optimizer,
-                                  {"step": step, "loader": loader.state_dict(),
-                                   "schedule": _fields(schedule), "global_batch": data.global_batch,
-                                   "guard": guard.state_dict(),
-                                   **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
-                                                    "last": lr_scaled[1]}} if lr_scaled else {})},
+                checkpointer.save(step, model, optimizer, resumable(),
                                   async_save=ck.async_save, commit_gate=session.may_commit,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
                                   # a full or read-only disk costs this checkpoint, not the run
@@ -258,6 +279,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             if checkpointer is not None:
                 _log_stalls(metrics, checkpointer)
     finally:
+        if snapshots is not None:
+            snapshots.close()
         if checkpointer is not None:
             checkpointer.close()
             _log_stalls(metrics, checkpointer)

@@ -78,6 +78,12 @@ class WorkerAssignment:
     restore: str | None = None   # committed checkpoint to resume from
     report_socket: str | None = None  # the local agent's unix socket; None: no agent
     job_id: str = ""             # whose checkpoints this rank writes (and may delete)
+    # Tier 0 (docs/architecture.md, "Checkpoints"): the directory in host memory where this
+    # rank leaves its snapshots for the agent (None: no tier 0), and the snapshot file of
+    # this rank to restore from instead of `restore` (the round restores from memory).
+    snapshot_dir: str | None = None
+    snapshot: str | None = None
+    restore_step: int = 0        # the step the round restores, whichever tier holds it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

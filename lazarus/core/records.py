@@ -367,6 +367,9 @@ class RoundRecord(_Record):
     restore: str | None = None
     restore_step: int = 0
     train: dict = field(default_factory=dict)
+    # Restore from memory (tier 0) instead of `restore`: {"step": the step, "sources":
+    # {global rank: node that holds its copy}} (lazarus.daemon.tier0).
+    tier0: dict | None = None
 
     def ranks_of(self, node: str) -> list[int]:
         i = self.members.index(node)
@@ -403,6 +406,7 @@ class NodeRecord(_Record):
     # The agent runs preflight checks (lazarus.agent.preflight): the node takes no work
     # before its status says they passed.
     preflight: bool = False
+    replica_port: int = 0           # where its agent takes tier-0 copies (0: it takes none)
 
     def __post_init__(self):
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):
@@ -440,6 +444,9 @@ class NodeStatus(_Record):
     # The last preflight (lazarus.agent.preflight.summary): {"state": passed | failed,
     # "at": wall time, "cost_s", "reason": why it failed}; {} before the first is done.
     preflight: dict = field(default_factory=dict)
+    # The tier-0 copies the node holds (lazarus.agent.tier0.Tier0Store.holdings): {"job",
+    # "world", "ranks": {global rank: [steps]}, "bytes", "limit"}; its memory use, reported.
+    tier0: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -139,16 +139,20 @@ class CheckpointConfig:
     """dir: where checkpoints go (None: none are taken). every: a save every N steps (0: only
     at the end). resume: "latest" (the newest committed in dir) or a checkpoint path.
     good_after_steps: retention keeps the newest checkpoint with no skipped step in this many
-    steps after it."""
+    steps after it. memory_every: a tier-0 snapshot into host memory every N steps, under a
+    node agent (lazarus.trainer.snapshot); 0: as often as its stall stays under 1% of the
+    step time; -1: none."""
     dir: str | None = None
     every: int = 0
     keep_last: int = 3
     async_save: bool = True
     resume: str | None = None
     good_after_steps: int = 10
+    memory_every: int = 0
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.every", self.every, 0)
+        _at_least("checkpoint.memory_every", self.memory_every, -1)
         _at_least("checkpoint.keep_last", self.keep_last, 1)
         _at_least("checkpoint.good_after_steps", self.good_after_steps, 0)
         if self.resume == "latest" and self.dir is None:

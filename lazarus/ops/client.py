@@ -268,7 +268,8 @@ def render_nodes(nodes: list[pb.Node]) -> None:
     for col, just in (("NODE", "left"), ("ROLE", "left"), ("STATE", "left"),
                       ("RANKS", "left"), ("STEP", "right"), ("STEP/S", "right"),
                       ("TOK/S", "right"), ("LOSS", "right"), ("HEALTH", "left"),
-                      ("REPORTED", "right"), ("LEASE", "right"), ("HOST", "left")):
+                      ("MEMORY", "right"), ("REPORTED", "right"), ("LEASE", "right"),
+                      ("HOST", "left")):
         t.add_column(col, justify=just, no_wrap=True)
     for n in nodes:
         ranks = ",".join(map(str, n.ranks)) or "-"
@@ -279,6 +280,8 @@ def render_nodes(nodes: list[pb.Node]) -> None:
         t.add_row(n.node, n.role or "-", n.state + flags, ranks, str(n.step),
                   f"{n.step_rate:.2f}", f"{n.tokens_per_s:,.0f}", f"{n.loss:.4f}",
                   "; ".join(sick) or ("ok" if n.health else "-"),
+                  (f"{n.tier0_bytes / 2**20:,.1f}/{n.tier0_limit_bytes / 2**20:,.0f} MiB"
+                   if n.tier0_limit_bytes else "-"),
                   f"{_ago(n.last_report_age_s)} ago" if n.last_report_age_s >= 0 else "-",
                   f"{n.lease_ttl_s} s" if n.registered else "expired", n.host or "-")
     _console().print(t)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from lazarus.agent import tier0_agent
 from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
@@ -102,6 +104,11 @@ class LocalCluster:
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.token)
+        # The key the agents share to send tier-0 snapshots to each other.
+        self.replica_key_file = workdir / "replica-key"
+        fd = os.open(self.replica_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
 
     @property
     def endpoint(self) -> str:
@@ -155,6 +162,7 @@ class LocalCluster:
                             str(nproc), "--role", role, "--workdir", str(self.workdir / "nodes"),
                             "--host", place.host,
                             "--gpu-backend", "sim",
+                            "--replica-key-file", str(self.replica_key_file),
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level, "--status-period", str(LOCAL_STATUS_PERIOD_S),
                             *self.agent_args],
@@ -311,6 +319,9 @@ class LocalCluster:
                 proc.popen.wait()
         for node in self.agents:  # ranks a stopped agent left running for its successor
             self._kill_ranks(node)
+            # the host memory a killed agent's snapshots held
+            shutil.rmtree(tier0_agent.default_dir(self.workdir / "nodes", node),
+                          ignore_errors=True)
         if self.etcd is not None:
             self.etcd.close()
             self.etcd = None

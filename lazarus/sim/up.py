@@ -85,6 +85,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="a tier-0 snapshot in host memory every N steps; 0: as often as its "
+                        "stall stays under 1%% of the step time; -1: none")
     p.add_argument("--chaos", default=None,
                    help=f"fault schedule, e.g. {DEMO_CHAOS!r}; 'none' for no faults "
                         f"(default: the demo's {DEMO_CHAOS!r})")
@@ -127,7 +130,8 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                      "parallelism": {"tp": args.tp},
                      "optimizer": {"warmup_steps": min(10, args.steps)},
                      "data": {"global_batch": args.global_batch, "seq_len": args.seq_len},
-                     "checkpoint": {"dir": str(workdir / "checkpoints"), "every": args.ckpt_every},
+                     "checkpoint": {"dir": str(workdir / "checkpoints"), "every": args.ckpt_every,
+                                    "memory_every": args.memory_every},
                      # a short demo run: let the spike guard judge from step 8 on
                      "guard": {"min_history": 8}}}
     if args.policy:
@@ -284,6 +288,10 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_as"] = det.fields.get("kind", det.kind)
                 restart = None if f.kind == "disk-full" else next(  # the run goes on
                     (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
+                if restart is not None and "restore_tier" in restart.fields:
+                    # which tier the round restored from, and its step (lazarus.daemon.tier0)
+                    rec["restored_from_tier"] = restart.fields["restore_tier"]
+                    rec["restored_step"] = restart.fields.get("restore_step")
                 nxt = tail.first_step_after(restart.time) if restart is not None else None
                 if nxt is not None:
                     rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
@@ -415,12 +423,16 @@ def print_summary(summary: dict) -> None:
     print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
           f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
     if summary["recoveries"]:
-        print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  culprit")
+        print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  "
+              f"{'culprit':<8} restored")
         for r in summary["recoveries"]:
             det = "-" if r["detected_after_s"] is None else f"{r['detected_after_s']:.2f} s"
             rec = "-" if r["recovered_after_s"] is None else f"{r['recovered_after_s']:.2f} s"
+            tier = r.get("restored_from_tier")
+            restored = ("-" if tier is None else
+                        f"step {r['restored_step']} from {'memory' if tier == 0 else 'storage'}")
             print(f"{r['kind']:<12} {r['fault_step'] or '-':>7} {str(r['target']):<16} "
-                  f"{det:>9} {rec:>10}  {r['culprit'] or '-'}")
+                  f"{det:>9} {rec:>10}  {r['culprit'] or '-':<8} {restored}")
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """Disk full end to end: the checkpoint dir's filesystem (a small tmpfs in the private mount
 namespace `lazarus up` makes for it) fills up mid-run. The hosts are alerted, training goes on
-without checkpoints, a worker crash meanwhile restores the newest checkpoint committed before
-the disk filled, checkpoints resume once the space is back, and the loss curve stays on the
-uninterrupted reference bit for bit (same mesh throughout)."""
+without checkpoints, a worker crash meanwhile restores from memory (tier 0), newer than
+anything committed before the disk filled, checkpoints resume once the space is back, and the
+loss curve stays on the uninterrupted reference bit for bit (same mesh throughout)."""
 
 from __future__ import annotations
 
@@ -59,12 +59,14 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     for c in ckpts:
         if fill["time"] < c.committed_at < free["time"]:
             assert c.round == 1 and c.step <= fill["injected_at_step"], c
-    # ... the crash restored the newest checkpoint, one committed before the disk filled, ...
+    # ... the crash restored from memory (tier 0), newer than the newest checkpoint on the
+    # full disk, one committed before it filled, ...
     newest = max((c for c in ckpts if c.committed_at < kill["time"]),
                  key=lambda c: c.committed_at)
     assert 4 <= newest.step <= fill["injected_at_step"]
     (restart,) = [e for e in events if e.kind == "round_started" and e.time > kill["time"]]
-    assert restart.fields["restore_step"] == newest.step
+    assert restart.fields["restore_tier"] == 0, restart.message
+    assert restart.fields["restore_step"] > newest.step
     # ... and checkpoints were committed again once the space was back.
     cleared = [e for e in events if e.kind == "host_alert_cleared"]
     assert {e.fields["node"] for e in cleared if e.time > free["time"]} == {"n0", "n1"}

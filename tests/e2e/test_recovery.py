@@ -20,6 +20,17 @@ from tests.e2e.helpers import losses, reference, train_table, wait_for
 
 pytestmark = pytest.mark.e2e
 
+_REFERENCES: dict[int, dict[int, float]] = {}
+
+
+def reference_36(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run the 36-step tests compare with: one run for all of them."""
+    if 36 not in _REFERENCES:
+        _REFERENCES[36] = reference(tmp_path_factory.mktemp("ref"), train_table(36), nproc=2,
+                                    dp=2, tp=1)
+    return _REFERENCES[36]
+
+
 def run_up(tmp_path, *argv):
     args = up._parse(["--workdir", str(tmp_path / "up"), "--quiet", "--seq-len", "64",
                       "--global-batch", "8", "--ckpt-every", "4", *argv])
@@ -27,10 +38,11 @@ def run_up(tmp_path, *argv):
     return summary, losses(tmp_path / "up" / "metrics.jsonl")
 
 
-def test_worker_crash_and_node_loss_recover_bit_exact(tmp_path):
+def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_path_factory):
     steps = 36
+    # A snapshot in memory every step: newer than any checkpoint on storage (every 4).
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "1", "--steps", str(steps),
-                          "--chaos", "kill-worker@8:n1,kill-node@20:n1")
+                          "--memory-every", "1", "--chaos", "kill-worker@8:n1,kill-node@18:n1")
     assert summary["final_state"] == "SUCCEEDED", summary
     assert summary["steps_completed"] == steps
     crash, lost = summary["recoveries"]
@@ -39,17 +51,23 @@ def test_worker_crash_and_node_loss_recover_bit_exact(tmp_path):
     assert (lost["kind"], lost["detected_as"], lost["culprit"]) == ("kill-node", "node_lost", "n1")
     for r in (crash, lost):
         assert r["recovered_after_s"] is not None and r["recovered_after_s"] > 0
+        # from memory (tier 0), a step or two redone (the copy sent to the peer may lag the
+        # rank by one): the crash from each node's own copies, the lost node's ranks from the
+        # copies its peer n0 held, fetched by the spare
+        assert r["restored_from_tier"] == 0, r
+        assert r["restored_step"] >= r["fault_step"] - 2, r
     # the spare was promoted: the run finished on n0 + n2
     events = (tmp_path / "up" / "daemon-0.log").read_text() + (
         tmp_path / "up" / "daemon-1.log").read_text()
     assert "promote n2" in events
+    assert "rank 1 step" in (tmp_path / "up" / "agent-n2.log").read_text()  # fetched from n0
 
-    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
+    ref = reference_36(tmp_path_factory)
     assert sorted(got) == list(range(1, steps + 1))
     assert got == ref  # bit for bit: same mesh, resumed from checkpoints
 
 
-def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path):
+def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path, tmp_path_factory):
     steps = 36
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "0", "--min-nodes", "1",
                           "--steps", str(steps), "--chaos", "kill-node@10:n1,revive-node@16:n1")
@@ -60,7 +78,7 @@ def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path):
         tmp_path / "up" / "daemon-1.log").read_text()
     assert "shrink to 1 of 2" in log
     assert "grow to 2 node(s) at checkpoint step" in log and "(n1 joins)" in log
-    ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
+    ref = reference_36(tmp_path_factory)
     assert sorted(got) == list(range(1, steps + 1))
     resumed = lost["resumed_at_step"]
     for step in range(1, resumed):
@@ -71,13 +89,14 @@ def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path):
         assert got[step] == pytest.approx(ref[step], abs=2e-3), step
 
 
-def _start(cluster: LocalCluster, *, nodes: int, spares: int, steps: int, metrics) -> None:
+def _start(cluster: LocalCluster, *, nodes: int, spares: int, steps: int, metrics,
+           **checkpoint) -> None:
     cluster.start_etcd()
     cluster.start_daemon()
     cluster.start_daemon()
     for i in range(nodes + spares):
         cluster.start_agent(f"n{i}", nproc=1, role=ROLE_ACTIVE if i < nodes else ROLE_SPARE)
-    train = train_table(steps, checkpoint={"dir": str(cluster.workdir / "ckpt")})
+    train = train_table(steps, checkpoint={"dir": str(cluster.workdir / "ckpt"), **checkpoint})
     job = jobspec.from_dict({"job": {"name": "e2e", "nodes": nodes, "min_nodes": 1,
                                      "nproc_per_node": 1, "rendezvous_timeout_s": 120},
                              "train": {**train, "metrics": str(metrics)}}, source="test")
@@ -143,3 +162,30 @@ def test_etcd_away_30s_evicts_nobody_and_training_goes_on(tmp_path):
     assert final.state == "SUCCEEDED", final.reason
     assert final.round == before.round and final.restarts == 0, final
     assert "fault_detected" not in events
+
+
+def test_a_copy_lost_with_its_peer_restores_from_storage(tmp_path, tmp_path_factory):
+    """Both nodes of a two-node ring lost at once: each one's copies went with the other, so
+    the spares restore the newest checkpoint on storage (tier 1), and the losses still match."""
+    steps = 36
+    metrics = tmp_path / "metrics.jsonl"
+    with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
+        _start(cluster, nodes=2, spares=2, steps=steps, metrics=metrics, memory_every=1)
+        wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
+                 and _last_step(metrics) >= 10, timeout=180, what="the run to reach step 10")
+        held = cluster.state().node_status["n0"].tier0
+        cluster.kill_node("n0")
+        cluster.kill_node("n1")
+        final = wait_for(cluster, lambda st: st.status and st.status.state in
+                         ("SUCCEEDED", "FAILED") and st.status, timeout=240,
+                         what="the run to finish")
+        rounds = [e for e in cluster.new_events() if e.kind == "round_started"]
+    assert final.state == "SUCCEEDED", final.reason
+    # n0 held its own rank's copies and its peer's; the memory it used was reported
+    assert set(held["ranks"]) == {"0", "1"} and 0 < held["bytes"] <= held["limit"], held
+    recovery = rounds[-1]
+    assert recovery.fields["members"] == ["n2", "n3"]
+    assert recovery.fields["restore_tier"] == 1, recovery.message
+    assert "from storage (tier 1)" in recovery.message
+    assert recovery.fields["restore_step"] % 4 == 0  # a checkpoint's step
+    assert losses(metrics) == reference_36(tmp_path_factory)

@@ -74,7 +74,8 @@ def test_nodes_table_has_one_row_per_node_with_its_columns(capsys):
     client.render_nodes([
         pb.Node(node="n0", role="active", state="running", ranks=[0, 1], step=12,
                 step_rate=2.0, tokens_per_s=900, loss=2.0, last_report_age_s=0.4,
-                lease_ttl_s=5, registered=True, host="h0",
+                lease_ttl_s=5, registered=True, host="h0", tier0_bytes=3 << 19,
+                tier0_limit_bytes=4096 << 20, tier0_step=12,
                 health=[pb.MonitorVerdict(monitor="gpu", state="degraded",
                                           reasons=["gpu0: ECC rising"])]),
         pb.Node(node="n1", state="lost", ranks=[2, 3], last_report_age_s=-1),
@@ -82,9 +83,11 @@ def test_nodes_table_has_one_row_per_node_with_its_columns(capsys):
                 registered=True, lease_ttl_s=5, last_report_age_s=3)])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["NODE", "ROLE", "STATE", "RANKS", "STEP", "STEP/S", "TOK/S", "LOSS",
-                       "HEALTH", "REPORTED", "LEASE", "HOST"]
+                       "HEALTH", "MEMORY", "REPORTED", "LEASE", "HOST"]
+    # MEMORY: what its tier-0 snapshots take of the bound
     assert rows[1] == ["n0", "active", "running", "0,1", "12", "2.00", "900", "2.0000", "gpu",
-                       "degraded:", "gpu0:", "ECC", "rising", "0", "s", "ago", "5", "s", "h0"]
+                       "degraded:", "gpu0:", "ECC", "rising", "1.5/4,096", "MiB", "0", "s", "ago",
+                       "5", "s", "h0"]
     assert rows[2][:4] == ["n1", "-", "lost", "2,3"] and "expired" in rows[2]
     assert rows[3][:4] == ["n2", "spare", "spare", "(draining)"]
 

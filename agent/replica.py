@@ -1,0 +1,190 @@
+"""Tier-0 snapshots between agents: each agent sends its ranks' snapshots to the next member
+of the round (a ring), and hands a copy it holds to the agent that restores that rank.
+
+One request per TCP connection, one answer:
+
+    request  = header length (4 bytes) | header (JSON) | sealed(payload)
+    header   = {"op": "put" | "get", "job", "rank", "step", "from" (node), "time"}
+    answer   = the same framing: {"ok", "error"} and, to a get, the snapshot file
+
+Every payload (empty for a get's request and for a refusal) is sealed with HMAC-SHA256 under
+the key the job's agents share, over its header (lazarus.core.sealed), so neither side takes a
+shard, nor a request for one, from anyone without the key; a header more than MAX_SKEW_S off
+this clock is refused, which bounds replays. A received shard must also be a snapshot of the
+rank and step its header names, with a body that passes its checksum (lazarus.core.
+snapshotfile).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lazarus.core import sealed, snapshotfile
+from lazarus.core.snapshotfile import SnapshotError
+
+log = logging.getLogger(__name__)
+
+MAX_SKEW_S = 120.0
+MAX_HEADER = 64 << 10
+TIMEOUT_S = 30.0
+
+
+class ReplicaError(OSError):
+    """A transfer that did not happen: unreachable peer, refused, forged or garbled."""
+
+
+def _send(sock: socket.socket, key: bytes, header: dict, payload: bytes = b"") -> None:
+    head = json.dumps(header, sort_keys=True).encode()
+    body = sealed.seal(key, head, payload)
+    sock.sendall(len(head).to_bytes(4, "big") + head + len(body).to_bytes(8, "big"))
+    sock.sendall(body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ReplicaError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket, key: bytes, *, max_payload: int) -> tuple[dict, bytes]:
+    size = int.from_bytes(_recv_exact(sock, 4), "big")
+    if size > MAX_HEADER:
+        raise ReplicaError(f"a header of {size} bytes: not a replica message")
+    head = _recv_exact(sock, size)
+    length = int.from_bytes(_recv_exact(sock, 8), "big")
+    if length > max_payload + len(sealed.MAGIC) + sealed.TAG_BYTES:
+        raise ReplicaError(f"a payload of {length} bytes, more than the {max_payload} allowed")
+    try:
+        payload = sealed.unseal(key, head, _recv_exact(sock, length))
+        header = json.loads(head)
+    except sealed.Forged as e:
+        raise ReplicaError(f"refused an unauthenticated message: {e}") from None
+    except ValueError as e:
+        raise ReplicaError(f"a header that is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ReplicaError("a header that is not a JSON object")
+    return header, payload
+
+
+def _fresh(header: dict) -> None:
+    at = header.get("time")
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or abs(time.time() - at) > MAX_SKEW_S:
+        raise ReplicaError(f"a message dated {at!r}, more than {MAX_SKEW_S:.0f} s off this clock")
+
+
+def _address(header: dict) -> tuple[str, int, int]:
+    job, rank, step = header.get("job"), header.get("rank"), header.get("step")
+    if not isinstance(job, str) or isinstance(rank, bool) or not isinstance(rank, int) \
+            or isinstance(step, bool) or not isinstance(step, int):
+        raise ReplicaError(f"a request without job, rank and step: {str(header)[:120]}")
+    return job, rank, step
+
+
+class ReplicaServer:
+    """Serves puts into and gets from this agent's store. `accept(job, rank, step, data,
+    round)` stores a verified copy (ReplicaError: refused); `find(job, rank, step)` is the path of one, or None.
+    `max_bytes`: the largest snapshot taken (the store's limit)."""
+
+    def __init__(self, host: str, *, key: bytes,
+                 accept: Callable[[str, int, int, bytes, int], None],
+                 find: Callable[[str, int, int], Path | None], max_bytes: int):
+        self.key, self.accept, self.find, self.max_bytes = key, accept, find, max_bytes
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.settimeout(TIMEOUT_S)
+                try:
+                    server._serve(self.request)
+                except (OSError, ValueError) as e:
+                    log.warning("tier-0 transfer from %s refused: %s", self.client_address[0], e)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self._tcp = socketserver.ThreadingTCPServer((host, 0), Handler)
+        self._tcp.daemon_threads = True
+        self.port = self._tcp.server_address[1]
+        threading.Thread(target=self._tcp.serve_forever, daemon=True,
+                         name="tier0-server").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        header, payload = _recv(sock, self.key, max_payload=self.max_bytes)
+        _fresh(header)
+        job, rank, step = _address(header)
+        if header.get("op") == "put":
+            try:
+                got = snapshotfile.verify(payload, f"the replica of rank {rank} step {step}")
+            except SnapshotError as e:
+                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
+                raise ReplicaError(str(e)) from None
+            if (got["job"], got["rank"], got["step"]) != (job, rank, step):
+                raise ReplicaError(f"a snapshot of rank {got['rank']} step {got['step']} sent "
+                                   f"as rank {rank} step {step}")
+            round_ = header.get("round")
+            if isinstance(round_, bool) or not isinstance(round_, int):
+                raise ReplicaError("a copy without its round")
+            try:
+                self.accept(job, rank, step, payload, round_)
+            except ReplicaError as e:
+                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
+                raise
+            _send(sock, self.key, {"ok": True, "time": time.time()})
+        elif header.get("op") == "get":
+            path = self.find(job, rank, step)
+            if path is None:
+                _send(sock, self.key, {"ok": False, "time": time.time(),
+                                       "error": f"no copy of rank {rank} step {step} here"})
+                return
+            _send(sock, self.key, {"ok": True, "time": time.time(), "job": job, "rank": rank,
+                                   "step": step}, path.read_bytes())
+        else:
+            raise ReplicaError(f"unknown op {header.get('op')!r}")
+
+    def close(self) -> None:
+        self._tcp.shutdown()
+        self._tcp.server_close()
+
+
+def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
+             max_bytes: int) -> tuple[dict, bytes]:
+    try:
+        with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
+            _send(sock, key, {**header, "time": time.time()}, payload)
+            answer, data = _recv(sock, key, max_payload=max_bytes)
+    except OSError as e:
+        raise ReplicaError(f"{host}:{port}: {e}") from None
+    _fresh(answer)
+    if answer.get("ok") is not True:
+        raise ReplicaError(f"{host}:{port} refused: {str(answer.get('error'))[:300]}")
+    return answer, data
+
+
+def push(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
+         data: bytes, round_: int) -> None:
+    """Send a snapshot file, taken in round `round_`, to the agent at host:port (ReplicaError
+    if it did not take it)."""
+    _request(host, port, key, {"op": "put", "from": node, "job": job, "rank": rank,
+                               "step": step, "round": round_}, data, max_bytes=0)
+
+
+def fetch(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
+          max_bytes: int) -> bytes:
+    """A snapshot file from the agent at host:port, checked to be the one asked for."""
+    answer, data = _request(host, port, key, {"op": "get", "from": node, "job": job,
+                                              "rank": rank, "step": step}, b"",
+                            max_bytes=max_bytes)
+    got = snapshotfile.verify(data, f"rank {rank} step {step} from {host}:{port}")
+    if (got["job"], got["rank"], got["step"]) != (job, rank, step):
+        raise ReplicaError(f"{host}:{port} sent rank {got['rank']} step {got['step']} for "
+                           f"rank {rank} step {step}")
+    return data

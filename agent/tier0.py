@@ -1,0 +1,138 @@
+"""The agent's tier-0 store: snapshot files of its own ranks and of its ring predecessor's,
+in host memory (a tmpfs such as /dev/shm), bounded in bytes (docs/architecture.md,
+"Checkpoints").
+
+A rank writes its snapshot file into `incoming/` and tells the agent; `add_local` takes the
+file over (a rename), so it outlives the rank. Copies received from the peer node
+(lazarus.agent.replica) go into `replica/`. Per rank the store keeps the `keep` newest steps
+plus the steps its last node status named (`pin`): what the daemon may choose to restore
+from stays here until a newer status replaced that promise. Past `limit_bytes` the oldest
+copies go first, promised or not: the bound is hard, and a restore that misses a copy falls
+back to storage (tier 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    job: str
+    rank: int
+    step: int
+    path: Path
+    size: int
+    local: bool   # this node's own rank's; else a replica of the peer's
+
+
+def _name(job: str, rank: int, step: int) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)[:64]}-r{rank:05d}-s{step:010d}.t0"
+
+
+class Tier0Store:
+    def __init__(self, root: Path, *, limit_bytes: int, keep: int = 2):
+        self.root = Path(root)
+        self.limit_bytes = limit_bytes
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[str, int, int], Copy] = {}
+        self._pinned: set[tuple[str, int, int]] = set()
+        for sub in ("incoming", "local", "replica"):
+            # Leftovers of an earlier agent of this node: of no known job now.
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+            (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+
+    @property
+    def incoming(self) -> Path:
+        return self.root / "incoming"
+
+    def add_local(self, job: str, rank: int, step: int, path: Path) -> Copy | None:
+        """Take over a rank's snapshot file (it must be in `incoming/`)."""
+        path = Path(path)
+        if path.parent != self.incoming or not path.is_file():
+            log.warning("ignoring tier-0 snapshot %s: not a file in %s", path, self.incoming)
+            return None
+        dest = self.root / "local" / _name(job, rank, step)
+        os.replace(path, dest)
+        return self._add(Copy(job, rank, step, dest, dest.stat().st_size, True))
+
+    def add_replica(self, job: str, rank: int, step: int, data: bytes) -> Copy:
+        dest = self.root / "replica" / _name(job, rank, step)
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        return self._add(Copy(job, rank, step, dest, len(data), False))
+
+    def _add(self, copy: Copy) -> Copy:
+        with self._lock:
+            old = self._copies.pop((copy.job, copy.rank, copy.step), None)
+            if old is not None and old.path != copy.path:
+                old.path.unlink(missing_ok=True)
+            self._copies[(copy.job, copy.rank, copy.step)] = copy
+            self._evict(copy.job, copy.rank)
+        return copy
+
+    def _evict(self, job: str, rank: int) -> None:
+        """(lock held)"""
+        mine = sorted((c for c in self._copies.values() if (c.job, c.rank) == (job, rank)),
+                      key=lambda c: c.step, reverse=True)
+        for c in mine[self.keep:]:
+            if (c.job, c.rank, c.step) not in self._pinned:
+                self._drop(c)
+        by_age = sorted(self._copies.values(), key=lambda c: c.step)
+        total = sum(c.size for c in by_age)
+        for c in by_age:
+            if total <= self.limit_bytes:
+                break
+            total -= c.size
+            self._drop(c)
+            log.warning("tier-0 memory limit (%.1f MiB) reached: dropped rank %d step %d",
+                        self.limit_bytes / (1 << 20), c.rank, c.step)
+
+    def _drop(self, c: Copy) -> None:
+        self._copies.pop((c.job, c.rank, c.step), None)
+        self._pinned.discard((c.job, c.rank, c.step))
+        c.path.unlink(missing_ok=True)
+
+    def path(self, job: str, rank: int, step: int) -> Path | None:
+        with self._lock:
+            c = self._copies.get((job, rank, step))
+        return c.path if c is not None and c.path.is_file() else None
+
+    def forget(self, *, job: str, after_step: int | None = None) -> None:
+        """Drop every copy of another job, and this job's copies newer than `after_step` (a
+        round that restores an older step starts a new timeline from it)."""
+        with self._lock:
+            for c in list(self._copies.values()):
+                if c.job != job or (after_step is not None and c.step > after_step):
+                    self._drop(c)
+
+    def holdings(self, job: str, world_size: int) -> dict:
+        """What the node status says of this store: {"job", "world", "ranks": {rank: steps},
+        "bytes", "limit"}; the newest `keep` steps per rank, which are pinned from now on."""
+        with self._lock:
+            ranks: dict[str, list[int]] = {}
+            for c in sorted(self._copies.values(), key=lambda c: -c.step):
+                if c.job == job and len(ranks.setdefault(str(c.rank), [])) < self.keep:
+                    ranks[str(c.rank)].append(c.step)
+            self._pinned = {(job, int(r), s) for r, steps in ranks.items() for s in steps}
+            used = sum(c.size for c in self._copies.values())
+        return {"job": job, "world": world_size, "ranks": ranks, "bytes": used,
+                "limit": self.limit_bytes}
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(c.size for c in self._copies.values())
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,105 @@
+"""The file of one tier-0 snapshot: one rank's shard at one step, as it sits in host memory
+and travels to a peer node (docs/architecture.md, "Checkpoints").
+
+    MAGIC (6 bytes) | header length (4 bytes, big-endian) | header (JSON) | body | digest
+    body   = zstd(safetensors of the rank's tensors)
+    digest = sha256 of everything before it (32 bytes)
+
+The header says whose shard it is (job, round, rank, world size, mesh, step), carries what is
+not a tensor (the data position and schedule as `extra`, the RNG state, the optimizer's
+scalar settings) and the body's size; the digest covers header and body alike, so any byte
+changed anywhere is caught. Nothing in it is a pickle: the header is
+JSON, the tensors are safetensors. Reading is total: `read_header` and `unpack` return what
+they promise or raise SnapshotError naming what is wrong, whatever the bytes.
+
+This module knows no torch: the agent reads headers and checks bodies with it, the trainer
+(lazarus.trainer.snapshot) puts tensors in and takes them out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import zstandard
+
+from lazarus.core.errors import CheckpointError
+
+MAGIC = b"LZT0\x00\x01"
+FORMAT_VERSION = 1
+# A header holds a data position, an RNG state and a few hundred scalars: kilobytes. Anything
+# near this is not ours.
+MAX_HEADER_BYTES = 16 << 20
+_LEN = 4
+# Fields every header has, with their types; a reader may rely on them.
+_FIELDS = {"format": int, "job": str, "round": int, "rank": int, "world_size": int,
+           "step": int, "body_bytes": int, "raw_bytes": int}
+_DIGEST = hashlib.sha256().digest_size
+
+
+class SnapshotError(CheckpointError):
+    """A snapshot that is not one, is cut short, or fails its checksum."""
+
+
+def pack(header: dict, raw: bytes, *, level: int = 1) -> bytes:
+    """The file of a snapshot: `header` (JSON-able: job, round, rank, world_size, step and
+    whatever the trainer adds) and `raw`, the safetensors bytes, zstd-compressed. Level 1:
+    the fastest, since the point of this tier is a cheap save."""
+    body = zstandard.ZstdCompressor(level=level).compress(raw)
+    head = {**header, "format": FORMAT_VERSION, "body_bytes": len(body), "raw_bytes": len(raw)}
+    text = json.dumps(head, sort_keys=True, allow_nan=False).encode()
+    out = MAGIC + len(text).to_bytes(_LEN, "big") + text + body
+    return out + hashlib.sha256(out).digest()
+
+
+def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
+    """The header of a snapshot file (its body is not checked: see `unpack`)."""
+    view = memoryview(data)
+    if len(view) < len(MAGIC) + _LEN or bytes(view[:len(MAGIC)]) != MAGIC:
+        raise SnapshotError(f"{what} is not a tier-0 snapshot (no {MAGIC!r} at its start)")
+    size = int.from_bytes(view[len(MAGIC):len(MAGIC) + _LEN], "big")
+    start = len(MAGIC) + _LEN
+    if size > MAX_HEADER_BYTES or start + size > len(view):
+        raise SnapshotError(f"{what} is cut short or garbled: a header of {size} bytes in a "
+                            f"file of {len(view)}")
+    try:
+        header = json.loads(bytes(view[start:start + size]))
+    except (ValueError, RecursionError) as e:
+        raise SnapshotError(f"{what}: its header is not JSON ({str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{what}: its header is not a JSON object")
+    for name, kind in _FIELDS.items():
+        value = header.get(name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise SnapshotError(f"{what}: header field {name!r} is missing or not a "
+                                f"{kind.__name__}")
+    if header["format"] != FORMAT_VERSION:
+        raise SnapshotError(f"{what}: format {header['format']}, this reader knows "
+                            f"{FORMAT_VERSION}")
+    if start + size + header["body_bytes"] + _DIGEST != len(view):
+        raise SnapshotError(f"{what} has {len(view) - start - size - _DIGEST} body bytes, its "
+                            f"header says {header['body_bytes']}: cut short or garbled")
+    header["_body_at"] = start + size
+    return header
+
+
+def verify(data: bytes | memoryview, what: str = "snapshot") -> dict:
+    """The header, once the file's checksum holds."""
+    view = memoryview(data)
+    if len(view) < _DIGEST or hashlib.sha256(view[:-_DIGEST]).digest() != bytes(view[-_DIGEST:]):
+        raise SnapshotError(f"{what} fails its sha256 checksum: corrupted or cut short")
+    return read_header(data, what)
+
+
+def unpack(data: bytes | memoryview, what: str = "snapshot") -> tuple[dict, bytes]:
+    """(header, safetensors bytes) of a snapshot file, checksum verified."""
+    header = verify(data, what)
+    body = memoryview(data)[header["_body_at"]:-_DIGEST]
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header["raw_bytes"])
+    except zstandard.ZstdError as e:
+        raise SnapshotError(f"{what}: its body does not decompress ({e})") from None
+    if len(raw) != header["raw_bytes"]:
+        raise SnapshotError(f"{what}: {len(raw)} bytes decompressed, its header says "
+                            f"{header['raw_bytes']}")
+    return header, raw

@@ -1,0 +1,222 @@
+"""Tier-0 snapshots: each rank's shard of model and optimizer, its data position and RNG, in
+host memory, taken every few steps (docs/architecture.md, "Checkpoints").
+
+A snapshot is the same state a DCP checkpoint holds (trainer/checkpoint.py) for this rank
+alone: the local shards of the model and optimizer state as `get_state_dict` gives them, the
+caller's `extra` (data position, schedule, guard) and the RNG state. Restoring one therefore
+gives the run the uninterrupted run's losses bit for bit; it needs the same mesh (the same
+world size), since a shard is only this rank's piece.
+
+The training loop pays for a copy of the shard into host memory (`Snapshotter.take`); a
+background thread encodes it (safetensors, zstd: lazarus.core.snapshotfile) into a file in
+the agent's snapshot directory and tells the agent, which owns it from then on: it outlives
+this process, and the agent sends it to its peer node.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from lazarus.core import snapshotfile
+from lazarus.core.snapshotfile import SnapshotError
+from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
+
+# The stall a snapshot may cost, as a share of the step time, when the period is automatic.
+STALL_SHARE = 0.01
+MAX_AUTO_EVERY = 1000
+
+
+def _leaves(tree, prefix: str = ""):
+    """(path, value) of every leaf of a nested dict/list state, in a fixed order."""
+    if isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from _leaves(tree[key], f"{prefix}{key}/")
+    elif isinstance(tree, (list, tuple)) and not _scalar_list(tree):
+        for i, item in enumerate(tree):
+            yield from _leaves(item, f"{prefix}{i}/")
+    else:
+        yield prefix[:-1], tree
+
+
+def _scalar_list(value) -> bool:
+    # betas=(0.9, 0.95) and a param group's list of parameter names are values, not subtrees
+    return all(isinstance(v, (int, float, str, bool)) or v is None for v in value)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+            ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Copies of this rank's tensors (local shards, in host memory) and its other values."""
+    tensors, values = {}, {}
+    for path, value in _leaves(_state(model, optimizer)):
+        if isinstance(value, torch.Tensor):
+            tensors[path] = _local(value).detach().to("cpu", copy=True).contiguous()
+        else:
+            values[path] = list(value) if isinstance(value, tuple) else value
+    return tensors, values
+
+
+def encode(tensors: dict[str, torch.Tensor], values: dict, *, header: dict) -> bytes:
+    return snapshotfile.pack({**header, "values": values}, st_save(tensors))
+
+
+def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+            rank: int, world_size: int, what: str = "snapshot") -> dict:
+    """Load a snapshot file's shard into `model` and `optimizer` and set this process's RNG;
+    returns its header (`extra` in it). SnapshotError when it is not this rank's, not of this
+    mesh, corrupt, or does not fit the model."""
+    header, raw = snapshotfile.unpack(data, what)
+    if header["rank"] != rank or header["world_size"] != world_size:
+        raise SnapshotError(f"{what} is rank {header['rank']} of {header['world_size']}, this "
+                            f"is rank {rank} of {world_size}")
+    try:
+        tensors = st_load(raw)
+    except SafetensorError as e:
+        raise SnapshotError(f"{what}: its tensors do not parse ({e})") from None
+    values = header.get("values") if isinstance(header.get("values"), dict) else {}
+    state = _state(model, optimizer)
+    leaves = list(_leaves(state))
+    want = {p for p, v in leaves if isinstance(v, torch.Tensor)}
+    if want != set(tensors) or {p for p, v in leaves if not isinstance(v, torch.Tensor)} != set(values):
+        missing = sorted((want - set(tensors)) | (set(tensors) - want))[:3]
+        raise SnapshotError(f"{what} does not fit this model and optimizer (differs at "
+                            f"{', '.join(missing) or 'the non-tensor values'})")
+    with torch.no_grad():
+        for path, value in leaves:
+            if isinstance(value, torch.Tensor):
+                local, saved = _local(value), tensors[path]
+                if local.shape != saved.shape or local.dtype != saved.dtype:
+                    raise SnapshotError(f"{what}: {path} is {tuple(saved.shape)} {saved.dtype}, "
+                                        f"the model has {tuple(local.shape)} {local.dtype}")
+                local.copy_(saved)
+            else:
+                _set_leaf(state, path, values[path], value)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    _set_rng_state(header["rng"])
+    return header
+
+
+def _set_leaf(state: dict, path: str, saved, current) -> None:
+    *parents, last = path.split("/")
+    node = state
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(current, tuple):
+        saved = tuple(saved)
+    if isinstance(node, list):
+        node[int(last)] = saved
+    else:
+        node[last if last in node else next(k for k in node if str(k) == last)] = saved
+
+
+def load_file(path: str | Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"tier-0 snapshot {path} cannot be read ({e.strerror or e})") from None
+
+
+class Snapshotter:
+    """Takes this rank's tier-0 snapshots into `directory` (the agent's; it owns each file
+    once `on_written(step, path)` has told it), at most one in flight.
+
+    `every`: steps between snapshots; 0 means automatic -- after each snapshot the ranks agree
+    (an all-reduce of the largest wish) on the smallest period whose stall stays under 1% of
+    the median step time. All ranks snapshot at the same steps: a restore needs every shard
+    of one step.
+    """
+
+    def __init__(self, directory: Path, *, every: int, header: dict,
+                 on_written: Callable[[int, str], None], first_step: int):
+        self.directory = Path(directory)
+        self.every = every
+        self.header = header
+        self.on_written = on_written
+        self._period = every or 1
+        self.next_step = first_step + self._period
+        self._step_times: list[float] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazarus-tier0")
+        self._inflight: Future | None = None
+        self.last_stall_s = 0.0
+
+    def observe_step(self, seconds: float) -> None:
+        self._step_times.append(seconds)
+        del self._step_times[:-20]
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def take(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict) -> float:
+        """Snapshot at `step` (every rank, the same step); returns the stall in seconds: the
+        wait for the previous one to be written, plus the copy into host memory."""
+        t0 = time.perf_counter()
+        self.wait()
+        tensors, values = capture(model, optimizer)
+        header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
+        stall = time.perf_counter() - t0
+        self._inflight = self._executor.submit(self._write, step, tensors, values, header)
+        self.last_stall_s = stall
+        self._plan(step, stall)
+        return stall
+
+    def _plan(self, step: int, stall: float) -> None:
+        if self.every:
+            self.next_step = step + self.every
+            return
+        typical = statistics.median(self._step_times) if self._step_times else 0.0
+        wish = (min(MAX_AUTO_EVERY, max(1, math.ceil(stall / (STALL_SHARE * typical))))
+                if typical > 0 else 1)
+        if dist.is_available() and dist.is_initialized():
+            agreed = torch.tensor(wish)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            wish = int(agreed.item())
+        self._period = wish
+        self.next_step = step + wish
+
+    def _write(self, step: int, tensors: dict, values: dict, header: dict) -> None:
+        data = encode(tensors, values, header=header)
+        final = self.directory / f"r{header['rank']:05d}-s{step:010d}.t0"
+        tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, final)
+        self.on_written(step, str(final))
+
+    def wait(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            try:
+                inflight.result()
+            except (OSError, ValueError) as e:
+                # A full /dev/shm, a value JSON cannot hold: this snapshot is lost, and the
+                # restore point stays the one before; training goes on.
+                print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
