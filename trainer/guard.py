@@ -4,25 +4,44 @@ Verdicts, checked in this order (the first that applies is the reason given):
 
 - ``nonfinite_loss`` / ``nonfinite_grad_norm``: the loss or the global gradient norm is NaN or
   infinite. Always checked, from the first step.
-- ``loss_spike`` / ``grad_norm_spike``: the value is far above the recent history of accepted
-  steps, by a robust z-score::
+- ``loss_spike``: the loss is far above where its recent trend says it should be. The trend is
+  a robust straight line (Tukey's resistant line: the slope joins the medians of the first and
+  last thirds, the intercept is the median of what is left) through the logarithms of the last
+  `window` accepted losses, extended one step. A falling loss is then the trend, not noise:
+  judged against the median of a steeply falling history, as a plain z-score does, every early
+  batch looks low and a spike hides in the spread of the fall. Two bars, either one enough:
 
-      z = (x - median) / max(1.4826 * MAD, 0.01 * |median|)      flagged when z > threshold
+  * the noise of this run: each accepted step's forecast error (its log-loss minus what the
+    trend forecast for it) is kept for the last 3 x `window` accepted steps, and::
 
-  where median and MAD (median absolute deviation from the median) are taken over the last
-  `window` accepted steps. 1.4826 * MAD estimates the standard deviation of normal noise
-  without being moved by the outliers themselves. The 1%-of-median floor keeps a nearly
-  constant history (MAD close to 0) from turning any wobble into an infinite z.
-  A gradient norm must also be at least `grad_ratio` times its median: healthy training
-  moves its gradient norm by 3-4x within a few steps (measured here on the tiny model, with
-  the loss flat), which a z-score over a quiet stretch would call a spike every step.
+        z = (e - median(errors)) / max(1.4826 * MAD(errors), 0.01)     flagged when z > threshold
+
+    where e is this step's forecast error and MAD the median absolute deviation from the
+    median (1.4826 * MAD estimates the standard deviation of normal noise without being moved
+    by the outliers themselves). Forecast errors, not the scatter around the fitted line: they
+    also carry the trend's own error where the curve bends (a loss that falls fast, then
+    flattens), which the scatter around a line hides. Subtracting their median takes out a
+    steady bias of the forecast. The 0.01 floor (1% of the loss: the values are logarithms)
+    keeps a nearly noiseless history from turning any wobble into an infinite z. A run of
+    large batches, whose loss barely moves from step to step, is guarded closely; a run of
+    tiny batches, where clean batches differ by 20-40%, is given the room it needs.
+  * a ceiling: a loss `loss_ratio` times its trend, whatever the noise. The noise is learned
+    from the run itself, and the first steps of some runs are wild (the small model's loss
+    jumps by 40% during warmup), which would put the first bars out of reach.
+- ``grad_norm_spike``: the gradient norm is at least `grad_ratio` times its own trend (the
+  same resistant line through the logarithms of the last `window` accepted gradient norms).
+  A ratio, not a z-score: healthy gradient norms jump by 3-4x now and then (measured here on
+  the tiny model), so their spread says little about how rare a jump is.
+
+tests/bench/bench_guard.py measures what these bars catch and what they wrongly skip.
 
 What the guard ignores, on purpose:
 
-- values *below* the history (a sudden drop of loss or gradient norm is not a failure): the
-  test is one-sided;
-- everything before `min_history` accepted steps: the first steps of a run have a steep,
-  noisy loss curve, so there is no statistic to trust yet (non-finite values still count);
+- values *below* the trend (a sudden drop of loss or gradient norm is not a failure): the
+  tests are one-sided;
+- everything before `min_history` accepted steps (non-finite values still count);
+- a non-positive loss or gradient norm (a loss other than a cross-entropy, a model with no
+  gradient): the trends live in logarithms, so that witness abstains;
 - skipped steps: a flagged value never enters the history, so a spike cannot raise the bar
   for the next one, and a persistent blow-up is flagged on every step until something (the
   daemon's rollback) changes the model or the data.
@@ -35,6 +54,9 @@ The guard only sees numbers that are already global (the loss averaged over the 
 group, the gradient norm of the whole model), and the trainer hands every rank rank 0's copy
 of them, so every rank holds the same history and reaches the same verdict. Its state is part
 of each checkpoint, so a resumed run judges exactly as the uninterrupted one would have.
+
+Pure Python, no torch: O(window log window) per step (a few medians of at most 3 x `window`
+values).
 """
 
 from __future__ import annotations
@@ -42,13 +64,65 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lazarus.core.trainconfig import GuardConfig
 
 # 1.4826 * MAD is the standard deviation of normally distributed values.
 MAD_TO_STD = 1.4826
-# Noise floor relative to the median: see the module docstring.
-RELATIVE_FLOOR = 0.01
+# Smallest spread of the loss's forecast errors (log space: 1% of the loss); see above.
+NOISE_FLOOR = 0.01
+# A trend needs this many points; before that there is no forecast and no forecast error.
+TREND_POINTS = 3
+# Forecast errors kept, in windows: the MAD of 20 values is itself off by a quarter now and then,
+# which at a z of 5 moves the bar by more than the noise (tests/bench/bench_guard.py).
+ERROR_WINDOWS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """One step's verdict and the numbers behind it (None where a witness had nothing to say).
+
+    loss_trend: the loss the trend expected; loss_z: how far above it, in robust standard
+    deviations of the forecast errors; grad_trend, grad_ratio: the same for the grad norm."""
+    reason: str | None
+    loss_trend: float | None = None
+    loss_z: float | None = None
+    grad_trend: float | None = None
+    grad_ratio: float | None = None
+    # log(loss) - log(loss_trend): what `observe` records when the step is accepted
+    loss_error: float | None = None
+
+
+def resistant_line(ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of Tukey's resistant line through (i, ys[i]): the slope joins the
+    medians of the first and last thirds; the intercept is the median of y - slope * x."""
+    n = len(ys)
+    third = n // 3
+    if third == 0:
+        return 0.0, statistics.median(ys)
+    left = statistics.median(ys[:third])
+    right = statistics.median(ys[n - third:])
+    # the x medians of the two thirds lie n - third steps apart
+    slope = (right - left) / (n - third)
+    return slope, statistics.median(y - slope * x for x, y in enumerate(ys))
+
+
+def forecast(values: Sequence[float]) -> float | None:
+    """The logarithm the trend of `values` expects next, or None (too few values, or one not
+    positive)."""
+    if len(values) < TREND_POINTS or min(values) <= 0:
+        return None
+    logs = [math.log(v) for v in values]
+    slope, intercept = resistant_line(logs)
+    return intercept + slope * len(logs)
+
+
+def robust_z(error: float, errors: Sequence[float]) -> float:
+    center = statistics.median(errors)
+    mad = statistics.median(abs(e - center) for e in errors)
+    return (error - center) / max(MAD_TO_STD * mad, NOISE_FLOOR)
 
 
 class Guard:
@@ -58,40 +132,65 @@ class Guard:
         self.cfg = cfg
         self._loss: deque[float] = deque(maxlen=cfg.window)
         self._grad_norm: deque[float] = deque(maxlen=cfg.window)
+        self._loss_errors: deque[float] = deque(maxlen=ERROR_WINDOWS * cfg.window)
 
     def observe(self, loss: float, grad_norm: float) -> str | None:
         """The reason to skip this step, or None: then the values join the history."""
-        reason = self.verdict(loss, grad_norm)
-        if reason is None:
+        j = self.judge(loss, grad_norm)
+        if j.reason is None:
+            if j.loss_error is not None:
+                self._loss_errors.append(j.loss_error)
             self._loss.append(loss)
             self._grad_norm.append(grad_norm)
-        return reason
+        return j.reason
 
     def verdict(self, loss: float, grad_norm: float) -> str | None:
+        return self.judge(loss, grad_norm).reason
+
+    def judge(self, loss: float, grad_norm: float) -> Judgement:
+        """The verdict on this step and why, without recording anything."""
         if not math.isfinite(loss):
-            return "nonfinite_loss"
+            return Judgement("nonfinite_loss")
         if not math.isfinite(grad_norm):
-            return "nonfinite_grad_norm"
-        if len(self._loss) < self.cfg.min_history:
-            return None
-        if _zscore(loss, self._loss) > self.cfg.threshold:
-            return "loss_spike"
-        if (_zscore(grad_norm, self._grad_norm) > self.cfg.threshold
-                and grad_norm >= self.cfg.grad_ratio * statistics.median(self._grad_norm)):
-            return "grad_norm_spike"
-        return None
+            return Judgement("nonfinite_grad_norm")
+        loss_log = forecast(self._loss) if loss > 0 else None
+        error = None if loss_log is None else math.log(loss) - loss_log
+        if len(self._loss) < self.cfg.min_history or math.isinf(self.cfg.threshold):
+            return Judgement(None, loss_error=error)
+        z = None
+        if error is not None and self._loss_errors:
+            z = robust_z(error, self._loss_errors)
+        trend = None if loss_log is None else math.exp(loss_log)
+        grad_log = forecast(self._grad_norm) if grad_norm > 0 else None
+        grad_trend = None if grad_log is None else math.exp(grad_log)
+        ratio = None if grad_trend is None else grad_norm / grad_trend
+        if ((z is not None and z > self.cfg.threshold)
+                or (trend is not None and loss >= self.cfg.loss_ratio * trend)):
+            reason = "loss_spike"
+        elif ratio is not None and ratio >= self.cfg.grad_ratio:
+            reason = "grad_norm_spike"
+        else:
+            reason = None
+        return Judgement(reason, loss_trend=trend, loss_z=z, grad_trend=grad_trend,
+                         grad_ratio=ratio, loss_error=error)
 
     def state_dict(self) -> dict:
         """JSON-able; floats survive a JSON round trip exactly."""
-        return {"loss": list(self._loss), "grad_norm": list(self._grad_norm)}
+        return {"loss": list(self._loss), "grad_norm": list(self._grad_norm),
+                "loss_errors": list(self._loss_errors)}
 
     def load_state_dict(self, state: dict) -> None:
         # A shorter window in the resumed job keeps the newest steps (deque maxlen).
         self._loss = deque(map(float, state["loss"]), maxlen=self.cfg.window)
         self._grad_norm = deque(map(float, state["grad_norm"]), maxlen=self.cfg.window)
-
-
-def _zscore(x: float, history: deque[float]) -> float:
-    median = statistics.median(history)
-    mad = statistics.median(abs(v - median) for v in history)
-    return (x - median) / max(MAD_TO_STD * mad, RELATIVE_FLOOR * abs(median))
+        if "loss_errors" in state:
+            self._loss_errors = deque(map(float, state["loss_errors"]),
+                                      maxlen=ERROR_WINDOWS * self.cfg.window)
+        else:
+            # A checkpoint of the guard before forecast errors: what the stored history can
+            # still tell, each loss against the trend of the ones before it.
+            losses = list(self._loss)
+            self._loss_errors = deque(
+                (math.log(losses[i]) - f for i in range(len(losses))
+                 if losses[i] > 0 and (f := forecast(losses[:i])) is not None),
+                maxlen=ERROR_WINDOWS * self.cfg.window)
