@@ -71,13 +71,24 @@ from lazarus.core.trainconfig import GuardConfig
 
 # 1.4826 * MAD is the standard deviation of normally distributed values.
 MAD_TO_STD = 1.4826
-# Smallest spread of the loss's forecast errors (log space: 1% of the loss); see above.
+# Smallest spread of a forecast error (log space: 1% of the value); see above.
 NOISE_FLOOR = 0.01
 # A trend needs this many points; before that there is no forecast and no forecast error.
 TREND_POINTS = 3
-# Forecast errors kept, in windows: the MAD of 20 values is itself off by a quarter now and then,
-# which at a z of 5 moves the bar by more than the noise (tests/bench/bench_guard.py).
-ERROR_WINDOWS = 3
+# Forecast errors kept, in windows: the spread of a run's noise is a slow thing, and the MAD of
+# a few dozen values is itself off by a quarter now and then, which at a z of 5 moves the bar
+# by more than the noise (tests/bench/bench_guard.py).
+ERROR_WINDOWS = 10
+# Healthy gradient norms have heavy tails (measured on the tiny model at 4 x 32 tokens a step:
+# 1 step in 1,000 is 13 robust standard deviations above its trend), so the gradient norm alone
+# must be much further out than the loss alone.
+GRAD_Z_FACTOR = 4.0
+# Two witnesses: a loss above `loss_ratio` x its trend and a gradient norm above this many
+# times its own, each beyond this share of the single-witness bar. A bad batch moves both; the
+# noise of healthy training rarely moves both far at once (their forecast errors correlate by
+# ~0.3 at that shape).
+JOINT_GRAD_RATIO = 2.0
+JOINT_SHARE = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +96,17 @@ class Judgement:
     """One step's verdict and the numbers behind it (None where a witness had nothing to say).
 
     loss_trend: the loss the trend expected; loss_z: how far above it, in robust standard
-    deviations of the forecast errors; grad_trend, grad_ratio: the same for the grad norm."""
+    deviations of the forecast errors; grad_trend, grad_ratio, grad_z: the same for the grad
+    norm."""
     reason: str | None
     loss_trend: float | None = None
     loss_z: float | None = None
     grad_trend: float | None = None
     grad_ratio: float | None = None
-    # log(loss) - log(loss_trend): what `observe` records when the step is accepted
+    grad_z: float | None = None
+    # log(value) - log(trend): what `observe` records when the step is accepted
     loss_error: float | None = None
+    grad_error: float | None = None
 
 
 def resistant_line(ys: Sequence[float]) -> tuple[float, float]:
@@ -125,23 +139,43 @@ def robust_z(error: float, errors: Sequence[float]) -> float:
     return (error - center) / max(MAD_TO_STD * mad, NOISE_FLOOR)
 
 
+class _Witness:
+    """One value's trend (the last `window` accepted values) and noise (the forecast errors of
+    the last ERROR_WINDOWS x `window` accepted steps)."""
+
+    def __init__(self, window: int):
+        self.values: deque[float] = deque(maxlen=window)
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOWS * window)
+
+    def look(self, x: float) -> tuple[float | None, float | None, float | None]:
+        """(trend, error, z) of x; None where there is nothing to judge by yet."""
+        log = forecast(self.values) if x > 0 else None
+        if log is None:
+            return None, None, None
+        error = math.log(x) - log
+        z = robust_z(error, self.errors) if self.errors else None
+        return math.exp(log), error, z
+
+    def accept(self, x: float, error: float | None) -> None:
+        if error is not None:
+            self.errors.append(error)
+        self.values.append(x)
+
+
 class Guard:
     """Judges one step at a time; `observe` records the accepted ones."""
 
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
-        self._loss: deque[float] = deque(maxlen=cfg.window)
-        self._grad_norm: deque[float] = deque(maxlen=cfg.window)
-        self._loss_errors: deque[float] = deque(maxlen=ERROR_WINDOWS * cfg.window)
+        self._loss = _Witness(cfg.window)
+        self._grad = _Witness(cfg.window)
 
     def observe(self, loss: float, grad_norm: float) -> str | None:
         """The reason to skip this step, or None: then the values join the history."""
         j = self.judge(loss, grad_norm)
         if j.reason is None:
-            if j.loss_error is not None:
-                self._loss_errors.append(j.loss_error)
-            self._loss.append(loss)
-            self._grad_norm.append(grad_norm)
+            self._loss.accept(loss, j.loss_error)
+            self._grad.accept(grad_norm, j.grad_error)
         return j.reason
 
     def verdict(self, loss: float, grad_norm: float) -> str | None:
@@ -153,44 +187,41 @@ class Guard:
             return Judgement("nonfinite_loss")
         if not math.isfinite(grad_norm):
             return Judgement("nonfinite_grad_norm")
-        loss_log = forecast(self._loss) if loss > 0 else None
-        error = None if loss_log is None else math.log(loss) - loss_log
-        if len(self._loss) < self.cfg.min_history or math.isinf(self.cfg.threshold):
-            return Judgement(None, loss_error=error)
-        z = None
-        if error is not None and self._loss_errors:
-            z = robust_z(error, self._loss_errors)
-        trend = None if loss_log is None else math.exp(loss_log)
-        grad_log = forecast(self._grad_norm) if grad_norm > 0 else None
-        grad_trend = None if grad_log is None else math.exp(grad_log)
-        ratio = None if grad_trend is None else grad_norm / grad_trend
-        if ((z is not None and z > self.cfg.threshold)
-                or (trend is not None and loss >= self.cfg.loss_ratio * trend)):
-            reason = "loss_spike"
-        elif ratio is not None and ratio >= self.cfg.grad_ratio:
-            reason = "grad_norm_spike"
-        else:
-            reason = None
-        return Judgement(reason, loss_trend=trend, loss_z=z, grad_trend=grad_trend,
-                         grad_ratio=ratio, loss_error=error)
+        trend, error, z = self._loss.look(loss)
+        g_trend, g_error, g_z = self._grad.look(grad_norm)
+        ratio = None if g_trend is None else grad_norm / g_trend
+        j = dict(loss_trend=trend, loss_z=z, grad_trend=g_trend, grad_ratio=ratio, grad_z=g_z,
+                 loss_error=error, grad_error=g_error)
+        if len(self._loss.values) < self.cfg.min_history or math.isinf(self.cfg.threshold):
+            return Judgement(None, **j)
+        bar = self.cfg.threshold
+        loss_big = z is not None and loss >= self.cfg.loss_ratio * trend
+        if loss_big and z > bar:
+            return Judgement("loss_spike", **j)
+        if (loss_big and z > JOINT_SHARE * bar and g_z is not None
+                and g_z > JOINT_SHARE * bar and ratio >= JOINT_GRAD_RATIO):
+            return Judgement("loss_spike", **j)
+        if g_z is not None and ratio >= self.cfg.grad_ratio and g_z > GRAD_Z_FACTOR * bar:
+            return Judgement("grad_norm_spike", **j)
+        return Judgement(None, **j)
 
     def state_dict(self) -> dict:
         """JSON-able; floats survive a JSON round trip exactly."""
-        return {"loss": list(self._loss), "grad_norm": list(self._grad_norm),
-                "loss_errors": list(self._loss_errors)}
+        return {"loss": list(self._loss.values), "grad_norm": list(self._grad.values),
+                "loss_errors": list(self._loss.errors), "grad_errors": list(self._grad.errors)}
 
     def load_state_dict(self, state: dict) -> None:
         # A shorter window in the resumed job keeps the newest steps (deque maxlen).
-        self._loss = deque(map(float, state["loss"]), maxlen=self.cfg.window)
-        self._grad_norm = deque(map(float, state["grad_norm"]), maxlen=self.cfg.window)
-        if "loss_errors" in state:
-            self._loss_errors = deque(map(float, state["loss_errors"]),
-                                      maxlen=ERROR_WINDOWS * self.cfg.window)
-        else:
-            # A checkpoint of the guard before forecast errors: what the stored history can
-            # still tell, each loss against the trend of the ones before it.
-            losses = list(self._loss)
-            self._loss_errors = deque(
-                (math.log(losses[i]) - f for i in range(len(losses))
-                 if losses[i] > 0 and (f := forecast(losses[:i])) is not None),
-                maxlen=ERROR_WINDOWS * self.cfg.window)
+        for witness, values, errors in ((self._loss, "loss", "loss_errors"),
+                                        (self._grad, "grad_norm", "grad_errors")):
+            witness.values.clear()
+            witness.errors.clear()
+            kept = list(map(float, state[values]))
+            if errors in state:
+                witness.values.extend(kept)
+                witness.errors.extend(map(float, state[errors]))
+            else:
+                # A checkpoint of an older guard: what the stored history can still tell,
+                # each value against the trend of the ones before it.
+                for x in kept:
+                    witness.accept(x, witness.look(x)[1])

@@ -174,7 +174,7 @@ class GuardConfig:
     threshold: float = 5.0
     min_history: int = 8
     grad_ratio: float = 5.0
-    loss_ratio: float = 1.5
+    loss_ratio: float = 1.3
 
     def __post_init__(self) -> None:
         _at_least("guard.window", self.window, 3)

@@ -20,10 +20,15 @@ late steps, real instabilities from a too-high learning rate, and clean runs. Tw
    median of the clean log-losses of the 11 steps around it, its grad norm's true median
    likewise. A spike must be caught when its loss is >= 1.3x that trend or its grad norm
    >= 5x that median (the targets of issue 13); smaller poisons are counted apart. A clean
-   step that meets the same rule is a natural spike (an odd batch of the corpus) and counts
-   as a spike to catch; any other skip in a clean run is a false skip. In the runs at a
-   too-high learning rate the steps that meet the rule are the instability's spikes; their
-   other skips are listed, not counted as false.
+   step that meets the same rule is an odd batch of the corpus: the guard may skip it or not
+   (it skips those beyond the run's own noise), and the table shows how many it skipped; any
+   other skip in a clean run is a false skip. "noise" is the robust spread of the loss's
+   forecast errors over the run (log space: 0.05 is 5%) and "bar" the smallest lone loss
+   spike beyond `threshold` of them: where the bar is above 1.3x, a 1.3x spike of the loss
+   alone is within what that run's clean batches do. "skips" counts every skip of a clean
+   run, odd batches included, per 10,000 steps: what a user pays in skipped data. In the runs
+   at a too-high learning rate the steps that meet the rule are the instability's spikes;
+   their other skips are listed, not counted as false.
 2. End to end: `lazarus train` with the guard in the loop: the chaos plugin's loss-spike and
    diverge faults (the issue's `loss-spike@10,diverge@25` on the shape `lazarus up` runs),
    a too-high learning rate, a clean run; which steps were skipped.
@@ -48,7 +53,7 @@ import pytest
 
 from lazarus.core.trainconfig import GuardConfig
 from lazarus.sim.trainer_faults import DIVERGE_STEPS, worker_env
-from lazarus.trainer.guard import Guard
+from lazarus.trainer.guard import Guard, forecast
 from tests.bench.guard_traces import name_of
 
 pytestmark = pytest.mark.bench
@@ -63,16 +68,24 @@ GRAD_SCALES = (5.0, 8.0)
 
 
 def _spec(model: str, seq_len: int, batch: int, steps: int, seed: int = 0, lr: float = 1e-3,
-          probe: bool = True) -> dict:
-    return {"model": model, "seq_len": seq_len, "global_batch": batch, "steps": steps,
+          probe: bool = True, total_steps: int | None = None) -> dict:
+    spec = {"model": model, "seq_len": seq_len, "global_batch": batch, "steps": steps,
             "seed": seed, "lr": lr, "probe": probe}
+    if total_steps is not None:
+        spec["total_steps"] = total_steps
+    return spec
 
 
 # The shape `lazarus up` runs (tiny, 8 x 64 tokens a step) is the noisiest: many seeds, for the
 # false skips. The others are quieter (more tokens a step) or bigger (small).
 CLEAN = ([_spec("tiny", 64, 8, 800, seed) for seed in range(12)]
          + [_spec("tiny", 64, 32, 300), _spec("tiny", 256, 8, 400), _spec("tiny", 256, 32, 150),
-            _spec("small", 64, 8, 80), _spec("small", 128, 8, 40)])
+            _spec("small", 64, 8, 80), _spec("small", 128, 8, 40)]
+         # Long runs at the peak learning rate, late steps included: the write-budget test's
+         # shape (4 x 32 tokens, the noisiest) and the one `lazarus up` runs.
+         + [_spec("tiny", 32, 4, 3000, seed, probe=False, total_steps=1_000_000) for seed in (0, 1)]
+         + [_spec("tiny", 64, 8, 3000, 0, probe=False, total_steps=1_000_000),
+            _spec("tiny", 64, 8, 3000, 1, probe=False)])
 # lr 0.1 on tiny is 100x the default: its gradient norm jumps 5-20x now and then.
 UNSTABLE = [_spec("tiny", 64, 8, 400, seed, lr=0.1, probe=False) for seed in (0, 1)] + \
            [_spec("tiny", 64, 32, 200, lr=0.1, probe=False), _spec("small", 64, 8, 40, lr=1e-2, probe=False)]
@@ -123,6 +136,7 @@ class Tally:
     steps: int = 0
     skips: int = 0
     false: list = field(default_factory=list)
+    noise: list = field(default_factory=list)
 
     def add(self, kind: str, caught: bool) -> None:
         self.total[kind] += 1
@@ -134,6 +148,7 @@ class Tally:
         self.steps += other.steps
         self.skips += other.skips
         self.false += other.false
+        self.noise += other.noise
 
     def cell(self, kind: str) -> str:
         n = self.total[kind]
@@ -144,6 +159,7 @@ def replay(trace: dict, cfg: GuardConfig, *, inject: bool) -> Tally:
     """The trace through a guard, spikes injected at every step from FIRST on (`inject`)."""
     loss, grad = trace["loss"], trace["grad_norm"]
     guard, t = Guard(cfg), Tally()
+    t.noise.append(noise_of(loss, cfg.window))
     for i, (l, g) in enumerate(zip(loss, grad)):
         step = i + 1
         trend, median = true_levels(loss, i, log=True), true_levels(grad, i, log=False)
@@ -163,29 +179,39 @@ def replay(trace: dict, cfg: GuardConfig, *, inject: bool) -> Tally:
         t.steps += 1
         t.skips += reason is not None
         if step >= FIRST and must_catch(l, g, trend, median):
-            t.add("natural", reason is not None)
-            t.add(f"all {phase}", reason is not None)
+            t.add("odd", reason is not None)
         elif reason is not None:
             t.false.append((step, reason, round(l / trend, 2), round(g / median, 2)))
     return t
 
 
+def noise_of(loss: list[float], window: int) -> float:
+    """1.4826 x MAD of the log-loss's forecast errors (the trend of the `window` steps before)
+    from step 2 x window on: the spread the guard learns for this run."""
+    errors = [math.log(loss[i]) - forecast(loss[i - window:i]) for i in range(2 * window, len(loss))]
+    center = statistics.median(errors)
+    return 1.4826 * statistics.median(abs(e - center) for e in errors)
+
+
 def _label(spec: dict) -> str:
-    return f"{spec['model']} s{spec['seq_len']} b{spec['global_batch']} lr{spec['lr']:g}"
+    long = f" x{spec['steps']}" if "total_steps" in spec else ""
+    return f"{spec['model']} s{spec['seq_len']} b{spec['global_batch']} lr{spec['lr']:g}{long}"
 
 
 KINDS = [f"loss x{f:g}" for f in LOSS_SCALES] + [f"grad x{f:g}" for f in GRAD_SCALES] + \
-        ["poison", "natural"]
+        ["poison", "odd"]
 
 
-def _row(label: str, runs: int, t: Tally) -> str:
+def _row(label: str, runs: int, t: Tally, threshold: float) -> str:
     poison = Tally()
     for kind in t.total:
         if kind.startswith("poison") and "<" not in kind:
             poison.caught["poison"] += t.caught[kind]
             poison.total["poison"] += t.total[kind]
     cells = [t.cell(k) if k != "poison" else poison.cell("poison") for k in KINDS]
-    return (f"{label:<22} {runs:>4} {t.steps:>6} {len(t.false):>5}  "
+    noise = statistics.median(t.noise)
+    return (f"{label:<24} {runs:>4} {t.steps:>6} {noise:>5.3f} {math.exp(threshold * noise):>5.2f}x "
+            f"{len(t.false):>5} {1e4 * t.skips / t.steps:>5.1f}  "
             + " ".join(f"{c:>9}" for c in cells) + f" {t.cell('poison < bar'):>9}")
 
 
@@ -202,12 +228,12 @@ def test_replayed_grid(traces):
     total = Tally()
     print(f"\n== guard replay, {cfg}: spikes caught / spikes (>= {LOSS_BAR}x true trend or "
           f">= {GRAD_BAR:g}x true median, from step {FIRST}) ==")
-    print(f"{'clean runs':<22} {'runs':>4} {'steps':>6} {'false':>5}  "
+    print(f"{'clean runs':<24} {'runs':>4} {'steps':>6} {'noise':>5} {'bar':>6} {'false':>5} {'skips':>5}  "
           + " ".join(f"{k:>9}" for k in KINDS) + f" {'poison<bar':>9}")
     for label, (runs, tally) in cells.items():
-        print(_row(label, runs, tally))
+        print(_row(label, runs, tally, cfg.threshold))
         total.merge(tally)
-    print(_row("all clean runs", len(CLEAN), total))
+    print(_row("all clean runs", len(CLEAN), total, cfg.threshold))
     caught = sum(total.caught[k] for k in total.total if k.startswith("all"))
     spikes = sum(total.total[k] for k in total.total if k.startswith("all"))
     print(f"recall: {caught}/{spikes} = {caught / spikes:.1%} (steps {FIRST}-{EARLY}: "
@@ -222,8 +248,8 @@ def test_replayed_grid(traces):
     print(f"\n{'too-high lr':<22} {'steps':>6} {'spikes':>7} {'caught':>7} {'other skips':>12}")
     for spec in UNSTABLE:
         t = replay(traces[name_of(spec)], cfg, inject=False)
-        print(f"{_label(spec) + ' seed ' + str(spec['seed']):<22} {t.steps:>6} {t.total['natural']:>7} "
-              f"{t.caught['natural']:>7} {len(t.false):>12}")
+        print(f"{_label(spec) + ' seed ' + str(spec['seed']):<22} {t.steps:>6} {t.total['odd']:>7} "
+              f"{t.caught['odd']:>7} {len(t.false):>12}")
     print(f"(replay of {sum(s['steps'] for s in CLEAN + UNSTABLE)} steps with injections: "
           f"{time.perf_counter() - t0:.1f} s)")
     # Whole-batch poison (what loss-spike@STEP does) is caught wherever it is a spike.

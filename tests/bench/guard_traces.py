@@ -3,7 +3,8 @@
     python -m tests.bench.guard_traces OUT_DIR SPEC_JSON [SPEC_JSON ...]
 
 Each SPEC is {"model", "seq_len", "global_batch", "steps", "seed", "lr"} and optionally
-"probe": false; each run writes OUT_DIR/<name>.json: per step the loss and grad norm of the
+"probe": false and "total_steps" (the length of the learning-rate schedule, default "steps": a
+long schedule keeps the rate at its peak, as in the first part of a long run); each run writes OUT_DIR/<name>.json: per step the loss and grad norm of the
 batch trained on, and (unless "probe" is false) at the probe steps the loss and grad norm a
 poisoned copy of that batch would have had at the same weights (measured, then thrown away:
 the run itself never sees it).
@@ -36,8 +37,9 @@ def probe_steps(steps: int) -> list[int]:
 
 
 def name_of(spec: dict) -> str:
+    total = f"-T{spec['total_steps']}" if "total_steps" in spec else ""
     return (f"{spec['model']}-s{spec['seq_len']}-b{spec['global_batch']}-lr{spec['lr']:g}"
-            f"-seed{spec['seed']}-n{spec['steps']}")
+            f"-seed{spec['seed']}-n{spec['steps']}{total}")
 
 
 def record(spec: dict) -> dict:
@@ -61,7 +63,8 @@ def record(spec: dict) -> dict:
                             global_batch=spec["global_batch"], dp_rank=0, dp_size=1,
                             micro_batch=plan.micro_batch)
     schedule = ScheduleConfig(schedule="cosine", lr=spec["lr"], min_lr=min(spec["lr"], 1e-4),
-                              warmup_steps=10, total_steps=spec["steps"])
+                              warmup_steps=10,
+                              total_steps=spec.get("total_steps", spec["steps"]))
     group = mesh["dp"].get_group()
     probes = set(probe_steps(spec["steps"])) if spec.get("probe", True) else set()
     loss, grad_norm, poisoned = [], [], {}
