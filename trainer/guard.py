@@ -4,34 +4,42 @@ Verdicts, checked in this order (the first that applies is the reason given):
 
 - ``nonfinite_loss`` / ``nonfinite_grad_norm``: the loss or the global gradient norm is NaN or
   infinite. Always checked, from the first step.
-- ``loss_spike``: the loss is far above where its recent trend says it should be. The trend is
-  a robust straight line (Tukey's resistant line: the slope joins the medians of the first and
-  last thirds, the intercept is the median of what is left) through the logarithms of the last
-  `window` accepted losses, extended one step. A falling loss is then the trend, not noise:
-  judged against the median of a steeply falling history, as a plain z-score does, every early
-  batch looks low and a spike hides in the spread of the fall. Two bars, either one enough:
+A spike is a step far above where the recent trend says it should be, measured against the
+run's own noise. The trend of a value (the loss, the gradient norm) is a robust straight line
+(Tukey's resistant line: the slope joins the medians of the first and last thirds, the
+intercept is the median of what is left) through the logarithms of its last `window` accepted
+values, extended one step. A falling loss is then the trend, not noise: judged against the
+median of a steeply falling history, as a plain z-score does, every early batch looks low and
+a spike hides in the spread of the fall.
 
-  * the noise of this run: each accepted step's forecast error (its log-loss minus what the
-    trend forecast for it) is kept for the last 3 x `window` accepted steps, and::
+The noise is each accepted step's forecast error (its log-value minus what the trend forecast
+for it), kept for the last 10 x `window` accepted steps, and a step's distance is::
 
-        z = (e - median(errors)) / max(1.4826 * MAD(errors), 0.01)     flagged when z > threshold
+    z = (e - median(errors)) / max(1.4826 * MAD(errors), 0.01)
 
-    where e is this step's forecast error and MAD the median absolute deviation from the
-    median (1.4826 * MAD estimates the standard deviation of normal noise without being moved
-    by the outliers themselves). Forecast errors, not the scatter around the fitted line: they
-    also carry the trend's own error where the curve bends (a loss that falls fast, then
-    flattens), which the scatter around a line hides. Subtracting their median takes out a
-    steady bias of the forecast. The 0.01 floor (1% of the loss: the values are logarithms)
-    keeps a nearly noiseless history from turning any wobble into an infinite z. A run of
-    large batches, whose loss barely moves from step to step, is guarded closely; a run of
-    tiny batches, where clean batches differ by 20-40%, is given the room it needs.
-  * a ceiling: a loss `loss_ratio` times its trend, whatever the noise. The noise is learned
-    from the run itself, and the first steps of some runs are wild (the small model's loss
-    jumps by 40% during warmup), which would put the first bars out of reach.
-- ``grad_norm_spike``: the gradient norm is at least `grad_ratio` times its own trend (the
-  same resistant line through the logarithms of the last `window` accepted gradient norms).
-  A ratio, not a z-score: healthy gradient norms jump by 3-4x now and then (measured here on
-  the tiny model), so their spread says little about how rare a jump is.
+where e is this step's forecast error and MAD the median absolute deviation from the median
+(1.4826 * MAD estimates the standard deviation of normal noise without being moved by the
+outliers themselves). Forecast errors, not the scatter around the fitted line: they also carry
+the trend's own error where the curve bends (a loss that falls fast, then flattens). The 0.01
+floor (1%: the values are logarithms) keeps a nearly noiseless history from turning any wobble
+into an infinite z. 200 errors, not a few dozen: the MAD of 60 values is itself off by a
+quarter now and then, and a long run meets every such dip.
+
+- ``loss_spike``, one witness: the loss is at least `loss_ratio` (1.3) times its trend AND more
+  than `threshold` (5) of its noise above it. Both: the size says what is worth a skip, the
+  noise what this run's clean batches do. A run of tiny batches (4 x 32 tokens here) has clean
+  batches 1.5-2x their trend every hundred steps; a ceiling at a fixed ratio skipped one of
+  them every 50-100 steps late in such a run. A run of large batches, whose loss barely moves
+  (production batches of millions of tokens: a percent or two), is guarded down to 1.3x.
+- ``loss_spike``, two witnesses: the loss at least `loss_ratio` times its trend, the gradient
+  norm at least 2x its own, each more than 0.6 x `threshold` of its noise above. A bad batch
+  moves both (a poisoned batch of the issue-13 run: loss 1.4x, grad norm 8x); healthy noise
+  rarely moves both far at once (their forecast errors correlate by ~0.3 at 4 x 32).
+- ``grad_norm_spike``: the gradient norm alone, at least `grad_ratio` (5) times its trend and
+  more than 4 x `threshold` of its noise above it. Healthy gradient norms have heavy tails
+  (at 4 x 32 tokens one step in a thousand is 13 robust deviations above its trend, and
+  5-9x jumps with an ordinary loss come every few hundred steps), so the gradient norm alone
+  must be much further out than the loss alone.
 
 tests/bench/bench_guard.py measures what these bars catch and what they wrongly skip.
 
@@ -55,8 +63,8 @@ group, the gradient norm of the whole model), and the trainer hands every rank r
 of them, so every rank holds the same history and reaches the same verdict. Its state is part
 of each checkpoint, so a resumed run judges exactly as the uninterrupted one would have.
 
-Pure Python, no torch: O(window log window) per step (a few medians of at most 3 x `window`
-values).
+Pure Python, no torch: O(W log W) per step for W = 10 x `window` (a few medians of the
+kept errors).
 """
 
 from __future__ import annotations

@@ -75,13 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     setting("--guard-window", "guard.window", type=int,
             help="accepted steps the loss and grad-norm trends are fitted over (default 20)")
     setting("--guard-threshold", "guard.threshold", type=float,
-            help="robust z-score of the loss above its trend that makes a spike (default 5)")
+            help="robust z-score above its trend (in the run's own noise) that makes the loss alone a spike (default 5)")
     setting("--guard-min-history", "guard.min_history", type=int,
             help="accepted steps before any spike verdict (default 8)")
     setting("--guard-grad-ratio", "guard.grad_ratio", type=float,
-            help="a grad norm this many times its trend is a spike (default 5)")
+            help="the grad norm alone is a spike from this many times its trend (default 5)")
     setting("--guard-loss-ratio", "guard.loss_ratio", type=float,
-            help="a loss this many times its trend is a spike, however noisy the run (default 1.5)")
+            help="the smallest loss spike, in times its trend (default 1.3)")
     return p
 
 

@@ -160,15 +160,17 @@ class GuardConfig:
     """Spike detection policy of the step guard (lazarus.trainer.guard, which explains the
     judgement). The defaults are what tests/bench/bench_guard.py measured best.
 
-    window: accepted steps the trends of the loss and the gradient norm are fitted over; the
-        loss's spread is taken over the forecast errors of 3 x window accepted steps (>= 3).
-    threshold: how many robust standard deviations of its forecast errors the loss may rise
-        above its trend before it is a spike (> 1; `inf` turns spike detection off and keeps
-        only the NaN/Inf check).
+    window: accepted steps the trends of the loss and the gradient norm are fitted over; their
+        noise is taken over the forecast errors of 10 x window accepted steps (>= 3).
+    threshold: how many robust standard deviations of its forecast errors the loss must rise
+        above its trend to be a spike on its own (> 1; the gradient norm alone needs 4x as
+        many, both together 0.6x each; `inf` turns spike detection off and keeps only the
+        NaN/Inf check).
     min_history: accepted steps needed before any spike verdict (4 <= min_history <= window:
-        the loss's spread needs forecast errors, and the first comes with the fourth step).
-    grad_ratio: a gradient norm this many times its trend is a spike (> 1).
-    loss_ratio: a loss this many times its trend is a spike, however noisy the run (> 1).
+        the spread needs forecast errors, and the first comes with the fourth step).
+    grad_ratio: the gradient norm alone is a spike only at this many times its trend (> 1).
+    loss_ratio: the smallest loss spike, in times its trend: a loss below it is never a spike,
+        however quiet the run (> 1).
     """
     window: int = 20
     threshold: float = 5.0
