@@ -25,21 +25,26 @@ floor (1%: the values are logarithms) keeps a nearly noiseless history from turn
 into an infinite z. 200 errors, not a few dozen: the MAD of 60 values is itself off by a
 quarter now and then, and a long run meets every such dip.
 
-- ``loss_spike``, one witness: the loss is at least `loss_ratio` (1.3) times its trend AND more
-  than `threshold` (5) of its noise above it. Both: the size says what is worth a skip, the
-  noise what this run's clean batches do. A run of tiny batches (4 x 32 tokens here) has clean
-  batches 1.5-2x their trend every hundred steps; a ceiling at a fixed ratio skipped one of
-  them every 50-100 steps late in such a run. A run of large batches, whose loss barely moves
-  (production batches of millions of tokens: a percent or two), is guarded down to 1.3x.
-- ``loss_spike``, two witnesses: the loss at least `loss_ratio` times its trend, the gradient
-  norm at least 2x its own, each more than 0.6 x `threshold` of its noise above. A bad batch
-  moves both (a poisoned batch of the issue-13 run: loss 1.4x, grad norm 8x); healthy noise
-  rarely moves both far at once (their forecast errors correlate by ~0.3 at 4 x 32).
+- ``loss_spike``, one witness: the loss is at least `loss_ratio` (1.3) times its reference (the
+  trend, or the lowest of the last 3 accepted losses if higher: where a falling curve
+  flattens the line undershoots for a few steps) AND either more than `threshold` (5) of its
+  noise above the trend or at least 2x the reference. The size says what is worth a skip, the
+  noise what this run's clean batches do: a run of tiny batches (4 x 32 tokens here) has
+  clean batches 1.5-2x their trend every hundred steps, and the 1.5x ceiling this guard had
+  before skipped one of them every 50-100 steps late in such a run. A run of large batches,
+  whose loss barely moves (production batches of millions of tokens: a percent or two), is
+  guarded down to 1.3x. The 2x ceiling holds where the noise learnt is itself wild (a run
+  unstable from its first steps).
+- ``loss_spike``, two witnesses: the loss at least `loss_ratio` times its reference and the
+  gradient norm at least 2x its own trend, each more than 0.7 x `threshold` of its noise
+  above. A bad batch moves both (a poisoned batch of the issue-13 run: loss 1.4x, grad norm
+  8x); healthy noise rarely moves both far at once (their forecast errors correlate by ~0.3 at
+  4 x 32).
 - ``grad_norm_spike``: the gradient norm alone, at least `grad_ratio` (5) times its trend and
-  more than 4 x `threshold` of its noise above it. Healthy gradient norms have heavy tails
-  (at 4 x 32 tokens one step in a thousand is 13 robust deviations above its trend, and
-  5-9x jumps with an ordinary loss come every few hundred steps), so the gradient norm alone
-  must be much further out than the loss alone.
+  either more than 3 x `threshold` of its noise above it or at least 8x the trend. Healthy
+  gradient norms have heavy tails (at 4 x 32 tokens one step in a thousand is 13 robust
+  deviations above its trend, and 5-9x jumps with an ordinary loss come every few hundred
+  steps), so the gradient norm alone must be much further out than the loss alone.
 
 tests/bench/bench_guard.py measures what these bars catch and what they wrongly skip.
 
@@ -90,13 +95,21 @@ ERROR_WINDOWS = 10
 # Healthy gradient norms have heavy tails (measured on the tiny model at 4 x 32 tokens a step:
 # 1 step in 1,000 is 13 robust standard deviations above its trend), so the gradient norm alone
 # must be much further out than the loss alone.
-GRAD_Z_FACTOR = 4.0
-# Two witnesses: a loss above `loss_ratio` x its trend and a gradient norm above this many
-# times its own, each beyond this share of the single-witness bar. A bad batch moves both; the
-# noise of healthy training rarely moves both far at once (their forecast errors correlate by
-# ~0.3 at that shape).
+GRAD_Z_FACTOR = 3.0
+# Two witnesses: a loss above `loss_ratio` x its reference and a gradient norm above this many
+# times its own trend, each beyond this share of the single-witness bar. A bad batch moves both;
+# the noise of healthy training rarely moves both far at once (their forecast errors correlate
+# by ~0.3 at 4 x 32).
 JOINT_GRAD_RATIO = 2.0
-JOINT_SHARE = 0.6
+JOINT_SHARE = 0.7
+# Ceilings, whatever the run's noise: a run unstable from its first steps (a learning rate far
+# too high) learns its own wildness as noise, and no spike would stand out of it.
+LOSS_CEILING = 2.0
+GRAD_CEILING = 8.0
+# The loss's reference is the trend, or the lowest of the last RECENT accepted losses when that
+# is higher: where a falling curve flattens, the straight line undershoots for a few steps and
+# an ordinary batch would look 1.3x above it.
+RECENT = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +216,15 @@ class Guard:
         if len(self._loss.values) < self.cfg.min_history or math.isinf(self.cfg.threshold):
             return Judgement(None, **j)
         bar = self.cfg.threshold
-        loss_big = z is not None and loss >= self.cfg.loss_ratio * trend
-        if loss_big and z > bar:
+        reference = None if trend is None else max(trend, min(list(self._loss.values)[-RECENT:]))
+        loss_big = z is not None and loss >= self.cfg.loss_ratio * reference
+        if loss_big and (z > bar or loss >= LOSS_CEILING * reference):
             return Judgement("loss_spike", **j)
         if (loss_big and z > JOINT_SHARE * bar and g_z is not None
                 and g_z > JOINT_SHARE * bar and ratio >= JOINT_GRAD_RATIO):
             return Judgement("loss_spike", **j)
-        if g_z is not None and ratio >= self.cfg.grad_ratio and g_z > GRAD_Z_FACTOR * bar:
+        if g_z is not None and ratio >= self.cfg.grad_ratio and (
+                g_z > GRAD_Z_FACTOR * bar or ratio >= GRAD_CEILING):
             return Judgement("grad_norm_spike", **j)
         return Judgement(None, **j)
 

@@ -187,8 +187,8 @@ def replay(trace: dict, cfg: GuardConfig, *, inject: bool) -> Tally:
 
 def noise_of(loss: list[float], window: int) -> float:
     """1.4826 x MAD of the log-loss's forecast errors (the trend of the `window` steps before)
-    from step 2 x window on: the spread the guard learns for this run."""
-    errors = [math.log(loss[i]) - forecast(loss[i - window:i]) for i in range(2 * window, len(loss))]
+    from step `window` on: the spread the guard learns for this run."""
+    errors = [math.log(loss[i]) - forecast(loss[i - window:i]) for i in range(window, len(loss))]
     center = statistics.median(errors)
     return 1.4826 * statistics.median(abs(e - center) for e in errors)
 

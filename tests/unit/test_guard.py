@@ -120,15 +120,30 @@ def test_robust_z_is_the_distance_in_mad_units_with_a_floor():
 
 def test_a_spike_is_at_least_loss_ratio_times_the_trend():
     # A loss falling exactly exponentially: every forecast is exact, the errors are 0, so the
-    # spread is the 1% floor and any rise is far beyond the noise: the size bar decides.
+    # spread is the 1% floor and any rise is far beyond the noise: the size bar decides. Its
+    # reference is the lowest of the last 3 losses here (above the falling line).
     guard = Guard(GuardConfig(window=20, loss_ratio=1.3))
     for i in range(20):
         assert guard.observe(4.0 * math.exp(-0.05 * i), 1.0) is None
     trend = 4.0 * math.exp(-0.05 * 20)
+    reference = 4.0 * math.exp(-0.05 * 19)
     assert guard.judge(trend, 1.0).loss_trend == pytest.approx(trend)
-    assert guard.judge(1.29 * trend, 1.0).loss_z > 20
-    assert guard.verdict(1.29 * trend, 1.0) is None
-    assert guard.verdict(1.31 * trend, 1.0) == "loss_spike"
+    assert guard.judge(1.29 * reference, 1.0).loss_z > 20
+    assert guard.verdict(1.29 * reference, 1.0) is None
+    assert guard.verdict(1.31 * reference, 1.0) == "loss_spike"
+
+
+def test_where_a_falling_curve_flattens_the_last_losses_are_the_reference():
+    # Falling 5% a step, then flat: the line through the last 20 forecasts a loss well below
+    # the flat level, and an ordinary batch would be 1.3x above it.
+    guard = Guard(GuardConfig())
+    history = [4.0 * math.exp(-0.05 * i) for i in range(15)] + [4.0 * math.exp(-0.05 * 14)] * 5
+    for loss in history:
+        assert guard.observe(loss, 1.0) is None
+    flat = history[-1]
+    assert guard.judge(flat, 1.0).loss_trend < flat / 1.1
+    assert guard.verdict(1.25 * flat, 1.0) is None
+    assert guard.verdict(1.35 * flat, 1.0) == "loss_spike"
 
 
 def test_a_loss_within_the_runs_own_noise_is_no_spike():
@@ -311,3 +326,19 @@ def test_a_higher_value_is_never_judged_better(history, step, factor):
     if guard.verdict(loss, gn) is not None:
         assert guard.verdict(loss * factor, gn) is not None
         assert guard.verdict(loss, gn * factor) is not None
+
+
+def test_ceilings_hold_in_a_run_wild_from_its_first_steps():
+    # A learning rate far too high: the run's own noise is huge, so no z stands out; a loss 2x
+    # its reference or a gradient norm 8x its trend is still a spike.
+    guard = Guard(GuardConfig())
+    rng = random.Random(9)
+    for _ in range(100):
+        guard.observe(3.0 * math.exp(0.3 * rng.gauss(0, 1)), 1.5 * math.exp(0.6 * rng.gauss(0, 1)))
+    j = guard.judge(3.0, 1.5)
+    assert math.exp(5 * 0.3) > 2 and math.exp(3 * 5 * 0.6) > 8   # the noise bars lie beyond
+    reference = max(j.loss_trend, min(guard.state_dict()["loss"][-3:]))
+    assert guard.judge(1.9 * reference, 1.5).reason is None
+    assert guard.judge(2.0 * reference, 1.5).reason == "loss_spike"
+    assert guard.judge(2.0, 7.5 * j.grad_trend).reason is None
+    assert guard.judge(2.0, 8.0 * j.grad_trend).reason == "grad_norm_spike"
