@@ -248,8 +248,10 @@ class Agent:
                     st = self._step
                     st["step"] = max(st["step"], int(msg.get("step", 0)))
                     spike = msg.get("spike")
-                    if isinstance(spike, dict) and msg.get("rank") == min(self._local_ranks(),
-                                                                          default=0):
+                    # Every rank skips the same steps (the guard's verdict is global): global
+                    # rank 0's node alone reports them, so a skip is one status write in the
+                    # whole cluster, not one per node (4,096 at once at the real size).
+                    if isinstance(spike, dict) and msg.get("rank") == 0:
                         self._spikes.append({"step": int(msg.get("step", 0)),
                                              "window": spike.get("window"),
                                              "loss": spike.get("loss"),

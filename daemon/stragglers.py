@@ -77,7 +77,7 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
         if pays and spares:
             msg = f"straggler: {s.reason}; {why}: checkpoint, then swap in {spares[0]}"
             return Decision([RequestDrain(node, msg),
-                             Emit("straggler", msg, _fields(s, node, swap=spares[0]))], msg)
+                             Emit("straggler", msg, _fields(s, node, step, swap=spares[0]))], msg)
         seen = st.stragglers.get(node)
         if isinstance(seen, dict) and seen.get("round") == st.round:
             continue  # already reported in this round (anything else there: report again)
@@ -85,11 +85,11 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
                                                "no spare idle: kept"))
         flagged = {**st.stragglers, node: {"round": st.round, "reason": s.reason}}
         return Decision([SetStatus(dataclasses.replace(st, stragglers=flagged)),
-                         Emit("straggler", msg, _fields(s, node, swap=None))], msg)
+                         Emit("straggler", msg, _fields(s, node, step, swap=None))], msg)
     return None
 
 
-def _fields(s: Straggler, node: str, *, swap: str | None) -> dict:
-    return {"node": node, "culprit": node, "rank": s.rank, "ratio": round(s.ratio, 3),
+def _fields(s: Straggler, node: str, step: int, *, swap: str | None) -> dict:
+    return {"node": node, "culprit": node, "step": step, "rank": s.rank, "ratio": round(s.ratio, 3),
             "slow_steps": s.slow_steps, "of_steps": s.of_steps,
             "gain_s_per_step": round(s.gain_s_per_step, 4), "swap_to": swap}

@@ -73,13 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     setting("--sync-checkpoint", "checkpoint.async_save", action="store_false",
             help="block training while a checkpoint is written")
     setting("--guard-window", "guard.window", type=int,
-            help="accepted steps the spike statistics cover (default 50)")
+            help="accepted steps the loss and grad-norm trends are fitted over (default 20)")
     setting("--guard-threshold", "guard.threshold", type=float,
-            help="robust z-score (median/MAD) above which a loss or grad norm is a spike (default 6)")
+            help="robust z-score above its trend (in the run's own noise) that makes the loss alone a spike (default 5)")
     setting("--guard-min-history", "guard.min_history", type=int,
-            help="accepted steps before any spike verdict (default 25)")
+            help="accepted steps before any spike verdict (default 8)")
     setting("--guard-grad-ratio", "guard.grad_ratio", type=float,
-            help="a grad norm spike must also be this many times its median (default 8)")
+            help="the grad norm alone is a spike from this many times its trend (default 5)")
+    setting("--guard-loss-ratio", "guard.loss_ratio", type=float,
+            help="the smallest loss spike, in times its trend (default 1.3)")
     return p
 
 

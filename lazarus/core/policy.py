@@ -7,7 +7,7 @@
     lr_scale = 1.0          # after a rollback, multiply the LR by this ...
     lr_scale_steps = 0      # ... for this many steps (0: not at all)
     straggler_margin = 1.2  # a rank whose own compute time is this many times its peers' ...
-    straggler_steps = 8     # ... in this many of the last 20 steps (and in most of them) is a straggler
+    straggler_steps = 14    # ... in this many of the last 20 steps is a straggler
     swap_cost_s = 60.0      # what swapping a node costs (checkpoint, rendezvous, restore)
 
 One spike is the trainer guard's business (it skips that batch). Spikes that repeat mean the
@@ -58,7 +58,7 @@ class SpikePolicy:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StragglerPolicy:
     straggler_margin: float = 1.2
-    straggler_steps: int = 8
+    straggler_steps: int = 14
     swap_cost_s: float = 60.0
 
     @classmethod

@@ -36,7 +36,7 @@ DIGITS = 4
 class ThroughputConfig:
     window: int = WINDOW     # M: the last steps judged
     margin: float = 1.2      # slower than the median of its peers by this factor ...
-    min_slow: int = 8        # ... in at least N of the last M steps: a straggler
+    min_slow: int = 14       # ... in at least N of the last M steps: a straggler
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,27 +161,36 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class GuardConfig:
-    """Spike detection policy of the step guard (lazarus.trainer.guard).
+    """Spike detection policy of the step guard (lazarus.trainer.guard, which explains the
+    judgement). The defaults are what tests/bench/bench_guard.py measured best.
 
-    window: accepted steps of history the statistics are taken over (>= 1).
-    threshold: robust z-score above which a loss or gradient norm is a spike (> 1; `inf`
-        turns spike detection off and keeps only the NaN/Inf check).
-    min_history: accepted steps needed before any spike verdict (1 <= min_history <= window).
-    grad_ratio: a gradient norm is a spike only at this many times its median, too (>= 1).
+    window: accepted steps the trends of the loss and the gradient norm are fitted over; their
+        noise is taken over the forecast errors of 10 x window accepted steps (>= 3).
+    threshold: how many robust standard deviations of its forecast errors the loss must rise
+        above its trend to be a spike on its own (> 1; the gradient norm alone needs 4x as
+        many, both together 0.6x each; `inf` turns spike detection off and keeps only the
+        NaN/Inf check).
+    min_history: accepted steps needed before any spike verdict (4 <= min_history <= window:
+        the spread needs forecast errors, and the first comes with the fourth step).
+    grad_ratio: the gradient norm alone is a spike only at this many times its trend (> 1).
+    loss_ratio: the smallest loss spike, in times its trend: a loss below it is never a spike,
+        however quiet the run (> 1).
     """
-    window: int = 50
-    threshold: float = 6.0
-    min_history: int = 25
-    grad_ratio: float = 8.0
+    window: int = 20
+    threshold: float = 5.0
+    min_history: int = 8
+    grad_ratio: float = 5.0
+    loss_ratio: float = 1.3
 
     def __post_init__(self) -> None:
-        _at_least("guard.window", self.window, 1)
+        _at_least("guard.window", self.window, 3)
         if not self.threshold > 1:
             raise UserError(f"guard.threshold must be greater than 1 (a robust z-score), got {self.threshold}")
-        if not self.grad_ratio >= 1:
-            raise UserError(f"guard.grad_ratio must be at least 1, got {self.grad_ratio}")
-        if not 1 <= self.min_history <= self.window:
-            raise UserError(f"guard.min_history must be between 1 and guard.window ({self.window}), "
+        for key in ("grad_ratio", "loss_ratio"):
+            if not getattr(self, key) > 1:
+                raise UserError(f"guard.{key} must be greater than 1, got {getattr(self, key)}")
+        if not 4 <= self.min_history <= self.window:
+            raise UserError(f"guard.min_history must be between 4 and guard.window ({self.window}), "
                             f"got {self.min_history}")
 
 

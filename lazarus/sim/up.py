@@ -131,9 +131,7 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                      "optimizer": {"warmup_steps": min(10, args.steps)},
                      "data": {"global_batch": args.global_batch, "seq_len": args.seq_len},
                      "checkpoint": {"dir": str(workdir / "checkpoints"), "every": args.ckpt_every,
-                                    "memory_every": args.memory_every},
-                     # a short demo run: let the spike guard judge from step 8 on
-                     "guard": {"min_history": 8}}}
+                                    "memory_every": args.memory_every}}}
     if args.policy:
         doc["policy"] = _policy_args(args.policy)
     return jobspec.from_dict(doc, source="lazarus up")

@@ -114,7 +114,7 @@ def test_bad_straggler_policy_is_one_clear_error(policy, problem):
 
 def test_policy_defaults_are_filled_in():
     pol = with_policy().straggler_policy
-    assert (pol.straggler_margin, pol.straggler_steps, pol.swap_cost_s) == (1.2, 8, 60.0)
+    assert (pol.straggler_margin, pol.straggler_steps, pol.swap_cost_s) == (1.2, 14, 60.0)
     assert ThroughputConfig().window == 20
 
 
