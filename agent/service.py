@@ -34,7 +34,8 @@ from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, f
                                  record_path, start_time)
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
-from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Progress,
+from lazarus.core.contract import (AGENT_GRACE_ENV, CORRUPT, MISSING, PROGRESS_ENV,
+                                   RESTORE_KINDS, STACKS_ENV, UNREADABLE, Progress,
                                    WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
@@ -161,6 +162,7 @@ class Agent:
         self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
         self._hang: dict | None = None      # this round's hang report, once made
         self._refused = ""                  # why a rank refused this round's job
+        self._restore_failed: dict = {}     # what this round's ranks found wrong in its restore
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
@@ -264,6 +266,12 @@ class Agent:
         if kind == "checkpoint_failed":
             self._report_checkpoint_failure(msg)
             return None
+        if kind == "restore_failed":
+            with self._lock:
+                if msg.get("round") == self._group_round():
+                    self._note_restore_failure(msg)
+            self.wake.set()
+            return None
         if kind == "refused":
             with self._lock:
                 if msg.get("round") == self._group_round():
@@ -271,6 +279,18 @@ class Agent:
             self.wake.set()
             return None
         return None
+
+    def _note_restore_failure(self, msg: dict) -> None:
+        """Keep the node's most telling finding (lock held): its ranks share its view of the
+        storage, but each hashed other files, and what condemns the checkpoint comes first."""
+        kind = msg.get("kind")
+        if kind not in RESTORE_KINDS:
+            return
+        rank = {CORRUPT: 3, UNREADABLE: 2, MISSING: 1, "": 0}
+        if self._restore_failed and rank[kind] <= rank[self._restore_failed["kind"]]:
+            return
+        self._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
+                                "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
 
     def _group_round(self) -> int | None:
         g = self.workers.group
@@ -449,6 +469,7 @@ class Agent:
             self._world_size = rec.world_size
             self._hang = None
             self._refused = ""
+            self._restore_failed = {}
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
         self._checkpoint_dir = rec.checkpoint_dir
@@ -516,10 +537,11 @@ class Agent:
             step, spikes = self._step["step"], len(self._spikes)
             long_phase = bool(self._long_phase.get("since"))
             refused = bool(self._refused)
+            restore_failed = self._restore_failed.get("kind")
         health = self.health.poll() if self.monitors else {}
         return (self._workers_state(step), g.round if g else 0,
                 g.failed_rank() if g else None, spikes, health.get("state"),
-                self._hang is not None, long_phase, refused)
+                self._hang is not None, long_phase, refused, restore_failed)
 
     def node_status(self) -> NodeStatus:
         g = self.workers.group
@@ -529,6 +551,7 @@ class Agent:
             throughput = self.throughput.summary()
             long_phase = dict(self._long_phase)
             refused = self._refused
+            restore_failed = dict(self._restore_failed)
         return NodeStatus(
             node=self.node, round=g.round if g else 0, workers=self._workers_state(st["step"]),
             exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
@@ -538,7 +561,8 @@ class Agent:
             updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
             window=st.get("window") or [],
             health=self.health.poll() if self.monitors else {}, hang=self._hang,
-            throughput=throughput, long_phase=long_phase, refused=refused)
+            throughput=throughput, long_phase=long_phase, refused=refused,
+            restore_failed=restore_failed)
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)

@@ -45,6 +45,7 @@ class RequestCheckpoint:
 @dataclass(frozen=True, slots=True)
 class Cordon:
     node: str
+    reason: str = ""  # kept in the cordon key for the operator
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,9 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
             ops.append(E.put_op(keys.drain_key(action.node),
                                 dumps({"requested_at": now, "reason": action.reason})))
         elif isinstance(action, Cordon):
-            ops.append(E.put_op(keys.cordon_key(action.node), b"drained"))
+            ops.append(E.put_op(keys.cordon_key(action.node),
+                                dumps({"requested_at": now, "reason": action.reason})
+                                if action.reason else b"drained"))
         elif isinstance(action, ClearCommand):
             ops.append(E.delete_op(keys.root + "commands/" + action.name))
         else:

@@ -78,6 +78,9 @@ class WorkerAssignment:
     restore: str | None = None   # committed checkpoint to resume from
     report_socket: str | None = None  # the local agent's unix socket; None: no agent
     job_id: str = ""             # whose checkpoints this rank writes (and may delete)
+    # Where the job may write (its checkpoint dir, its metrics): the agent's --allowed-root
+    # list; empty: anywhere (a `lazarus train` of the user's own)
+    allowed_roots: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,6 +98,17 @@ class WorkerAssignment:
         if unknown or missing:
             raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**d)
+
+
+# --- a restore that failed -----------------------------------------------------------------
+# What a rank found wrong with the checkpoint it was told to restore (a `restore_failed`
+# message on the channel, then NodeStatus.restore_failed): the daemon condemns the checkpoint
+# only for what is wrong with it, and cordons a node that alone cannot read it
+# (lazarus.daemon.restorefail).
+CORRUPT = "corrupt"        # a checksum, a size, a malformed manifest: the checkpoint's fault
+MISSING = "missing"        # the directory, its manifest or a listed file is not there
+UNREADABLE = "unreadable"  # the storage refused to read here, or the checkpoint root is absent
+RESTORE_KINDS = (CORRUPT, MISSING, UNREADABLE, "")  # "": this rank read its part
 
 
 # --- progress and hang verdicts --------------------------------------------------------------

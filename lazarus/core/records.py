@@ -434,6 +434,9 @@ class NodeStatus(_Record):
     # Why a rank refused the job (exitcodes.REFUSED: e.g. another job's checkpoints in its
     # dir); the run fails with it.
     refused: str = ""
+    # What its ranks found wrong in the checkpoint they were to restore (exitcodes
+    # .BAD_CHECKPOINT): {"checkpoint", "kind" (lazarus.core.contract.RESTORE_KINDS), "reason"}.
+    restore_failed: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:
