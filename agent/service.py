@@ -34,7 +34,7 @@ from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, f
                                  record_path, start_time)
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
-from lazarus.core.contract import (AGENT_GRACE_ENV, CORRUPT, MISSING, PROGRESS_ENV,
+from lazarus.core.contract import (AGENT_GRACE_ENV, CORRUPT, ABSENT, PROGRESS_ENV,
                                    RESTORE_KINDS, STACKS_ENV, UNREADABLE, Progress,
                                    WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
@@ -286,7 +286,7 @@ class Agent:
         kind = msg.get("kind")
         if kind not in RESTORE_KINDS:
             return
-        rank = {CORRUPT: 3, UNREADABLE: 2, MISSING: 1, "": 0}
+        rank = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
         if self._restore_failed and rank[kind] <= rank[self._restore_failed["kind"]]:
             return
         self._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],

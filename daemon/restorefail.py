@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lazarus.core.contract import CORRUPT, MISSING, UNREADABLE
+from lazarus.core.contract import CORRUPT, ABSENT, UNREADABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +40,15 @@ def judge(reports: dict[str, dict | None]) -> Verdict:
     """`reports`: each member's finding ({"kind", "reason"}), None for a member that failed
     without one (or not at all)."""
     said = {n: r for n, r in reports.items() if isinstance(r, dict)
-            and r.get("kind") in (CORRUPT, MISSING, UNREADABLE, "")}
+            and r.get("kind") in (CORRUPT, ABSENT, UNREADABLE, "")}
     corrupt = [r for _, r in sorted(said.items()) if r["kind"] == CORRUPT]
     if corrupt:
         return Verdict(condemn=_why(corrupt[0]))
-    blind = {n: _why(r) for n, r in sorted(said.items()) if r["kind"] in (MISSING, UNREADABLE)}
+    blind = {n: _why(r) for n, r in sorted(said.items()) if r["kind"] in (ABSENT, UNREADABLE)}
     seeing = [n for n, r in said.items() if r["kind"] == ""]
     if blind and seeing:
         return Verdict(cordon=blind)
-    if blind and all(said[n]["kind"] == MISSING for n in blind):
+    if blind and all(said[n]["kind"] == ABSENT for n in blind):
         first = next(iter(blind.values()))
         return Verdict(condemn=f"{first} (on every node)" if len(blind) > 1 else first)
     if blind:

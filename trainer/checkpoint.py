@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSyste
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from lazarus.core.contract import CORRUPT, MISSING, UNREADABLE
+from lazarus.core.contract import CORRUPT, ABSENT, UNREADABLE
 from lazarus.core.errors import CheckpointError, RestoreFailed
 
 log = logging.getLogger(__name__)
@@ -320,11 +320,11 @@ def _inspect(path: Path, rank: int, world: int) -> tuple[dict | None, tuple[str,
             # here, an empty directory in its place), not a checkpoint deleted from it.
             return None, (UNREADABLE, f"checkpoint root {root} holds no checkpoints on this node "
                                       f"(no {OWNER}, no step-*): its storage is not mounted here?")
-        return None, (MISSING, f"checkpoint {path} does not exist")
+        return None, (ABSENT, f"checkpoint {path} does not exist")
     except OSError as e:
         return None, (UNREADABLE, f"checkpoint {path} cannot be read: {e.strerror or e}")
     if MANIFEST not in names:
-        return None, (MISSING, f"checkpoint {path} is incomplete: no {MANIFEST} (the save never "
+        return None, (ABSENT, f"checkpoint {path} is incomplete: no {MANIFEST} (the save never "
                                "committed)")
     try:
         manifest = read_manifest(path)
@@ -336,7 +336,7 @@ def _inspect(path: Path, rank: int, world: int) -> tuple[dict | None, tuple[str,
     # node and not for the others is that node's view, not the checkpoint.
     if absent := [e["name"] for e in manifest["files"] if e["name"] not in names]:
         more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
-        return manifest, (MISSING, f"{absent[0]} is missing{more} (checkpoint {path} is "
+        return manifest, (ABSENT, f"{absent[0]} is missing{more} (checkpoint {path} is "
                                    "incomplete)")
     for entry in manifest["files"][rank::world]:
         f = path / entry["name"]

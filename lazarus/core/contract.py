@@ -94,7 +94,8 @@ class WorkerAssignment:
         if not isinstance(d, dict):
             raise UserError("worker assignment must be a JSON object")
         unknown = set(d) - {f.name for f in fields(cls)}
-        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
+        missing = {f.name for f in fields(cls) if f.default is MISSING
+                   and f.default_factory is MISSING} - set(d)
         if unknown or missing:
             raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**d)
@@ -106,9 +107,9 @@ class WorkerAssignment:
 # only for what is wrong with it, and cordons a node that alone cannot read it
 # (lazarus.daemon.restorefail).
 CORRUPT = "corrupt"        # a checksum, a size, a malformed manifest: the checkpoint's fault
-MISSING = "missing"        # the directory, its manifest or a listed file is not there
+ABSENT = "missing"         # the directory, its manifest or a listed file is not there
 UNREADABLE = "unreadable"  # the storage refused to read here, or the checkpoint root is absent
-RESTORE_KINDS = (CORRUPT, MISSING, UNREADABLE, "")  # "": this rank read its part
+RESTORE_KINDS = (CORRUPT, ABSENT, UNREADABLE, "")  # "": this rank read its part
 
 
 # --- progress and hang verdicts --------------------------------------------------------------
