@@ -79,7 +79,11 @@ class Agent:
                  park: bool = True, gpu_backend: str = "auto",
                  gpu_faults: Path | None = None, hang_config: HangConfig | None = None,
                  host_limits: dict | None = None, monitors: bool = True,
-                 status_period_s: float = STATUS_PERIOD_S):
+                 status_period_s: float = STATUS_PERIOD_S,
+                 allowed_roots: list[str] | None = None):
+        """`allowed_roots`: where jobs may have this node's ranks write (lazarus.core.jobpaths);
+        None: anywhere (`lazarus agent` always passes a list: its --allowed-root, else its
+        workdir)."""
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -88,6 +92,7 @@ class Agent:
                          lease_ttl_s=lease_ttl_s, status_period_s=status_period_s,
                          workdir=workdir, monitors=monitors,
                          hangs=HangDetector(hang_config or HangConfig()))
+        self.allowed_roots = [str(r) for r in allowed_roots or ()]
         private_dir(workdir, "--workdir")
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
@@ -148,6 +153,7 @@ class Agent:
         # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
         # or throughput monitoring here, and no progress reports from the workers.
         self.monitors = monitors
+        self.allowed_roots: list[str] = []  # no limit (see __init__)
         self.session: E.Session | None = None
         self.wake = threading.Event()
         self._resume_lease: int | None = None
@@ -459,7 +465,7 @@ class Agent:
                                     round=rec.round, store_host=rec.store_host,
                                     store_port=rec.store_port, train=rec.train,
                                     restore=rec.restore, report_socket=self.channel.path,
-                                    job_id=rec.job_id)
+                                    job_id=rec.job_id, allowed_roots=self.allowed_roots)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -750,6 +756,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--status-period", type=float, default=STATUS_PERIOD_S,
                    help="seconds between node status writes while only the step moves (a "
                         "change of state is written at once) (default %(default)s)")
+    p.add_argument("--allowed-root", action="append", default=None, metavar="DIR",
+                   help="a directory jobs may have this node's ranks write in (their "
+                        "checkpoint dir, their metrics); repeat for more. A job with a path "
+                        "outside them fails at its start with the reason (default: the workdir)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -775,7 +785,8 @@ def main(argv: list[str]) -> int:
                   hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
                                          long_floor_s=args.long_phase_floor),
                   host_limits=host_limits, monitors=args.monitors == "on",
-                  status_period_s=args.status_period)
+                  status_period_s=args.status_period,
+                  allowed_roots=args.allowed_root or [args.workdir])
     try:
         agent.run(stop)
     finally:

@@ -40,7 +40,9 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import shutil
+import socket
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -379,6 +381,54 @@ def _verify_collectively(path: Path) -> dict:
     return manifest
 
 
+def check_shared(root: Path) -> str | None:
+    """Whether every rank sees the same checkpoint dir (collective; a job's first round): why
+    not, or None. The first rank of each (host, mount namespace) leaves a marker in ROOT and
+    rank 0 looks for them all, so node-local checkpoint dirs fail the job at its start with
+    one line, not at a restore that no node but the writer's can do."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = [secrets.token_hex(6) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    here = (socket.gethostname(), _mount_namespace())
+    places = [None] * world
+    dist.all_gather_object(places, here)
+    writers = sorted({places.index(p) for p in places})
+    marker = root / f".lazarus-shared-{token[0]}-{rank}"
+    problem = None
+    if rank in writers:
+        try:
+            _write_durable(marker, f"{here[0]}\n".encode())
+        except OSError as e:
+            problem = f"rank {rank} ({here[0]}) cannot write in checkpoint dir {root}: {e.strerror or e}"
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)  # also: every marker is written by now
+    verdict = [next((p for p in problems if p), None)]
+    if rank == 0 and verdict[0] is None:
+        unseen = [r for r in writers
+                  if not (root / f".lazarus-shared-{token[0]}-{r}").is_file()]
+        if unseen:
+            verdict[0] = (f"checkpoint dir {root} is not shared: rank 0 ({places[0][0]}) does not "
+                          f"see what rank(s) {', '.join(map(str, unseen))} "
+                          f"({', '.join(sorted({places[r][0] for r in unseen}))}) wrote there; "
+                          "every node must see the same checkpoint dir (a shared filesystem)")
+    dist.broadcast_object_list(verdict, src=0)
+    if rank in writers:
+        try:
+            marker.unlink(missing_ok=True)
+        except OSError:
+            pass  # a marker left behind is a few bytes nobody reads
+    return verdict[0]
+
+
+def _mount_namespace() -> int:
+    """This process's mount namespace (0 where /proc does not say): nodes simulated on one
+    host differ in it when their storage differs."""
+    try:
+        return os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Saving
 
@@ -575,6 +625,19 @@ class Checkpointer:
                 on_commit: Callable[[int, Path], None] | None) -> Path | None:
         files = sorted((e for _, es in gathered for e in es), key=lambda e: e["name"])
         assert {e["name"] for e in files} >= shards, "a shard file was not hashed by any rank"
+        # What every rank wrote must be where this rank reads it, or the "committed"
+        # checkpoint is one no other node can load (node-local checkpoint dirs).
+        for rank, (_, entries) in enumerate(gathered):
+            for e in entries:
+                try:
+                    seen = (directory / e["name"]).stat().st_size
+                except FileNotFoundError:
+                    seen = None
+                if seen != e["bytes"]:
+                    raise OSError(f"rank 0 does not see {e['name']} as rank {rank} wrote it "
+                                  f"({'absent' if seen is None else f'{seen} bytes'}, not "
+                                  f"{e['bytes']}): the checkpoint dir is not storage every "
+                                  "node shares")
         step = commit["step"]
         if commit_gate is not None and not commit_gate(step):
             log.warning("checkpoint %s written but not committed: the commit gate refused",

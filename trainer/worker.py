@@ -90,7 +90,8 @@ def run(assignment: WorkerAssignment) -> int:
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     try:
-        train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id)
+        train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
+              allowed_roots=a.allowed_roots)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))
