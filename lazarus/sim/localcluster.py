@@ -95,7 +95,7 @@ class LocalCluster:
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
         # Where jobs may write (`lazarus agent --allowed-root`): beside the cluster's workdir,
         # where the tests and `lazarus up` keep their metrics and checkpoints.
-        self.allowed_roots: list[Path] = [workdir.parent]
+        self.allowed_roots: list[Path] = [workdir.resolve().parent]
         self.daemon_args: list[str] = []   # extra `lazarus daemon` flags for every daemon
         self.trainer_faults: list[str] = []  # what every rank injects (lazarus.sim.trainer_faults)
         # node -> where its agent runs; all on this host's loopback unless set

@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> dict:
         if any(f.kind in chaos.DISK_KINDS for f in schedule):
             say(_small_checkpoint_fs(cluster, job, args))
         # What this run writes, and nothing beside it.
-        cluster.allowed_roots = [workdir, metrics.parent]
+        cluster.allowed_roots = [workdir.resolve(), metrics.parent]
         cluster.agent_args += agent_args
         cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()
