@@ -397,6 +397,7 @@ def check_shared(root: Path) -> str | None:
     problem = None
     if rank in writers:
         try:
+            root.mkdir(parents=True, exist_ok=True)
             _write_durable(marker, f"{here[0]}\n".encode())
         except OSError as e:
             problem = f"rank {rank} ({here[0]}) cannot write in checkpoint dir {root}: {e.strerror or e}"
