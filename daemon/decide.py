@@ -13,6 +13,8 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   straggler       -> flagged; swapped out at a checkpoint when a spare is idle and it pays
   host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
                      out at a checkpoint when a spare is idle
+  restore failed  -> the checkpoint condemned for what is wrong with it, or the node that
+                     alone cannot read it cordoned (restorefail)
 """
 
 from __future__ import annotations
