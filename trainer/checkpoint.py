@@ -15,9 +15,16 @@ only after every rank's files are on disk and only if `commit_gate(step)` still 
 crash, a full disk or a fenced-off (stale) round leaves a directory that is never listed or
 loaded. Because the layout is DCP's, a checkpoint taken at one (dp, tp) mesh loads into another.
 
-A save the storage refuses (disk full, read-only, gone: any OSError, on any rank) is not fatal:
-every rank learns of it at the same point, rank 0 removes the directory and reports it
+A save the storage refuses (disk full, before or during the save; read-only; gone: an OSError,
+torch's short-write RuntimeError, or DCP's exception wrapping either, on any rank) is not
+fatal: every rank learns of it at the same point, rank 0 removes the directory and reports it
 (`on_fail`), and training goes on; the last committed checkpoint stays the one to restore.
+Rank 0 commits only files it sees as their writers wrote them: storage that is not shared
+gives no checkpoint that only its writers could load (`check_shared` catches it at a job's
+start).
+
+A restore that fails says what each rank found (RestoreFailed: corrupt, missing, unreadable),
+so that the daemon can tell a checkpoint that is wrong from a node that cannot read it.
 
 A checkpoint directory belongs to one job: ROOT/.lazarus-job names it (`claim`), every
 manifest carries its writer's job id, and retention deletes only its own job's checkpoints. A
@@ -699,8 +706,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     """Load a committed checkpoint into `model` and `optimizer` (collective: every rank),
     whatever (dp, tp) mesh it was saved from; returns its `extra`.
 
-    The manifest and every file's checksum are verified first (CheckpointError naming the
-    problem: missing, incomplete, corrupt). RNG states are restored when the world size is the
+    The manifest and every file's checksum are verified first (RestoreFailed naming the
+    problem, with this rank's own finding: missing, unreadable, corrupt). RNG states are restored when the world size is the
     one that saved; otherwise each rank reseeds from reseed_value(step, rank).
     """
     path = Path(path)
