@@ -401,26 +401,29 @@ def check_shared(root: Path) -> str | None:
     dist.all_gather_object(places, here)
     writers = sorted({places.index(p) for p in places})
     marker = root / f".lazarus-shared-{token[0]}-{rank}"
-    problem = None
+    wrote = False
     if rank in writers:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _write_durable(marker, f"{here[0]}\n".encode())
+            wrote = True
         except OSError as e:
-            problem = f"rank {rank} ({here[0]}) cannot write in checkpoint dir {root}: {e.strerror or e}"
-    problems = [None] * world
-    dist.all_gather_object(problems, problem)  # also: every marker is written by now
-    verdict = [next((p for p in problems if p), None)]
-    if rank == 0 and verdict[0] is None:
-        unseen = [r for r in writers
-                  if not (root / f".lazarus-shared-{token[0]}-{r}").is_file()]
+            # A full or read-only disk at the start is the host monitor's and the saves'
+            # business (a refused save costs that checkpoint), not a reason to refuse the job.
+            log.warning("cannot check that checkpoint dir %s is shared: %s", root, e)
+    written = [False] * world
+    dist.all_gather_object(written, wrote)  # also: every marker is written by now
+    verdict = [None]
+    if rank == 0:
+        unseen = [r for r in writers if written[r]
+                  and not (root / f".lazarus-shared-{token[0]}-{r}").is_file()]
         if unseen:
             verdict[0] = (f"checkpoint dir {root} is not shared: rank 0 ({places[0][0]}) does not "
                           f"see what rank(s) {', '.join(map(str, unseen))} "
                           f"({', '.join(sorted({places[r][0] for r in unseen}))}) wrote there; "
                           "every node must see the same checkpoint dir (a shared filesystem)")
     dist.broadcast_object_list(verdict, src=0)
-    if rank in writers:
+    if wrote:
         try:
             marker.unlink(missing_ok=True)
         except OSError:
