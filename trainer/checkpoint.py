@@ -446,18 +446,33 @@ def _mount_namespace() -> int:
 
 def _storage_problem(e: CheckpointException) -> str | None:
     """'rank R: the OS error' when the storage refused a rank's part of a DCP save (a full
-    disk, a read-only or vanished mount); None when something else failed (a bug to raise)."""
+    disk, before or during the save; a read-only or vanished mount), whatever wraps it; None
+    when something else failed (a bug to raise)."""
     for rank, failure in sorted(e.failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, OSError):
-            return f"rank {rank}: {exc}"
-        # torch's zip writer turns a short write (the disk filled during the save) into an
-        # enforce failure, not an OSError: "[enforce fail at inline_container.cc:N] . unexpected
-        # pos 704 vs 598".
-        if isinstance(exc, RuntimeError) and "inline_container.cc" in str(exc) \
-                and "unexpected pos" in str(exc):
-            return f"rank {rank}: a short write (the storage is likely full): {exc}"
+        if why := _storage_error(failure[0] if isinstance(failure, tuple) else failure):
+            return f"rank {rank}: {why}"
     return None
+
+
+def _storage_error(exc: BaseException | None, depth: int = 0) -> str | None:
+    """The storage's refusal in `exc`, its causes or, for DCP's own exception, its failures."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return str(exc)
+    # torch's zip writer turns a short write (the disk filled during the save) into an
+    # enforce failure, not an OSError: "[enforce fail at inline_container.cc:N] . unexpected
+    # pos 704 vs 598", or "... PytorchStreamWriter failed writing file ...".
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and "inline_container.cc" in text and (
+            "unexpected pos" in text or "failed writing file" in text):
+        return f"a short write (the storage is likely full): {text}"
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if why := _storage_error(inner, depth + 1):
+                return why
+    return _storage_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 def _mesh_of(model: torch.nn.Module) -> dict | None:
