@@ -34,7 +34,7 @@ from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, f
                                  record_path, start_time)
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
-from lazarus.core.contract import (AGENT_GRACE_ENV, CORRUPT, ABSENT, PROGRESS_ENV,
+from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
                                    RESTORE_KINDS, STACKS_ENV, UNREADABLE, Progress,
                                    WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
@@ -292,8 +292,8 @@ class Agent:
         kind = msg.get("kind")
         if kind not in RESTORE_KINDS:
             return
-        rank = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
-        if self._restore_failed and rank[kind] <= rank[self._restore_failed["kind"]]:
+        weight = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
+        if self._restore_failed and weight[kind] <= weight[self._restore_failed["kind"]]:
             return
         self._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
                                 "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
@@ -786,7 +786,8 @@ def main(argv: list[str]) -> int:
                                          long_floor_s=args.long_phase_floor),
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period,
-                  allowed_roots=args.allowed_root or [args.workdir])
+                  # absolute: the ranks resolve them, whatever their working directory
+                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [args.workdir]])
     try:
         agent.run(stop)
     finally:

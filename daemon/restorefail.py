@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lazarus.core.contract import CORRUPT, ABSENT, UNREADABLE
+from lazarus.core.contract import ABSENT, CORRUPT, UNREADABLE
 
 
 @dataclass(frozen=True, slots=True)

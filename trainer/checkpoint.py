@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSyste
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from lazarus.core.contract import CORRUPT, ABSENT, UNREADABLE
+from lazarus.core.contract import ABSENT, CORRUPT, UNREADABLE
 from lazarus.core.errors import CheckpointError, RestoreFailed
 
 log = logging.getLogger(__name__)

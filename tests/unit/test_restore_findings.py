@@ -8,9 +8,9 @@ import hashlib
 import json
 
 import pytest
+from lazarus.trainer import checkpoint as ckpt
 
 from lazarus.core.errors import RestoreFailed
-from lazarus.trainer import checkpoint as ckpt
 
 
 def _committed(root, step=4, files=None):
@@ -38,8 +38,8 @@ def test_a_sound_checkpoint_has_no_finding(tmp_path):
 def test_a_flipped_byte_is_corrupt_and_named_first(tmp_path):
     d = _committed(tmp_path)
     (d / "__1_0.distcp").write_bytes(b"shard onf")
-    assert kind(d) == ("corrupt", f"__1_0.distcp fails its sha256 checksum (checkpoint {d} is "
-                                  "corrupt)")
+    assert kind(d) == ("corrupt", (f"__1_0.distcp fails its sha256 checksum (checkpoint {d} is "
+                                   "corrupt)"))
     # Split across ranks, each hashes its share: rank 0 of 2 does not see the damage ...
     assert kind(d, 0, 2) is None and kind(d, 1, 2)[0] == "corrupt"
     # ... but every rank learns the first problem (the collective path raises it everywhere).
@@ -60,7 +60,7 @@ def test_missing_pieces_and_absent_storage_are_told_apart(tmp_path):
     empty.mkdir()
     assert kind(ckpt.checkpoint_dir(empty, 4))[0] == "unreadable"
     assert kind(ckpt.checkpoint_dir(tmp_path / "gone", 4)) == (
-        "unreadable", f"checkpoint root {tmp_path / 'gone'} is not there on this node (a "
-                      "storage mount missing?)")
+        "unreadable", (f"checkpoint root {tmp_path / 'gone'} is not there on this node (a "
+                       "storage mount missing?)"))
     (d / ckpt.MANIFEST).write_text("{not json")
     assert kind(d)[0] == "corrupt"
