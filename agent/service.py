@@ -35,7 +35,8 @@ from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, f
                                  record_path, start_time)
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
-from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV, Progress,
+from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
+                                   RESTORE_KINDS, STACKS_ENV, UNREADABLE, Progress,
                                    WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
@@ -90,7 +91,11 @@ class Agent:
                  host_limits: dict | None = None, monitors: bool = True,
                  status_period_s: float = STATUS_PERIOD_S,
                  preflight_every_s: float | None = PREFLIGHT_EVERY_S,
-                 tier0: Tier0Options | None = None):
+                 tier0: Tier0Options | None = None,
+                 allowed_roots: list[str] | None = None):
+        """`allowed_roots`: where jobs may have this node's ranks write (lazarus.core.jobpaths);
+        None: anywhere (`lazarus agent` always passes a list: its --allowed-root, else its
+        workdir)."""
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -99,6 +104,7 @@ class Agent:
                          lease_ttl_s=lease_ttl_s, status_period_s=status_period_s,
                          workdir=workdir, monitors=monitors,
                          hangs=HangDetector(hang_config or HangConfig()))
+        self.allowed_roots = [str(r) for r in allowed_roots or ()]
         private_dir(workdir, "--workdir")
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
@@ -166,6 +172,7 @@ class Agent:
         # False (--monitors off) only to measure what the monitors cost: no GPU, host, hang
         # or throughput monitoring here, and no progress reports from the workers.
         self.monitors = monitors
+        self.allowed_roots: list[str] = []  # no limit (see __init__)
         self.session: E.Session | None = None
         self.wake = threading.Event()
         self._resume_lease: int | None = None
@@ -180,6 +187,7 @@ class Agent:
         self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
         self._hang: dict | None = None      # this round's hang report, once made
         self._refused = ""                  # why a rank refused this round's job
+        self._restore_failed: dict = {}     # what this round's ranks found wrong in its restore
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
@@ -294,6 +302,12 @@ class Agent:
             if self.tier0 is not None and msg.get("round") == self._group_round():
                 self.tier0.taken(self._job_id, msg)
             return None
+        if kind == "restore_failed":
+            with self._lock:
+                if msg.get("round") == self._group_round():
+                    self._note_restore_failure(msg)
+            self.wake.set()
+            return None
         if kind == "refused":
             with self._lock:
                 if msg.get("round") == self._group_round():
@@ -301,6 +315,18 @@ class Agent:
             self.wake.set()
             return None
         return None
+
+    def _note_restore_failure(self, msg: dict) -> None:
+        """Keep the node's most telling finding (lock held): its ranks share its view of the
+        storage, but each hashed other files, and what condemns the checkpoint comes first."""
+        kind = msg.get("kind")
+        if kind not in RESTORE_KINDS:
+            return
+        weight = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
+        if self._restore_failed and weight[kind] <= weight[self._restore_failed["kind"]]:
+            return
+        self._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
+                                "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
 
     def _group_round(self) -> int | None:
         g = self.workers.group
@@ -482,7 +508,8 @@ class Agent:
                                     job_id=rec.job_id, snapshot=snapshots[rank],
                                     restore_step=rec.restore_step,
                                     snapshot_dir=str(self.tier0.store.incoming)
-                                    if self.tier0 is not None else None)
+                                    if self.tier0 is not None else None,
+                                    allowed_roots=self.allowed_roots)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -492,6 +519,7 @@ class Agent:
             self._world_size = rec.world_size
             self._hang = None
             self._refused = ""
+            self._restore_failed = {}
             self._long_phase = {"since": 0.0, "until": 0.0}
         self._job_id = rec.job_id
         self._checkpoint_dir = rec.checkpoint_dir
@@ -561,11 +589,13 @@ class Agent:
             step, spikes = self._step["step"], len(self._spikes)
             long_phase = bool(self._long_phase.get("since"))
             refused = bool(self._refused)
+            restore_failed = self._restore_failed.get("kind")
         health = self.health.poll() if self.monitors else {}
         checked = self.preflight.result if self.preflight is not None else {}
         return (self._workers_state(step), g.round if g else 0,
                 g.failed_rank() if g else None, spikes, health.get("state"),
-                self._hang is not None, long_phase, refused, checked.get("at"))
+                self._hang is not None, long_phase, refused, checked.get("at"),
+                restore_failed)
 
     def node_status(self) -> NodeStatus:
         g = self.workers.group
@@ -575,6 +605,7 @@ class Agent:
             throughput = self.throughput.summary()
             long_phase = dict(self._long_phase)
             refused = self._refused
+            restore_failed = dict(self._restore_failed)
         return NodeStatus(
             node=self.node, round=g.round if g else 0, workers=self._workers_state(st["step"]),
             exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
@@ -587,7 +618,8 @@ class Agent:
             throughput=throughput, long_phase=long_phase, refused=refused,
             preflight=dict(self.preflight.result) if self.preflight is not None else {},
             tier0=self.tier0.holdings(self._job_id, self._world_size)
-            if self.tier0 is not None else {})
+            if self.tier0 is not None else {},
+            restore_failed=restore_failed)
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)
@@ -825,6 +857,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preflight", choices=("on", "off"), default="on",
                    help="'off': no preflight checks, and the daemon does not wait for them")
     add_tier0_args(p)
+    p.add_argument("--allowed-root", action="append", default=None, metavar="DIR",
+                   help="a directory jobs may have this node's ranks write in (their "
+                        "checkpoint dir, their metrics); repeat for more. A job with a path "
+                        "outside them fails at its start with the reason (default: the workdir)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -854,7 +890,9 @@ def main(argv: list[str]) -> int:
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period,
                   preflight_every_s=args.preflight_every if args.preflight == "on" else None,
-                  tier0=tier0_options(args, Path(args.workdir)))
+                  tier0=tier0_options(args, Path(args.workdir)),
+                  # absolute: the ranks resolve them, whatever their working directory
+                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [args.workdir]])
     try:
         agent.run(stop)
     finally:

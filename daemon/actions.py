@@ -45,7 +45,7 @@ class RequestCheckpoint:
 @dataclass(frozen=True, slots=True)
 class Cordon:
     node: str
-    reason: str = ""
+    reason: str = ""  # kept in the cordon key for the operator
     by: str = ""         # "preflight": lifted by the leader when a preflight passes again
 
 

@@ -14,6 +14,8 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
                      out at a checkpoint when a spare is idle
   preflight failed-> the node is cordoned with the reason, whatever the run does (preflight)
+  restore failed  -> the checkpoint condemned for what is wrong with it, or the node that
+                     alone cannot read it cordoned (restorefail)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, hostalert, preflight, spikes, stragglers
+from lazarus.daemon import commands, hostalert, preflight, restorefail, spikes, stragglers, tier0
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -113,7 +115,7 @@ def _repair_status(now: float, view: ClusterView) -> Decision:
 
 
 def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], reason: str,
-                   fault_at: float) -> Decision:
+                   fault_at: float, **event_fields) -> Decision:
     # A fault is in the past, and after the epoch: a clock ahead of ours or an agent's garbage
     # says otherwise, and run/status must stay a record we can read back.
     fault_at = min(max(fault_at, 0.0), now)
@@ -121,7 +123,8 @@ def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], re
                 "detected_at": now, "round": st.round}
     status = dataclasses.replace(st, state=RECOVERING, since=now, reason=reason,
                                  incident=incident)
-    return Decision([SetStatus(status), Emit("fault_detected", reason, incident)], reason)
+    return Decision([SetStatus(status), Emit("fault_detected", reason,
+                                             {**incident, **event_fields})], reason)
 
 
 def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str]]:
@@ -267,17 +270,50 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
                                                 "worker logs)"))[:1000]
         status = dataclasses.replace(st, state=FAILED, since=now, incident=None, reason=reason)
         return Decision([SetStatus(status), Emit("failed", reason)], reason)
+    if exitcodes.BAD_CHECKPOINT in codes and (st.restore or "").startswith(tier0.LABEL):
+        # A copy in memory that does not load condemns nothing: the next round restores from
+        # storage (tier0.failed_before); the workers send no finding for it to wait for.
+        return _to_recovering(now, st, "bad_checkpoint", [st.restore],
+                              f"restoring {st.restore} failed; restoring from storage", fault_at)
     if exitcodes.BAD_CHECKPOINT in codes and st.restore:
-        # Not a node's fault: the checkpoint cannot be restored (deleted, corrupt). Mark it
-        # so the next round goes back to the one before, instead of failing the same way.
-        bad = [c for c in view.checkpoints if c.path == st.restore]
-        d = _to_recovering(now, st, "bad_checkpoint", [st.restore],
-                           f"checkpoint {st.restore} cannot be restored; falling back", fault_at)
-        return Decision([*(MarkCheckpoint(c, good=False) for c in bad), *d.actions], d.reason)
+        return _restore_failed(now, view, st, failed, fault_at)
     details = [_clip(f"{n} rank {view.node_status[n].failed_rank} exit "
                      f"{view.node_status[n].exit_codes}") for n in culprits]
     return _to_recovering(now, st, "worker_crash", culprits,
                           f"worker crash on {'; '.join(details)}", fault_at)
+
+
+def _restore_failed(now: float, view: ClusterView, st: RunStatus, failed: list[str],
+                    fault_at: float) -> Decision:
+    """The round could not restore its checkpoint: condemn it only for what is wrong with it,
+    cordon a node that alone cannot read it (lazarus.daemon.restorefail)."""
+    reports = {n: (view.node_status[n].restore_failed or None) if n in failed else None
+               for n in st.members}
+    waiting = [n for n, r in reports.items() if r is None]
+    if waiting and now - fault_at < _peer_grace_s(view, st):
+        return Decision([], f"restoring {st.restore} failed; waiting for what "
+                            f"{', '.join(waiting)} found")
+    verdict = restorefail.judge(reports)
+    if verdict.cordon:
+        why = "; ".join(f"{n}: {_clip(w)}" for n, w in verdict.cordon.items())
+        d = _to_recovering(now, st, "checkpoint_unreadable", list(verdict.cordon),
+                           f"checkpoint {st.restore} cannot be read on {why}; cordoned, the "
+                           "checkpoint is kept", fault_at, why=why)
+        return Decision([*(Cordon(n, _clip(w)) for n, w in verdict.cordon.items()),
+                         *d.actions], d.reason)
+    if verdict.storage:
+        why = _clip(verdict.storage)
+        return _to_recovering(now, st, "storage_unreadable", list(st.members),
+                              f"no node can read checkpoint {st.restore} ({why}); it is kept "
+                              "and tried again", fault_at, why=why)
+    # Wrong with the checkpoint itself: mark it so the next round goes back to the one
+    # before, instead of failing the same way.
+    why = _clip(verdict.condemn)
+    bad = [c for c in view.checkpoints if c.path == st.restore]
+    d = _to_recovering(now, st, "bad_checkpoint", [st.restore],
+                       f"checkpoint {st.restore} cannot be restored: {why}; marked bad, "
+                       "falling back", fault_at, why=why)
+    return Decision([*(MarkCheckpoint(c, good=False) for c in bad), *d.actions], d.reason)
 
 
 def _host_swappable(view: ClusterView, node: str) -> bool:

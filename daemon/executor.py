@@ -49,9 +49,13 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
             ops.append(E.put_op(keys.drain_key(action.node),
                                 dumps({"requested_at": now, "reason": action.reason})))
         elif isinstance(action, Cordon):
-            ops.append(E.put_op(keys.cordon_key(action.node), dumps(
-                {"by": action.by, "reason": action.reason, "at": now}) if action.by
-                else b"drained"))
+            if action.by:
+                value = dumps({"by": action.by, "reason": action.reason, "at": now})
+            elif action.reason:
+                value = dumps({"requested_at": now, "reason": action.reason})
+            else:
+                value = b"drained"
+            ops.append(E.put_op(keys.cordon_key(action.node), value))
         elif isinstance(action, Uncordon):
             ops.append(E.delete_op(keys.cordon_key(action.node)))
         elif isinstance(action, ClearCommand):

@@ -15,9 +15,16 @@ only after every rank's files are on disk and only if `commit_gate(step)` still 
 crash, a full disk or a fenced-off (stale) round leaves a directory that is never listed or
 loaded. Because the layout is DCP's, a checkpoint taken at one (dp, tp) mesh loads into another.
 
-A save the storage refuses (disk full, read-only, gone: any OSError, on any rank) is not fatal:
-every rank learns of it at the same point, rank 0 removes the directory and reports it
+A save the storage refuses (disk full, before or during the save; read-only; gone: an OSError,
+torch's short-write RuntimeError, or DCP's exception wrapping either, on any rank) is not
+fatal: every rank learns of it at the same point, rank 0 removes the directory and reports it
 (`on_fail`), and training goes on; the last committed checkpoint stays the one to restore.
+Rank 0 commits only files it sees as their writers wrote them: storage that is not shared
+gives no checkpoint that only its writers could load (`check_shared` catches it at a job's
+start).
+
+A restore that fails says what each rank found (RestoreFailed: corrupt, missing, unreadable),
+so that the daemon can tell a checkpoint that is wrong from a node that cannot read it.
 
 A checkpoint directory belongs to one job: ROOT/.lazarus-job names it (`claim`), every
 manifest carries its writer's job id, and retention deletes only its own job's checkpoints. A
@@ -40,7 +47,9 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -60,7 +69,8 @@ from torch.distributed.checkpoint.filesystem import (FileSystemReader, FileSyste
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from lazarus.core.errors import CheckpointError
+from lazarus.core.contract import ABSENT, CORRUPT, UNREADABLE
+from lazarus.core.errors import CheckpointError, RestoreFailed
 from lazarus.core.stall import CheckpointStall
 
 log = logging.getLogger(__name__)
@@ -300,43 +310,137 @@ def claim(root: Path, job_id: str, *, adopt: bool) -> str | None:
     return None
 
 
-def _verify_files(path: Path, manifest: dict, rank: int, world: int) -> str | None:
-    """Check this rank's share of the listed files; the problem found, or None."""
+def _inspect(path: Path, rank: int, world: int) -> tuple[dict | None, tuple[str, str] | None]:
+    """What this rank finds wrong with checkpoint `path`, hashing its share of the files:
+    (the manifest if it could be read, (kind, reason) or None). The kinds (lazarus.core.contract)
+    tell the checkpoint's fault from this node's: a checksum that fails is the checkpoint's;
+    a root, a directory or a file this node cannot see or read while others can is the
+    node's, which only the daemon, comparing every node's finding, can tell."""
+    root = path.parent
+    try:
+        in_root = os.listdir(root)
+    except FileNotFoundError:
+        return None, (UNREADABLE, f"checkpoint root {root} is not there on this node (a storage "
+                                  "mount missing?)")
+    except OSError as e:
+        return None, (UNREADABLE, f"checkpoint root {root} cannot be read: {e.strerror or e}")
+    try:
+        names = set(os.listdir(path))
+    except FileNotFoundError:
+        if OWNER not in in_root and not any(_DIR_RE.fullmatch(n) for n in in_root):
+            # No trace of any checkpoint: not the storage the job wrote to (a mount missing
+            # here, an empty directory in its place), not a checkpoint deleted from it.
+            return None, (UNREADABLE, f"checkpoint root {root} holds no checkpoints on this node "
+                                      f"(no {OWNER}, no step-*): its storage is not mounted here?")
+        return None, (ABSENT, f"checkpoint {path} does not exist")
+    except OSError as e:
+        return None, (UNREADABLE, f"checkpoint {path} cannot be read: {e.strerror or e}")
+    if MANIFEST not in names:
+        return None, (ABSENT, f"checkpoint {path} is incomplete: no {MANIFEST} (the save never "
+                               "committed)")
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return None, (CORRUPT, str(e))
+    except OSError as e:
+        return None, (UNREADABLE, f"{path / MANIFEST} cannot be read: {e.strerror or e}")
+    # Every rank checks that every listed file is there (one listing); a file missing for one
+    # node and not for the others is that node's view, not the checkpoint.
+    if absent := [e["name"] for e in manifest["files"] if e["name"] not in names]:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        return manifest, (ABSENT, f"{absent[0]} is missing{more} (checkpoint {path} is "
+                                   "incomplete)")
     for entry in manifest["files"][rank::world]:
         f = path / entry["name"]
-        if not f.is_file():
-            return f"checkpoint {path} is corrupt: {entry['name']} is missing"
-        if f.stat().st_size != entry["bytes"]:
-            return (f"checkpoint {path} is corrupt: {entry['name']} has {f.stat().st_size} "
-                    f"bytes, the manifest says {entry['bytes']}")
-        if _sha256(f) != entry["sha256"]:
-            return f"checkpoint {path} is corrupt: {entry['name']} fails its sha256 checksum"
-    return None
+        try:
+            size = f.stat().st_size
+            if size != entry["bytes"]:
+                return manifest, (CORRUPT, f"{entry['name']} has {size} bytes, the manifest says "
+                                           f"{entry['bytes']} (checkpoint {path} is corrupt)")
+            if _sha256(f) != entry["sha256"]:
+                return manifest, (CORRUPT, f"{entry['name']} fails its sha256 checksum "
+                                           f"(checkpoint {path} is corrupt)")
+        except OSError as e:
+            return manifest, (UNREADABLE, f"{entry['name']} cannot be read: {e.strerror or e} "
+                                          f"(checkpoint {path})")
+    return manifest, None
 
 
 def verify_checkpoint(path: Path) -> dict:
     """Manifest and every file's checksum, in this process; returns the manifest."""
-    manifest = read_manifest(path)
-    if problem := _verify_files(Path(path), manifest, 0, 1):
-        raise CheckpointError(problem)
+    manifest, problem = _inspect(Path(path), 0, 1)
+    if problem is not None:
+        raise RestoreFailed(problem[1], kind=problem[0], own=problem[1])
     return manifest
 
 
 def _verify_collectively(path: Path) -> dict:
-    """verify_checkpoint with the hashing split across ranks; every rank raises the same
-    error, so none is left waiting in a collective the others abandoned."""
+    """verify_checkpoint with the hashing split across ranks. Every rank raises RestoreFailed
+    with the first problem any rank found (none is left waiting in a collective the others
+    abandoned), each with its own finding: the daemon compares the nodes' findings."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    manifest, problem = None, None
-    try:
-        manifest = read_manifest(path)
-        problem = _verify_files(Path(path), manifest, rank, world)
-    except CheckpointError as e:
-        problem = str(e)
+    manifest, problem = _inspect(Path(path), rank, world)
     problems = [None] * world
     dist.all_gather_object(problems, problem)
-    if first := next((p for p in problems if p), None):
-        raise CheckpointError(first)
+    # The checkpoint's own fault first: it names what to condemn.
+    found = sorted((p for p in problems if p), key=lambda p: p[0] != CORRUPT)
+    if found:
+        kind, own = problem if problem else ("", "")
+        raise RestoreFailed(found[0][1], kind=kind, own=own)
+    assert manifest is not None
     return manifest
+
+
+def check_shared(root: Path) -> str | None:
+    """Whether every rank sees the same checkpoint dir (collective; a job's first round): why
+    not, or None. The first rank of each (host, mount namespace) leaves a marker in ROOT and
+    rank 0 looks for them all, so node-local checkpoint dirs fail the job at its start with
+    one line, not at a restore that no node but the writer's can do."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = [secrets.token_hex(6) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    here = (socket.gethostname(), _mount_namespace())
+    places = [None] * world
+    dist.all_gather_object(places, here)
+    writers = sorted({places.index(p) for p in places})
+    marker = root / f".lazarus-shared-{token[0]}-{rank}"
+    wrote = False
+    if rank in writers:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _write_durable(marker, f"{here[0]}\n".encode())
+            wrote = True
+        except OSError as e:
+            # A full or read-only disk at the start is the host monitor's and the saves'
+            # business (a refused save costs that checkpoint), not a reason to refuse the job.
+            log.warning("cannot check that checkpoint dir %s is shared: %s", root, e)
+    written = [False] * world
+    dist.all_gather_object(written, wrote)  # also: every marker is written by now
+    verdict = [None]
+    if rank == 0:
+        unseen = [r for r in writers if written[r]
+                  and not (root / f".lazarus-shared-{token[0]}-{r}").is_file()]
+        if unseen:
+            verdict[0] = (f"checkpoint dir {root} is not shared: rank 0 ({places[0][0]}) does not "
+                          f"see what rank(s) {', '.join(map(str, unseen))} "
+                          f"({', '.join(sorted({places[r][0] for r in unseen}))}) wrote there; "
+                          "every node must see the same checkpoint dir (a shared filesystem)")
+    dist.broadcast_object_list(verdict, src=0)
+    if wrote:
+        try:
+            marker.unlink(missing_ok=True)
+        except OSError:
+            pass  # a marker left behind is a few bytes nobody reads
+    return verdict[0]
+
+
+def _mount_namespace() -> int:
+    """This process's mount namespace (0 where /proc does not say): nodes simulated on one
+    host differ in it when their storage differs."""
+    try:
+        return os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,18 +449,33 @@ def _verify_collectively(path: Path) -> dict:
 
 def _storage_problem(e: CheckpointException) -> str | None:
     """'rank R: the OS error' when the storage refused a rank's part of a DCP save (a full
-    disk, a read-only or vanished mount); None when something else failed (a bug to raise)."""
+    disk, before or during the save; a read-only or vanished mount), whatever wraps it; None
+    when something else failed (a bug to raise)."""
     for rank, failure in sorted(e.failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, OSError):
-            return f"rank {rank}: {exc}"
-        # torch's zip writer turns a short write (the disk filled during the save) into an
-        # enforce failure, not an OSError: "[enforce fail at inline_container.cc:N] . unexpected
-        # pos 704 vs 598".
-        if isinstance(exc, RuntimeError) and "inline_container.cc" in str(exc) \
-                and "unexpected pos" in str(exc):
-            return f"rank {rank}: a short write (the storage is likely full): {exc}"
+        if why := _storage_error(failure[0] if isinstance(failure, tuple) else failure):
+            return f"rank {rank}: {why}"
     return None
+
+
+def _storage_error(exc: BaseException | None, depth: int = 0) -> str | None:
+    """The storage's refusal in `exc`, its causes or, for DCP's own exception, its failures."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return str(exc)
+    # torch's zip writer turns a short write (the disk filled during the save) into an
+    # enforce failure, not an OSError: "[enforce fail at inline_container.cc:N] . unexpected
+    # pos 704 vs 598", or "... PytorchStreamWriter failed writing file ...".
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and "inline_container.cc" in text and (
+            "unexpected pos" in text or "failed writing file" in text):
+        return f"a short write (the storage is likely full): {text}"
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if why := _storage_error(inner, depth + 1):
+                return why
+    return _storage_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 def _mesh_of(model: torch.nn.Module) -> dict | None:
@@ -564,6 +683,19 @@ class Checkpointer:
                 on_commit: Callable[[int, Path], None] | None) -> Path | None:
         files = sorted((e for _, es in gathered for e in es), key=lambda e: e["name"])
         assert {e["name"] for e in files} >= shards, "a shard file was not hashed by any rank"
+        # What every rank wrote must be where this rank reads it, or the "committed"
+        # checkpoint is one no other node can load (node-local checkpoint dirs).
+        for rank, (_, entries) in enumerate(gathered):
+            for e in entries:
+                try:
+                    seen = (directory / e["name"]).stat().st_size
+                except FileNotFoundError:
+                    seen = None
+                if seen != e["bytes"]:
+                    raise OSError(f"rank 0 does not see {e['name']} as rank {rank} wrote it "
+                                  f"({'absent' if seen is None else f'{seen} bytes'}, not "
+                                  f"{e['bytes']}): the checkpoint dir is not storage every "
+                                  "node shares")
         step = commit["step"]
         if commit_gate is not None and not commit_gate(step):
             log.warning("checkpoint %s written but not committed: the commit gate refused",
@@ -624,8 +756,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     """Load a committed checkpoint into `model` and `optimizer` (collective: every rank),
     whatever (dp, tp) mesh it was saved from; returns its `extra`.
 
-    The manifest and every file's checksum are verified first (CheckpointError naming the
-    problem: missing, incomplete, corrupt). RNG states are restored when the world size is the
+    The manifest and every file's checksum are verified first (RestoreFailed naming the
+    problem, with this rank's own finding: missing, unreadable, corrupt). RNG states are restored when the world size is the
     one that saved; otherwise each rank reseeds from reseed_value(step, rank).
     """
     path = Path(path)

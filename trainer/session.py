@@ -39,7 +39,7 @@ _REPLY_TIMEOUT_S = 10.0
 _RECONNECT_EVERY_S = 0.2
 # Reports that must reach an agent, even one that restarts: held while none is there and sent
 # to the next one. Step and progress reports are dropped instead: the next one supersedes them.
-_KEEP = ("committed", "checkpoint_failed", "refused")
+_KEEP = ("committed", "checkpoint_failed", "refused", "restore_failed")
 
 
 class Session:
@@ -254,6 +254,14 @@ class Session:
         """A tier-0 snapshot of this rank at `step` is in `path` (lazarus.trainer.snapshot):
         the agent owns the file from now on and replicates it to its peer node."""
         self._send({"type": "snapshot", "step": int(step), "path": str(path)})
+
+    def restore_failed(self, checkpoint: str, *, kind: str, reason: str) -> None:
+        """The checkpoint to restore could not be loaded (exitcodes.BAD_CHECKPOINT follows):
+        `kind` is what this rank found wrong from here (lazarus.core.contract: corrupt,
+        missing, unreadable; "" when it read its part and another rank did not), `reason`
+        its words, or the first problem another rank found."""
+        self._send({"type": "restore_failed", "checkpoint": str(checkpoint)[:500],
+                    "kind": str(kind), "reason": str(reason)[:500]})
 
     def refused(self, reason: str) -> None:
         """This rank will not run the job as configured (lazarus.core.exitcodes.REFUSED):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lazarus.core import jobpaths
 from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
@@ -119,12 +120,18 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
           hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
-          snapshot_dir: str | None = None, round_: int = 0) -> None:
+          snapshot_dir: str | None = None, round_: int = 0,
+          allowed_roots: list[str] | tuple[str, ...] = ()) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
     (lazarus.trainer.checkpoint.claim). `snapshot_dir`: where tier-0 snapshots go (the
-    agent's; None: no tier 0). JobRefused when the checkpoint dir is another job's."""
+    agent's; None: no tier 0). `allowed_roots`: where the job's paths must lie
+    (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
+    the checkpoint dir is another job's, or, starting afresh, is not shared."""
+    if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics},
+                               allowed_roots):
+        raise JobRefused(why)
     rank = dist.get_rank()
     kind = device_type()
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
@@ -192,6 +199,10 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
             raise JobRefused(verdict[0])
+        # Later rounds learn of a node that cannot see the dir at their restore, and the
+        # daemon cordons it (lazarus.daemon.restorefail); the job itself is wrong only here.
+        if restore is None and (why := ckpt.check_shared(Path(ck.dir))):
+            raise JobRefused(why)
     checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good,
                                       job_id=job_id)
                     if ck.dir is not None else None)

@@ -16,8 +16,9 @@ import warnings
 from datetime import timedelta
 
 from lazarus.core import exitcodes
-from lazarus.core.contract import ASSIGNMENT_ENV, PG_TIMEOUT_ENV, STACKS_ENV, WorkerAssignment
-from lazarus.core.errors import CheckpointError, JobRefused, UserError
+from lazarus.core.contract import (ASSIGNMENT_ENV, CORRUPT, PG_TIMEOUT_ENV, STACKS_ENV,
+                                   WorkerAssignment)
+from lazarus.core.errors import CheckpointError, JobRefused, RestoreFailed, UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.trainer import exitnote
 from lazarus.trainer import hooks as phase_hooks
@@ -90,15 +91,20 @@ def run(assignment: WorkerAssignment) -> int:
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     try:
         train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
-              snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round)
+              snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
+              allowed_roots=a.allowed_roots)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))
         session.close()  # sends what is held before the exit
         exitnote.exit_now(exitcodes.REFUSED)
     except CheckpointError as e:
-        # The daemon marks this checkpoint bad and restores an older one.
+        # The daemon compares every node's finding: it condemns the checkpoint for what is
+        # wrong with it, or cordons a node that alone cannot read it.
         print(f"rank {a.rank} round {a.round}: cannot restore: {e}", file=sys.stderr, flush=True)
+        kind, own = ((e.kind, e.own) if isinstance(e, RestoreFailed) else (CORRUPT, str(e)))
+        session.restore_failed(a.restore or "", kind=kind, reason=own or str(e))
+        session.close()  # sends what is held before the exit
         exitnote.exit_now(exitcodes.BAD_CHECKPOINT)
     except Exception as e:
         if not is_peer_failure(e):

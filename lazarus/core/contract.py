@@ -84,6 +84,9 @@ class WorkerAssignment:
     snapshot_dir: str | None = None
     snapshot: str | None = None
     restore_step: int = 0        # the step the round restores, whichever tier holds it
+    # Where the job may write (its checkpoint dir, its metrics): the agent's --allowed-root
+    # list; empty: anywhere (a `lazarus train` of the user's own)
+    allowed_roots: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -97,10 +100,22 @@ class WorkerAssignment:
         if not isinstance(d, dict):
             raise UserError("worker assignment must be a JSON object")
         unknown = set(d) - {f.name for f in fields(cls)}
-        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
+        missing = {f.name for f in fields(cls) if f.default is MISSING
+                   and f.default_factory is MISSING} - set(d)
         if unknown or missing:
             raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**d)
+
+
+# --- a restore that failed -----------------------------------------------------------------
+# What a rank found wrong with the checkpoint it was told to restore (a `restore_failed`
+# message on the channel, then NodeStatus.restore_failed): the daemon condemns the checkpoint
+# only for what is wrong with it, and cordons a node that alone cannot read it
+# (lazarus.daemon.restorefail).
+CORRUPT = "corrupt"        # a checksum, a size, a malformed manifest: the checkpoint's fault
+ABSENT = "missing"         # the directory, its manifest or a listed file is not there
+UNREADABLE = "unreadable"  # the storage refused to read here, or the checkpoint root is absent
+RESTORE_KINDS = (CORRUPT, ABSENT, UNREADABLE, "")  # "": this rank read its part
 
 
 # --- progress and hang verdicts --------------------------------------------------------------

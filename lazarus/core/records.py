@@ -447,6 +447,9 @@ class NodeStatus(_Record):
     # The tier-0 copies the node holds (lazarus.agent.tier0.Tier0Store.holdings): {"job",
     # "world", "ranks": {global rank: [steps]}, "bytes", "limit"}; its memory use, reported.
     tier0: dict = field(default_factory=dict)
+    # What its ranks found wrong in the checkpoint they were to restore (exitcodes
+    # .BAD_CHECKPOINT): {"checkpoint", "kind" (lazarus.core.contract.RESTORE_KINDS), "reason"}.
+    restore_failed: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -95,6 +95,9 @@ class LocalCluster:
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
+        # Where jobs may write (`lazarus agent --allowed-root`): beside the cluster's workdir,
+        # where the tests and `lazarus up` keep their metrics and checkpoints.
+        self.allowed_roots: list[Path] = [workdir.resolve().parent]
         self.daemon_args: list[str] = []   # extra `lazarus daemon` flags for every daemon
         self.trainer_faults: list[str] = []  # what every rank injects (lazarus.sim.trainer_faults)
         # node -> where its agent runs; all on this host's loopback unless set
@@ -165,6 +168,7 @@ class LocalCluster:
                             "--replica-key-file", str(self.replica_key_file),
                             "--lease-ttl", str(self.lease_ttl_s), "--log-level",
                             self.log_level, "--status-period", str(LOCAL_STATUS_PERIOD_S),
+                            *(a for r in self.allowed_roots for a in ("--allowed-root", str(r))),
                             *self.agent_args],
                            # An agent passes its environment on to its ranks: this is how the
                            # trainer faults, and `lazarus chaos slow-rank` on one node, reach them.

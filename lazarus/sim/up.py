@@ -332,6 +332,8 @@ def run(args: argparse.Namespace) -> dict:
     with LocalCluster(workdir, lease_ttl_s=args.lease_ttl) as cluster:
         if any(f.kind in chaos.DISK_KINDS for f in schedule):
             say(_small_checkpoint_fs(cluster, job, args))
+        # What this run writes, and nothing beside it.
+        cluster.allowed_roots = [workdir.resolve(), metrics.parent]
         cluster.agent_args += agent_args
         cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()

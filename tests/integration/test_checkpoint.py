@@ -257,7 +257,7 @@ def test_damaged_shard_is_detected_before_loading(tmp_path, damage):
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     expected = {"flip": "__0_0.distcp fails its sha256", "truncate": "__0_0.distcp has",
                 "delete": "__0_0.distcp is missing"}[damage]
-    with pytest.raises(CheckpointError, match=f"is corrupt: {expected}"):
+    with pytest.raises(CheckpointError, match=expected):
         load_checkpoint(ckpt.checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
     assert not all(torch.equal(with_weights[k], v) for k, v in fresh.state_dict().items())

@@ -133,3 +133,14 @@ def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug():
     assert why is not None and why.startswith("rank 0: a short write")
     bug = RuntimeError("shape mismatch in tensor 'w'")
     assert _storage_problem(CheckpointException("save", {1: (bug, None)})) is None
+    # However DCP or torch wrap it: a CheckpointException inside one, an OSError as the cause
+    # of a RuntimeError.
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as full:
+            raise RuntimeError("writing failed") from full
+    except RuntimeError as wrapped:
+        nested = CheckpointException("save", {0: (wrapped, None)})
+    why = _storage_problem(CheckpointException("save", {1: (nested, None)}))
+    assert why == "rank 1: [Errno 28] No space left on device"

@@ -369,21 +369,89 @@ def test_a_job_its_ranks_refuse_fails_at_once_with_their_reason():
     assert kinds(d.actions) == ["SetStatus", "Emit:failed"]
 
 
-def test_a_checkpoint_that_cannot_be_restored_is_marked_bad_and_an_older_one_used():
-    from lazarus.daemon.actions import MarkCheckpoint
+def _restore_failed(findings: dict, *, fault_at: float = NOW):
+    """A view of round 2 failing to restore /c/10: `findings` node -> (kind, reason) or None
+    (failed with no report)."""
     ck = [CheckpointRecord(step=5, path="/c/5", round=1, job_id="J"),
           CheckpointRecord(step=10, path="/c/10", round=1, job_id="J")]
     st = status(RENDEZVOUS, round=2, restore="/c/10", restore_step=10)
-    v = view(status=st, ckpts=ck, node_status=[
-        ns("a", "failed", round=2, exit_codes={"0": 76}, failed_rank=0, fault_at=NOW),
-        ns("b", "failed", round=2, exit_codes={"0": 76}, failed_rank=1, fault_at=NOW)])
+    statuses = [ns(n, "failed", round=2, exit_codes={"0": 76}, failed_rank=i, fault_at=fault_at,
+                   restore_failed={"checkpoint": "/c/10", "kind": f[0], "reason": f[1]}
+                   if f else {})
+                for i, (n, f) in enumerate(findings.items())]
+    return view(status=st, ckpts=ck, node_status=statuses), ck
+
+
+SHARD = "__1_0.distcp fails its sha256 checksum (checkpoint /c/10 is corrupt)"
+ABSENT = "checkpoint root /c holds no checkpoints on this node (no .lazarus-job, no step-*)"
+
+
+def test_a_corrupt_checkpoint_is_marked_bad_named_and_an_older_one_used():
+    from lazarus.daemon.actions import MarkCheckpoint
+    v, ck = _restore_failed({"a": ("", SHARD), "b": ("corrupt", SHARD)})
     d = decide(NOW, v)
     (mark,) = [a for a in d.actions if isinstance(a, MarkCheckpoint)]
     assert mark.checkpoint.step == 10 and mark.good is False
+    event = only(d.actions, Emit)
+    assert event.kind == "fault_detected" and event.fields["kind"] == "bad_checkpoint"
+    assert "__1_0.distcp fails its sha256 checksum" in event.message
+    assert event.fields["why"] == SHARD
     st2 = only(d.actions, SetStatus).status
     ck[1] = dataclasses.replace(ck[1], good=False)
     rec = only(decide(NOW, view(status=st2, ckpts=ck)).actions, StartRound).record
     assert rec.restore_step == 5
+
+
+def test_a_node_that_alone_cannot_read_the_checkpoint_is_cordoned_and_the_checkpoint_kept():
+    from lazarus.daemon.actions import Cordon, MarkCheckpoint
+    v, _ = _restore_failed({"a": ("", ABSENT), "b": ("unreadable", ABSENT)})
+    d = decide(NOW, v)
+    assert not [a for a in d.actions if isinstance(a, MarkCheckpoint)]
+    assert only(d.actions, Cordon) == Cordon("b", ABSENT)
+    event = only(d.actions, Emit)
+    assert event.fields["kind"] == "checkpoint_unreadable" and event.fields["culprit"] == "b"
+    assert ABSENT in event.message and "kept" in event.message
+    # The next round restores the same checkpoint, without b.
+    st2 = only(d.actions, SetStatus).status
+    rec = only(decide(NOW, view(status=st2, ckpts=v.checkpoints, cordoned={"b"})).actions,
+               StartRound).record
+    assert rec.restore_step == 10 and rec.members == ["a"]
+
+
+@pytest.mark.parametrize("findings, verdict", [
+    # missing on one node only: that node's view (a file its cache or mount does not show)
+    ({"a": ("missing", "__0_0.distcp is missing"), "b": ("", "x")}, "cordon a"),
+    # missing for every node, in a root that holds the job's other checkpoints: gone
+    ({"a": ("missing", "checkpoint /c/10 does not exist"),
+      "b": ("missing", "checkpoint /c/10 does not exist")}, "condemn"),
+    # corrupt wins over a node that cannot read
+    ({"a": ("unreadable", ABSENT), "b": ("corrupt", SHARD)}, "condemn"),
+    # no node can read the storage: nothing against this checkpoint more than older ones
+    ({"a": ("unreadable", ABSENT), "b": ("unreadable", ABSENT)}, "keep"),
+    ({"a": ("unreadable", "permission denied"), "b": ("missing", "gone")}, "keep"),
+])
+def test_restore_findings_decide_between_checkpoint_and_node(findings, verdict):
+    from lazarus.daemon.actions import Cordon, MarkCheckpoint
+    d = decide(NOW, _restore_failed(findings)[0])
+    marked = [a for a in d.actions if isinstance(a, MarkCheckpoint)]
+    cordoned = [a.node for a in d.actions if isinstance(a, Cordon)]
+    got = ("condemn" if marked else f"cordon {' '.join(cordoned)}" if cordoned else "keep")
+    assert got == verdict, d.reason
+    assert only(d.actions, SetStatus).status.state == RECOVERING
+
+
+def test_a_restore_failure_waits_for_every_nodes_finding_then_falls_back_to_the_old_rule():
+    from lazarus.daemon.actions import MarkCheckpoint
+    v, _ = _restore_failed({"a": ("unreadable", ABSENT), "b": None})
+    d = decide(NOW, v)
+    assert d.actions == [] and "waiting for what b found" in d.reason
+    # b never says (a worker from before findings): a alone cannot tell, so the storage
+    # is not blamed on the checkpoint ...
+    late = NOW + settings.LEASE_TTL_S + 2
+    assert not [a for a in decide(late, v).actions if isinstance(a, MarkCheckpoint)]
+    # ... and nobody saying anything condemns it, as before findings existed.
+    v, _ = _restore_failed({"a": None, "b": None})
+    assert [a for a in decide(late, v).actions if isinstance(a, MarkCheckpoint)]
 
 
 def test_a_frozen_rank_is_acted_on_at_once_and_named_alone():
