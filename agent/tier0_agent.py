@@ -165,6 +165,7 @@ class Tier0:
                 log.warning("tier 0: rank %d step %d not sent to %s: %s", rank, step, peer[0], e)
                 self.on_kept(rank, step, False)
                 continue
+            self.store.sent(job, rank, step)
             self.on_kept(rank, step, True)
 
     def _accept(self, job: str, rank: int, step: int, data: bytes, round_: int) -> None:
