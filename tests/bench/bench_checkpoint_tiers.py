@@ -217,6 +217,7 @@ def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
+@pytest.mark.timeout(3600)  # 8 local clusters and the stall measures, one after another
 def test_checkpoint_tiers(tmp_path):
     print(f"\n== checkpoint tiers (load average {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} cores) ==")
