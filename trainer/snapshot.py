@@ -70,13 +70,22 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            into: dict[str, torch.Tensor] | None = None
             ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Copies of this rank's tensors (local shards, in host memory) and its other values."""
+    """Copies of this rank's tensors (local shards, in host memory) and its other values.
+    `into`: the buffers of an earlier capture no longer in use, copied into where they still
+    fit (a fresh allocation of a big shard costs page faults on every snapshot)."""
     tensors, values = {}, {}
     for path, value in _leaves(_state(model, optimizer)):
         if isinstance(value, torch.Tensor):
-            tensors[path] = _local(value).detach().to("cpu", copy=True).contiguous()
+            local = _local(value).detach()
+            buffer = (into or {}).get(path)
+            if (buffer is not None and buffer.shape == local.shape
+                    and buffer.dtype == local.dtype):
+                tensors[path] = buffer.copy_(local)
+            else:
+                tensors[path] = local.to("cpu", copy=True).contiguous()
         else:
             values[path] = list(value) if isinstance(value, tuple) else value
     return tensors, values
@@ -168,6 +177,7 @@ class Snapshotter:
         self.on_written = on_written
         self.kept = kept
         self._pending: dict[int, tuple[float, float]] = {}  # step -> (started, blocked)
+        self._buffers: dict[str, torch.Tensor] = {}  # the last capture's, reused by the next
         self._done: list[CheckpointStall] = []
         self._period = every or 1
         self.next_step = first_step + self._period
@@ -188,8 +198,9 @@ class Snapshotter:
         """Snapshot at `step` (every rank, the same step); returns the stall in seconds: the
         wait for the previous one to be written, plus the copy into host memory."""
         t0 = time.perf_counter()
-        self.wait()
-        tensors, values = capture(model, optimizer)
+        self.wait()  # the previous snapshot is encoded: its buffers are free again
+        tensors, values = capture(model, optimizer, into=self._buffers)
+        self._buffers = tensors
         header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
         stall = time.perf_counter() - t0
         self._inflight = self._executor.submit(self._write, step, tensors, values, header)

@@ -151,3 +151,25 @@ def test_each_snapshot_gives_a_memory_stall_line_timed_to_its_peer_copy(tmp_path
     (last,) = snaps.stalls()
     assert (last.step, last.durable_s) == (3, None)
     assert CheckpointStall.from_row(last.to_row()).durable_s is None
+
+
+def test_a_snapshot_reusing_the_last_ones_buffers_holds_the_new_state(tmp_path):
+    model, opt = _trained(4)
+    files = {}
+    snaps = snapshot.Snapshotter(tmp_path, every=1, first_step=0,
+                                 header={"job": "j", "round": 1, "rank": 0, "world_size": 1},
+                                 on_written=lambda step, path: files.setdefault(step, path))
+    snaps.take(1, model, opt, {"step": 1})
+    model(torch.randint(0, 100, (2, 16))).float().mean().backward()
+    opt.step()  # new weights and moments, into the same buffers
+    snaps.take(2, model, opt, {"step": 2})
+    snaps.close()
+    fresh, fresh_opt = _trained(5)
+    snapshot.restore(snapshot.load_file(files[2]), fresh, fresh_opt, rank=0, world_size=1)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    old, _ = _trained(5)
+    snapshot.restore(snapshot.load_file(files[1]), old, build_optimizer(old, lr=1e-3,
+                                                                        weight_decay=0.1),
+                     rank=0, world_size=1)
+    assert not all(torch.equal(a, b) for a, b in zip(old.parameters(), fresh.parameters()))
