@@ -137,7 +137,8 @@ class Agent:
         # Listening before the store's slow import: adopted ranks reconnect at once.
         self.channel = Channel(sock, on_message=self._on_message, admit=self._admits)
         if tier0 is not None:
-            self.tier0 = Tier0(node=node, host=host, options=tier0, lookup=self._node_record)
+            self.tier0 = Tier0(node=node, host=host, options=tier0, lookup=self._node_record,
+                               on_kept=self._snapshot_kept)
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -248,6 +249,11 @@ class Agent:
                  self.nproc, self.store.port)
 
     # -- the worker channel ------------------------------------------------------------------
+    def _snapshot_kept(self, rank: int, step: int, durable: bool) -> None:
+        # To every local rank: each takes the ones of its own rank (lazarus.trainer.session).
+        self.channel.broadcast({"type": "snapshot_kept", "rank": rank, "step": step,
+                                "durable": durable})
+
     def _on_message(self, msg: dict) -> dict | None:
         kind = msg.get("type")
         if kind == "step":

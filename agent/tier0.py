@@ -6,7 +6,11 @@ A rank writes its snapshot file into `incoming/` and tells the agent; `add_local
 file over (a rename), so it outlives the rank. Copies received from the peer node
 (lazarus.agent.replica) go into `replica/`. Per rank the store keeps the `keep` newest steps
 plus the steps its last node status named (`pin`): what the daemon may choose to restore
-from stays here until a newer status replaced that promise. Past `limit_bytes` the oldest
+from stays here until a newer status replaced that promise. Its own ranks' copies are kept
+further back, down to the step the ring has caught up with (the newest step it holds of
+every peer rank, and the newest of its own it has sent): a lost peer's ranks restore from
+their replicas here together with this node's own copies of the same step, and replicas lag
+the ranks by a step or more when the copies are big or the cores busy. Past `limit_bytes` the oldest
 copies go first, promised or not: the bound is hard, and a restore that misses a copy falls
 back to storage (tier 1).
 """
@@ -46,6 +50,7 @@ class Tier0Store:
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, int, int], Copy] = {}
         self._pinned: set[tuple[str, int, int]] = set()
+        self._sent: dict[tuple[str, int], int] = {}  # (job, rank) -> newest step on the peer
         for sub in ("incoming", "local", "replica"):
             # Leftovers of an earlier agent of this node: of no known job now.
             shutil.rmtree(self.root / sub, ignore_errors=True)
@@ -82,12 +87,38 @@ class Tier0Store:
             self._evict(copy.job, copy.rank)
         return copy
 
-    def _evict(self, job: str, rank: int) -> None:
-        """(lock held)"""
+    def sent(self, job: str, rank: int, step: int) -> None:
+        """The peer node holds this node's copy of (rank, step)."""
+        with self._lock:
+            key = (job, rank)
+            self._sent[key] = max(step, self._sent.get(key, step))
+
+    def _caught_up(self, job: str) -> int | None:
+        """(lock held) The newest step the ring has caught up with: of every peer rank held
+        here and of every own rank sent, the smallest newest step; None before any."""
+        newest: dict[tuple[bool, int], int] = {}
+        for c in self._copies.values():
+            if c.job == job and not c.local:
+                newest[False, c.rank] = max(c.step, newest.get((False, c.rank), c.step))
+        for (j, rank), step in self._sent.items():
+            if j == job:
+                newest[True, rank] = step
+        return min(newest.values(), default=None)
+
+    def _kept(self, job: str, rank: int) -> list[Copy]:
+        """(lock held) A rank's copies worth keeping, newest first: the `keep` newest, and an
+        own rank's back to the step the ring has caught up with."""
         mine = sorted((c for c in self._copies.values() if (c.job, c.rank) == (job, rank)),
                       key=lambda c: c.step, reverse=True)
-        for c in mine[self.keep:]:
-            if (c.job, c.rank, c.step) not in self._pinned:
+        floor = self._caught_up(job)
+        return [c for i, c in enumerate(mine)
+                if i < self.keep or (c.local and floor is not None and c.step >= floor)]
+
+    def _evict(self, job: str, rank: int) -> None:
+        """(lock held)"""
+        kept = {c.step for c in self._kept(job, rank)}
+        for c in [c for c in self._copies.values() if (c.job, c.rank) == (job, rank)]:
+            if c.step not in kept and (c.job, c.rank, c.step) not in self._pinned:
                 self._drop(c)
         by_age = sorted(self._copies.values(), key=lambda c: c.step)
         total = sum(c.size for c in by_age)
@@ -119,12 +150,11 @@ class Tier0Store:
 
     def holdings(self, job: str, world_size: int) -> dict:
         """What the node status says of this store: {"job", "world", "ranks": {rank: steps},
-        "bytes", "limit"}; the newest `keep` steps per rank, which are pinned from now on."""
+        "bytes", "limit"}; the steps kept per rank (`_kept`), which are pinned from now on."""
         with self._lock:
             ranks: dict[str, list[int]] = {}
-            for c in sorted(self._copies.values(), key=lambda c: -c.step):
-                if c.job == job and len(ranks.setdefault(str(c.rank), [])) < self.keep:
-                    ranks[str(c.rank)].append(c.step)
+            for rank in sorted({c.rank for c in self._copies.values() if c.job == job}):
+                ranks[str(rank)] = [c.step for c in self._kept(job, rank)]
             self._pinned = {(job, int(r), s) for r, steps in ranks.items() for s in steps}
             used = sum(c.size for c in self._copies.values())
         return {"job": job, "world": world_size, "ranks": ranks, "bytes": used,

@@ -80,13 +80,19 @@ def ring_peer(members: list[str], node: str) -> str | None:
 
 
 class Tier0:
-    """`lookup(node)`: a node's registration (its host and replica port), from etcd."""
+    """`lookup(node)`: a node's registration (its host and replica port), from etcd.
+    `on_kept(rank, step, durable)`: a rank's snapshot is as safe as tier 0 makes it (True:
+    its peer holds a copy, or this node does when it has no peer) or never will be (False:
+    a newer one overtook it on the way to the peer, or the peer refused it); the rank times
+    its snapshot's `durable_s` by it (lazarus.trainer.snapshot)."""
 
     def __init__(self, *, node: str, host: str, options: Tier0Options,
-                 lookup: Callable[[str], NodeRecord | None]):
+                 lookup: Callable[[str], NodeRecord | None],
+                 on_kept: Callable[[int, int, bool], None] = lambda rank, step, durable: None):
         self.node = node
         self.key = options.key
         self.lookup = lookup
+        self.on_kept = on_kept
         try:
             options.directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes)
@@ -120,10 +126,20 @@ class Tier0:
             log.warning("dropping malformed snapshot report %r", msg)
             return
         copy = self.store.add_local(job, rank, step, path)
-        if copy is not None:
-            with self._cv:
+        if copy is None:
+            self.on_kept(rank, step, False)
+            return
+        with self._cv:
+            if self._peer is None or self.key is None:
+                overtaken = None
+            else:
+                overtaken = self._outbox.get(rank)
                 self._outbox[rank] = (job, step, copy.path)
                 self._cv.notify()
+        if self._peer is None or self.key is None:
+            self.on_kept(rank, step, True)  # held here, and no peer to send it to
+        elif overtaken is not None:
+            self.on_kept(rank, overtaken[1], False)
 
     def _replicate(self) -> None:
         while True:
@@ -135,16 +151,22 @@ class Tier0:
                 rank, (job, step, path) = self._outbox.popitem()
                 peer = self._peer
             if peer is None or self.key is None:
+                self.on_kept(rank, step, True)  # the round changed meanwhile: held here
                 continue
             try:
                 data = path.read_bytes()
             except OSError:
+                self.on_kept(rank, step, False)
                 continue  # dropped meanwhile: a newer one follows
             try:
                 replica.push(peer[1], peer[2], self.key, node=self.node, job=job, rank=rank,
                              step=step, data=data, round_=self._round or 0)
             except replica.ReplicaError as e:
                 log.warning("tier 0: rank %d step %d not sent to %s: %s", rank, step, peer[0], e)
+                self.on_kept(rank, step, False)
+                continue
+            self.store.sent(job, rank, step)
+            self.on_kept(rank, step, True)
 
     def _accept(self, job: str, rank: int, step: int, data: bytes, round_: int) -> None:
         # A copy sent before the sender saw the round this node is in may be of a timeline

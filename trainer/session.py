@@ -67,6 +67,7 @@ class Session:
         self._request_lock = threading.Lock()  # one request in flight: replies come in order
         self._checkpoint_requested = threading.Event()
         self._replies: queue.Queue[dict] = queue.Queue()
+        self._kept: queue.Queue[tuple[int, bool, float]] = queue.Queue()
         self._sock: socket.socket | None = None
         self._up = threading.Event()           # an agent is connected now
         self._held: list[dict] = []
@@ -100,6 +101,10 @@ class Session:
                             continue
                         if msg.get("type") == "checkpoint_requested":
                             self._checkpoint_requested.set()
+                        elif msg.get("type") == "snapshot_kept":
+                            if msg.get("rank") == self.rank:
+                                self._kept.put((msg.get("step"), msg.get("durable") is True,
+                                                time.perf_counter()))
                         else:
                             self._replies.put(msg)
             except OSError:
@@ -262,6 +267,17 @@ class Session:
         its words, or the first problem another rank found."""
         self._send({"type": "restore_failed", "checkpoint": str(checkpoint)[:500],
                     "kind": str(kind), "reason": str(reason)[:500]})
+
+    def snapshots_kept(self) -> list[tuple[int, bool, float]]:
+        """(step, durable, when by time.perf_counter) of each of this rank's snapshots the
+        agent has settled since the last call: durable when its peer node holds a copy (or
+        the agent, without a peer), not when it never will (lazarus.agent.tier0_agent)."""
+        out = []
+        while True:
+            try:
+                out.append(self._kept.get_nowait())
+            except queue.Empty:
+                return out
 
     def refused(self, reason: str) -> None:
         """This rank will not run the job as configured (lazarus.core.exitcodes.REFUSED):

@@ -33,11 +33,15 @@ from torch.distributed.tensor import DTensor
 
 from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
+from lazarus.core.stall import CheckpointStall
 from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
 STALL_SHARE = 0.01
 MAX_AUTO_EVERY = 1000
+# How long a rank that finished its run waits for the agent to settle its last snapshots
+# before it writes their stall lines without a durable time.
+SETTLE_S = 2.0
 
 
 def _leaves(tree, prefix: str = ""):
@@ -66,13 +70,22 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            into: dict[str, torch.Tensor] | None = None
             ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Copies of this rank's tensors (local shards, in host memory) and its other values."""
+    """Copies of this rank's tensors (local shards, in host memory) and its other values.
+    `into`: the buffers of an earlier capture no longer in use, copied into where they still
+    fit (a fresh allocation of a big shard costs page faults on every snapshot)."""
     tensors, values = {}, {}
     for path, value in _leaves(_state(model, optimizer)):
         if isinstance(value, torch.Tensor):
-            tensors[path] = _local(value).detach().to("cpu", copy=True).contiguous()
+            local = _local(value).detach()
+            buffer = (into or {}).get(path)
+            if (buffer is not None and buffer.shape == local.shape
+                    and buffer.dtype == local.dtype):
+                tensors[path] = buffer.copy_(local)
+            else:
+                tensors[path] = local.to("cpu", copy=True).contiguous()
         else:
             values[path] = list(value) if isinstance(value, tuple) else value
     return tensors, values
@@ -147,14 +160,25 @@ class Snapshotter:
     (an all-reduce of the largest wish) on the smallest period whose stall stays under 1% of
     the median step time. All ranks snapshot at the same steps: a restore needs every shard
     of one step.
+
+    `kept()`: the (step, durable, time.perf_counter()) of the snapshots the agent settled
+    since the last call (lazarus.trainer.session.Session.snapshots_kept); `stalls()` turns
+    them into stall records: `blocked_s` what `take` held the loop, `durable_s` from its start
+    until this rank's copy was on the peer node (on this node, without a peer), None when it
+    never got there. They time this rank's copy, as tier 1's time rank 0's commit.
     """
 
     def __init__(self, directory: Path, *, every: int, header: dict,
-                 on_written: Callable[[int, str], None], first_step: int):
+                 on_written: Callable[[int, str], None], first_step: int,
+                 kept: Callable[[], list[tuple[int, bool, float]]] = list):
         self.directory = Path(directory)
         self.every = every
         self.header = header
         self.on_written = on_written
+        self.kept = kept
+        self._pending: dict[int, tuple[float, float]] = {}  # step -> (started, blocked)
+        self._buffers: dict[str, torch.Tensor] = {}  # the last capture's, reused by the next
+        self._done: list[CheckpointStall] = []
         self._period = every or 1
         self.next_step = first_step + self._period
         self._step_times: list[float] = []
@@ -174,12 +198,14 @@ class Snapshotter:
         """Snapshot at `step` (every rank, the same step); returns the stall in seconds: the
         wait for the previous one to be written, plus the copy into host memory."""
         t0 = time.perf_counter()
-        self.wait()
-        tensors, values = capture(model, optimizer)
+        self.wait()  # the previous snapshot is encoded: its buffers are free again
+        tensors, values = capture(model, optimizer, into=self._buffers)
+        self._buffers = tensors
         header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
         stall = time.perf_counter() - t0
         self._inflight = self._executor.submit(self._write, step, tensors, values, header)
         self.last_stall_s = stall
+        self._pending[step] = (t0, stall)
         self._plan(step, stall)
         return stall
 
@@ -215,8 +241,37 @@ class Snapshotter:
                 # restore point stays the one before; training goes on.
                 print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
 
-    def close(self) -> None:
+    def stalls(self) -> list[CheckpointStall]:
+        """The stall records of the snapshots settled since the last call, oldest first."""
+        for step, durable, at in self.kept():
+            if step in self._pending:
+                started, blocked = self._pending.pop(step)
+                self._done.append(self._record(step, blocked,
+                                               at - started if durable else None))
+        done, self._done = sorted(self._done, key=lambda s: s.step), []
+        return done
+
+    def _record(self, step: int, blocked: float, durable: float | None) -> CheckpointStall:
+        return CheckpointStall(step=step, tier="memory", blocked_s=blocked,
+                               durable_s=None if durable is None else max(0.0, durable),
+                               ranks=self.header.get("world_size"))
+
+    def close(self, *, settle_s: float = 0.0) -> None:
+        """Waits for the last snapshot to be written and, up to `settle_s`, for the agent to
+        settle the ones in flight. With `settle_s`, `stalls()` then has a record of every
+        snapshot taken (those still unsettled without a durable time); without, the unsettled
+        ones are left out: a rank stopping early cannot tell a lost copy from a late answer."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+        deadline = time.monotonic() + settle_s
+        while self._pending and time.monotonic() < deadline:
+            self._done.extend(self.stalls())
+            if self._pending:
+                time.sleep(0.02)
+        self._done.extend(self.stalls())
+        if settle_s > 0:
+            for step, (_, blocked) in sorted(self._pending.items()):
+                self._done.append(self._record(step, blocked, None))
+        self._pending.clear()

@@ -210,7 +210,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         Path(snapshot_dir), every=ck.memory_every, first_step=step,
         header={"job": job_id, "round": round_, "rank": rank,
                 "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
-        on_written=session.snapshot_written)
+        on_written=session.snapshot_written, kept=session.snapshots_kept)
         if snapshot_dir is not None and ck.memory_every >= 0 and session.connected else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
@@ -223,6 +223,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         session.progress(step, phase, _collectives(), **op)
         hooks(phase, ctx)
 
+    finished = False
     try:
         while step < cfg.steps:
             step += 1
@@ -287,11 +288,15 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
                                   # a full or read-only disk costs this checkpoint, not the run
                                   on_fail=session.checkpoint_failed)
-            if checkpointer is not None:
-                _log_stalls(metrics, checkpointer)
+            for saver in (snapshots, checkpointer):
+                if saver is not None:
+                    _log_stalls(metrics, saver)
+        finished = True
     finally:
         if snapshots is not None:
-            snapshots.close()
+            # A rank that stops early (a peer gone) must not wait on its agent.
+            snapshots.close(settle_s=tier0.SETTLE_S if finished else 0.0)
+            _log_stalls(metrics, snapshots)
         if checkpointer is not None:
             checkpointer.close()
             _log_stalls(metrics, checkpointer)
@@ -320,10 +325,11 @@ def _log(metrics, row: dict) -> None:
         metrics.flush()
 
 
-def _log_stalls(metrics, checkpointer: ckpt.Checkpointer) -> None:
-    # A save's line goes out once the save has finished (an async one: some steps later),
-    # when its durable_s is known; lazarus.core.stall has the shape.
-    for stall in checkpointer.stalls():
+def _log_stalls(metrics, saver: ckpt.Checkpointer | tier0.Snapshotter) -> None:
+    # A save's line goes out once the save has finished (an async one, or a snapshot on its
+    # way to the peer: some steps later), when its durable_s is known; lazarus.core.stall has
+    # the shape.
+    for stall in saver.stalls():
         _log(metrics, stall.to_row())
 
 

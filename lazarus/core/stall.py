@@ -12,8 +12,9 @@ and, among them, one line per checkpoint::
   staging or snapshotting the state, and in a synchronous save the whole write and commit).
   A step's `step_time_s` ends before the checkpoint, so it never includes this.
 - `durable_s`: from the start of the save until it was committed (tier 1: the manifest is
-  durable on storage); null when it never was (the storage refused it, or a stale round was
-  fenced off).
+  durable on storage; tier 0: the agent says the copy is on its ring peer, or on the node
+  itself without a peer); null when it never was (the storage refused it, a stale round was
+  fenced off, a newer snapshot overtook it on its way to the peer).
 - `ranks`: the world size that saved it (one rank per GPU: nodes x ranks per node), which
   `lazarus goodput` scales the failure rate by; may be absent.
 

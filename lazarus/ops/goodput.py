@@ -5,9 +5,11 @@
 Figures come from the run where it measured them, and from flags otherwise (a flag wins):
 the median step time (metrics), the checkpoint interval, blocked and durable time per
 checkpoint of each tier (the metrics' checkpoint lines, lazarus.core.stall), the restart cost
-per failure (the events' recovered incidents: fault to the first step after the restore, less
-that step; only in a run without tier 0, whose restores all came from tier 1) and the GPU count (the checkpoint lines' ranks). The model and its sources are in
-lazarus.core.ettr; docs/operations.md ("Goodput") explains the table.
+per failure of each tier (the events' recovered incidents: fault to the first step after the
+restore, less that step, by the tier their `round_started` event says they restored from; a
+recovery whose event does not say counts as tier 1's in a run without tier 0 only) and the GPU
+count (the checkpoint lines' ranks). The model and its sources are in lazarus.core.ettr;
+docs/operations.md ("Goodput") explains the table.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def _given(value, measured: Figure) -> Figure:
     return measured if value is None else Figure(value, "given")
 
 
-def measure(metrics: Path | None, events: Path | None) -> tuple[Figure, Figure, dict, Figure]:
-    """(step time, GPUs, {tier: (every, blocked, durable)}, restart) as the run recorded them;
-    unknown figures are Figure(None)."""
-    step_s, gpus, restart = Figure(None), Figure(None), Figure(None)
+def measure(metrics: Path | None, events: Path | None
+            ) -> tuple[Figure, Figure, dict, dict[str, Figure]]:
+    """(step time, GPUs, {tier: (every, blocked, durable)}, {tier: restart}) as the run
+    recorded them; unknown figures are Figure(None)."""
+    step_s, gpus = Figure(None), Figure(None)
+    restart = {"storage": Figure(None), "memory": Figure(None)}
     tiers: dict[str, tuple[Figure, Figure, Figure]] = {}
     if metrics is None:
         return step_s, gpus, tiers, restart
@@ -95,13 +99,21 @@ def measure(metrics: Path | None, events: Path | None) -> tuple[Figure, Figure, 
             Figure(t.durable_median_s, f"median of {t.committed} committed")
             if t.durable_median_s is not None else Figure(None))
     if events is not None and events.is_file() and step_s.value is not None:
-        recovered = [i.recovered_after_s for i in report.incidents(report.read_events(events))
-                     if i.outcome == "recovered" and i.recovered_after_s is not None]
-        if recovered:
-            # recovered_at is the end of the first step after the restore: a step redone,
-            # which the model counts as recomputation.
-            restart = Figure(max(0.0, statistics.median(recovered) - step_s.value),
-                             f"median of {len(recovered)} recoveries")
+        # Events written before round_started said its tier: from storage, unless the run
+        # also took snapshots (then either).
+        unsaid = None if "memory" in tiers else "storage"
+        for name, tier in (("storage", 1), ("memory", 0)):
+            recovered = [i.recovered_after_s
+                         for i in report.incidents(report.read_events(events))
+                         if i.outcome == "recovered" and i.recovered_after_s is not None
+                         and (i.restore_tier == tier
+                              or (i.restore_tier is None and unsaid == name))]
+            if recovered:
+                # recovered_at is the end of the first step after the restore: a step redone,
+                # which the model counts as recomputation.
+                restart[name] = Figure(max(0.0, statistics.median(recovered) - step_s.value),
+                                       f"median of {len(recovered)} recoveries"
+                                       if len(recovered) > 1 else "1 recovery")
     return step_s, gpus, tiers, restart
 
 
@@ -238,12 +250,9 @@ def main(argv: list[str]) -> int:
     elif events is not None and not events.is_file():
         raise UserError(f"--events {events}: no such file")
     step_s, gpus, tiers, restart = measure(args.metrics, events)
-    if "memory" in tiers:
-        # Its recoveries restored from either tier, and the events do not say which yet.
-        restart = Figure(None)
     inputs = Inputs(step_s=_given(args.step_time_s, step_s), gpus=_given(args.gpus, gpus),
-                    storage=_tier(tiers, "storage", restart, args, ""),
-                    memory=_tier(tiers, "memory", Figure(None), args, "t0_"))
+                    storage=_tier(tiers, "storage", restart["storage"], args, ""),
+                    memory=_tier(tiers, "memory", restart["memory"], args, "t0_"))
     if inputs.gpus.value is None:
         raise UserError("the run's GPU count is unknown (its metrics have no checkpoint "
                         "lines with ranks): give --gpus N (nodes x ranks per node)")

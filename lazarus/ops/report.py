@@ -52,6 +52,7 @@ class Incident:
     outcome: str = "open"          # recovered | failed | cancelled | superseded | open
     fault_step: int | None = None  # last step trained before it (from the metrics)
     resume_step: int | None = None
+    restore_tier: int | None = None  # 0: from memory, 1: from storage (None: not said)
 
     @property
     def detected_after_s(self) -> float:
@@ -172,8 +173,9 @@ def incidents(events: list[EventRecord]) -> list[Incident]:
         elif open_ is None:
             continue
         elif ev.kind == "round_started":
-            step = f.get("restore_step")
+            step, tier = f.get("restore_step"), f.get("restore_tier")
             open_.restore_step = step if isinstance(step, int) else 0
+            open_.restore_tier = tier if tier in (0, 1) and not isinstance(tier, bool) else None
         elif ev.kind == "recovered":
             open_.recovered_at = _num(f.get("recovered_at"), ev.time)
             open_.outcome, open_ = "recovered", None
@@ -429,17 +431,18 @@ def stall_table(story: Story) -> str:
 
 def render(story: Story) -> str:
     table = ["<table id=\"incidents\"><thead><tr><th>#</th><th>kind</th><th>culprit</th>"
-             "<th>after step</th><th>restored step</th><th>detected after</th>"
+             "<th>after step</th><th>restored step</th><th>from</th><th>detected after</th>"
              "<th>recovered after</th><th>outcome</th></tr></thead><tbody>"]
     for n, inc in enumerate(story.incidents, 1):
         cells = [str(n), inc.kind, inc.culprit or "–",
                  "–" if inc.fault_step is None else str(inc.fault_step),
                  "–" if inc.restore_step is None else str(inc.restore_step),
+                 {0: "memory", 1: "storage"}.get(inc.restore_tier, "–"),
                  _s(inc.detected_after_s), _s(inc.recovered_after_s), inc.outcome]
         table.append(f'<tr class="incident" data-outcome="{html.escape(inc.outcome)}">'
                      + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     if not story.incidents:
-        table.append('<tr><td colspan="8">no incidents</td></tr>')
+        table.append('<tr><td colspan="9">no incidents</td></tr>')
     table.append("</tbody></table>")
     facts = "".join(f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd></div>"
                     for k, v in summary(story))

@@ -14,6 +14,7 @@ import pytest
 
 from lazarus import cli
 from lazarus.core import ettr
+from lazarus.core.records import EventRecord
 from lazarus.core.stall import CheckpointStall, is_step
 from tests.integration.test_report import write_run
 from tests.integration.test_train_cli import train_ok
@@ -150,6 +151,29 @@ def test_goodput_with_tier_0_lines(tmp_path, capsys):
     t0 = ettr.expected_ettr(step_s=0.1, tiers=[storage, memory], restore_from=memory,
                             restart_s=3, mtbf_s=mtbf)
     assert re.search(rf"^ETTR +{t1.ettr:.2%} +{t0.ettr:.2%}$", out, re.MULTILINE)
+
+
+def test_goodput_takes_each_tiers_restart_from_the_recoveries_that_restored_from_it(
+        tmp_path, capsys):
+    # The report's run, its round_started events saying the tier as the daemon's do: the
+    # crash restored from storage (2.1 s), the node loss from memory (2.6 s).
+    write_run(tmp_path)
+    events = tmp_path / "events.jsonl"
+    lines = []
+    for line in events.read_text().splitlines():
+        ev = EventRecord.from_json(line.encode())
+        if ev.kind == "round_started" and ev.round > 1:
+            ev.fields["restore_tier"] = 1 if ev.round == 2 else 0
+        lines.append(ev.to_json().decode() + "\n")
+    events.write_text("".join(lines))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(stall_lines("storage", 10, 0.5, 1.0) + stall_lines("memory", 2, 0.01, 0.05))
+    assert cli.main(["goodput", "--metrics", str(tmp_path / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out
+    # less the first step after the restore (one step time, 0.1 s)
+    assert re.search(r"^restart per failure +2 s \(1 recovery\) +2\.5 s \(1 recovery\)$",
+                     out, re.MULTILINE), out
+    assert re.search(r"^ETTR +\d+\.\d\d% +\d+\.\d\d%$", out, re.MULTILINE), out
 
 
 def test_checkpoint_lines_do_not_move_the_faults_in_the_report(tmp_path):

@@ -161,7 +161,7 @@ def test_chromium_renders_the_report_with_every_marker(tmp_path):
     cells = [re.findall(r"<td>(.*?)</td>", r) for _, r in rows]
     assert [c[1:5] for c in cells] == [["worker_crash", "n1", "13", "10"],
                                        ["node_lost", "n1", "30", "30"]]
-    assert [(c[5], c[6]) for c in cells] == [("0.40 s", "2.10 s"), ("0.00 s", "2.60 s")]
+    assert [(c[6], c[7]) for c in cells] == [("0.40 s", "2.10 s"), ("0.00 s", "2.60 s")]
     # productive: 4.0-6.0, 8.1-18.0 and 20.6-25.0 of the 25 s since the job was accepted
     assert "<dd>succeeded</dd>" in dom and "<dd>65.2% (16.3 s productive of 25.0 s)</dd>" in dom
 

@@ -1,12 +1,17 @@
 """Tier-0 copies between agents over real TCP (lazarus.agent.replica): a holder of the shared
-key sends and fetches shards; anyone else, and any damaged shard, is refused."""
+key sends and fetches shards; anyone else, and any damaged shard, is refused; the sender
+says when each copy is on its peer."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from lazarus.agent import replica
 from lazarus.agent.tier0 import Tier0Store
+from lazarus.agent.tier0_agent import Tier0, Tier0Options
+from lazarus.core.records import NodeRecord, RoundRecord
 from lazarus.core import snapshotfile
 
 KEY = b"k" * 32
@@ -73,3 +78,37 @@ def test_a_damaged_or_misnamed_shard_is_refused(peer):
     with pytest.raises(replica.ReplicaError, match="round 1"):
         put(server, round_=1)  # sent before the sender saw the round this node is in
     assert taken == []
+
+
+def test_each_snapshot_is_settled_once_it_is_on_the_peer_or_never_will_be(tmp_path):
+    """What a rank's tier-0 stall line times (durable_s): the agent says when its peer holds
+    the copy, or that it never will (overtaken by a newer one before it was sent)."""
+    settled: dict[str, list] = {"n0": [], "n1": []}
+    agents: dict[str, Tier0] = {}
+
+    def lookup(node):
+        return NodeRecord(node=node, host="127.0.0.1", nproc=1, replica_port=agents[node].port)
+
+    for node in ("n0", "n1"):
+        agents[node] = Tier0(node=node, host="127.0.0.1", lookup=lookup,
+                             options=Tier0Options(tmp_path / node, 1 << 20, KEY),
+                             on_kept=lambda r, s, ok, node=node: settled[node].append((r, s, ok)))
+    rec = RoundRecord(round=2, job_id="j", members=["n0", "n1"], nproc_per_node=1,
+                      world_size=2, dp=2, tp=1, store_host="127.0.0.1", store_port=1)
+    try:
+        for a in agents.values():
+            a.round_seen(rec)
+        n0 = agents["n0"]
+        with n0._cv:  # hold the sender: the next two wait in the outbox, the second overtakes
+            for step in (5, 6):
+                f = n0.store.incoming / f"s{step}.t0"
+                f.write_bytes(shard(step=step, rank=0))
+                n0.taken("j", {"rank": 0, "step": step, "path": str(f)})
+        deadline = time.monotonic() + 10
+        while len(settled["n0"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert settled["n0"] == [(0, 5, False), (0, 6, True)]
+        assert agents["n1"].store.path("j", 0, 6) is not None  # on the peer when it said so
+    finally:
+        for a in agents.values():
+            a.close()

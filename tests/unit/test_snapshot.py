@@ -117,3 +117,59 @@ def test_a_snapshot_of_another_model_is_refused(saved):
     opt = torch.optim.AdamW(other.parameters())
     with pytest.raises(SnapshotError, match="does not fit this model"):
         snapshot.restore(data, other, opt, rank=0, world_size=1)
+
+
+def test_each_snapshot_gives_a_memory_stall_line_timed_to_its_peer_copy(tmp_path):
+    """The tier-0 line of metrics.jsonl (lazarus.core.stall): blocked while `take` held the
+    loop, durable when the agent said the copy was on the peer, null when it never got there;
+    a rank that finished writes a line for every snapshot it took."""
+    import time
+
+    from lazarus.core.stall import CheckpointStall
+
+    model, opt = _trained(3)
+    written, acks = [], []
+
+    def kept():
+        out, acks[:] = list(acks), []
+        return out
+
+    snaps = snapshot.Snapshotter(tmp_path, every=1, first_step=0, kept=kept,
+                                 header={"job": "j", "round": 1, "rank": 0, "world_size": 4},
+                                 on_written=lambda step, path: written.append(step))
+    started = time.perf_counter()
+    blocked = [snaps.take(step, model, opt, {"step": step}) for step in (1, 2, 3)]
+    snaps.wait()
+    assert written == [1, 2, 3] and snaps.stalls() == []  # nothing settled yet
+    acks += [(2, False, time.perf_counter()), (1, True, time.perf_counter())]
+    got = snaps.stalls()
+    assert [(s.step, s.tier, s.ranks) for s in got] == [(1, "memory", 4), (2, "memory", 4)]
+    assert got[0].blocked_s == blocked[0] and got[1].blocked_s == blocked[1]
+    assert 0 < got[0].durable_s <= time.perf_counter() - started
+    assert got[1].durable_s is None  # overtaken on its way to the peer
+    snaps.close(settle_s=0.05)  # step 3 is never settled
+    (last,) = snaps.stalls()
+    assert (last.step, last.durable_s) == (3, None)
+    assert CheckpointStall.from_row(last.to_row()).durable_s is None
+
+
+def test_a_snapshot_reusing_the_last_ones_buffers_holds_the_new_state(tmp_path):
+    model, opt = _trained(4)
+    files = {}
+    snaps = snapshot.Snapshotter(tmp_path, every=1, first_step=0,
+                                 header={"job": "j", "round": 1, "rank": 0, "world_size": 1},
+                                 on_written=lambda step, path: files.setdefault(step, path))
+    snaps.take(1, model, opt, {"step": 1})
+    model(torch.randint(0, 100, (2, 16))).float().mean().backward()
+    opt.step()  # new weights and moments, into the same buffers
+    snaps.take(2, model, opt, {"step": 2})
+    snaps.close()
+    fresh, fresh_opt = _trained(5)
+    snapshot.restore(snapshot.load_file(files[2]), fresh, fresh_opt, rank=0, world_size=1)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    old, _ = _trained(5)
+    snapshot.restore(snapshot.load_file(files[1]), old, build_optimizer(old, lr=1e-3,
+                                                                        weight_decay=0.1),
+                     rank=0, world_size=1)
+    assert not all(torch.equal(a, b) for a, b in zip(old.parameters(), fresh.parameters()))

@@ -114,3 +114,27 @@ def test_the_store_keeps_the_newest_and_the_promised_steps_within_its_limit(tmp_
     store.add_replica("j", 1, 6, b"y" * 50)
     store.forget(job="j", after_step=5)
     assert store.used_bytes() == 0
+
+
+def test_own_copies_are_kept_back_to_the_step_the_peers_replicas_reached(tmp_path):
+    """A lost peer's ranks restore from their replicas here, with this node's own copies of
+    the same step: while the replicas lag, the own copies back to them stay (and are named
+    in the status), beyond the `keep` newest."""
+    store = Tier0Store(tmp_path / "t0", limit_bytes=10_000, keep=2)
+
+    def add(step):
+        f = store.incoming / f"r0-{step}"
+        f.write_bytes(b"x" * 100)
+        store.add_local("j", 0, step, f)
+
+    store.add_replica("j", 1, 3, b"y" * 100)  # the peer's rank 1 as of step 3
+    for step in range(1, 8):
+        add(step)
+    assert store.holdings("j", 2)["ranks"] == {"0": [7, 6, 5, 4, 3], "1": [3]}
+    store.add_replica("j", 1, 6, b"y" * 100)
+    store.sent("j", 0, 6)
+    add(8)
+    held = store.holdings("j", 2)["ranks"]
+    assert held == {"0": [8, 7, 6], "1": [6, 3]}
+    add(9)  # the promise of 3..5 replaced: only what the ring still needs stays
+    assert [s for s in range(1, 10) if store.path("j", 0, s)] == [6, 7, 8, 9]
