@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import random
 import shutil
 import signal
 import socket
@@ -54,7 +55,37 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports this process handed out: a port is only checked free, not held, so two calls in a row
+# must not return the same one.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range. A server we stop and start
+    again on the same port (etcd in an outage, the API of a daemon started anew) must find it
+    free, and outgoing connections take their local ports from that range -- a client retrying
+    a stopped server on loopback can even connect to itself on the server's port (an e2e
+    etcd restart failed with "address already in use" that way)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
