@@ -25,6 +25,10 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
         [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(work), "--quiet",
          "--nodes", "2", "--spares", "0", "--steps", str(steps), "--seq-len", "64",
          "--global-batch", "8", "--ckpt-every", "4", "--summary", str(tmp_path / "s.json"),
+         # a snapshot in memory every 2 steps: the automatic period follows the measured stall
+         # (every ~15 steps of the tiny model here), and the crash must find one newer than
+         # the last checkpoint the disk took
+         "--memory-every", "2",
          "--chaos", "disk-full@7,kill-worker@14,disk-free@22"],
         capture_output=True, text=True, timeout=300)
     if proc.returncode == 2 and "private mount namespace" in proc.stderr:
