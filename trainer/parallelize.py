@@ -96,16 +96,22 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> No
 
 
 def build_model(model_cfg: ModelConfig, mesh: DeviceMesh, cfg: ParallelConfig, *, seed: int,
-                fused_kernels: bool = False) -> Transformer:
+                fused_kernels: bool = False, init: bool = True) -> Transformer:
     """The sharded model, materialised on this rank's device and initialised from `seed`.
 
-    Built on the meta device first: no rank ever holds the whole unsharded model.
+    Built on the meta device first: no rank ever holds the whole unsharded model. `init`
+    False: the parameters are left as allocated, for a restore to fill -- drawing them costs
+    time in proportion to the whole model on every rank (each draws the full weight and
+    keeps its shard), which a recovery would spend for nothing.
     """
     with torch.device("meta"):
         model = Transformer(model_cfg, fused_kernels=fused_kernels)
     parallelize(model, mesh, cfg)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     model.to_empty(device=device)
-    model.init_weights(seed)
+    if init:
+        model.init_weights(seed)
+    else:
+        model.init_buffers()
     return model
 

@@ -121,14 +121,16 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
           hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
           snapshot_dir: str | None = None, round_: int = 0,
-          allowed_roots: list[str] | tuple[str, ...] = ()) -> None:
+          allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
     (lazarus.trainer.checkpoint.claim). `snapshot_dir`: where tier-0 snapshots go (the
     agent's; None: no tier 0). `allowed_roots`: where the job's paths must lie
     (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
-    the checkpoint dir is another job's, or, starting afresh, is not shared."""
+    the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
+    this rank got its assignment (time.perf_counter()): the start line times from it."""
+    start = StartTimes(began=time.perf_counter() if began is None else began)
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics},
                                allowed_roots):
         raise JobRefused(why)
@@ -140,7 +142,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     torch.manual_seed(cfg.seed)
 
     model_cfg = get_model_config(cfg.model.name)
-    model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels)
+    model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels,
+                        init=restore is None and snapshot is None)
     optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
     plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
     dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
@@ -153,6 +156,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     step = 0
     extra: dict = {}
     guard = Guard(cfg.guard)
+    start.mark("build")
     if snapshot is not None:
         extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
                               world_size=dist.get_world_size(), what=snapshot)["extra"]
@@ -166,6 +170,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             guard.load_state_dict(extra["guard"])
         if rank == 0:
             print(f"resumed from {restore} at step {step}", flush=True)
+    start.mark("restore")
     windows = DataWindows(loader, skip=data.skip_windows)
     lr_scaled = lr_scale_span(opt, step, extra)
 
@@ -223,6 +228,10 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         session.progress(step, phase, _collectives(), **op)
         hooks(phase, ctx)
 
+    start.mark("setup")
+    source = ("memory" if snapshot is not None else "storage" if restore is not None
+              else "scratch")
+
     finished = False
     try:
         while step < cfg.steps:
@@ -252,6 +261,11 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens=data.global_batch * data.seq_len, step_time_s=time.perf_counter() - t0)
             compute_s = clock.stop()
+            if not start.done:
+                start.mark("first_step")
+                row = start.row(round_=round_, step=step - 1, source=source)
+                print(start.line(row), flush=True)
+                _log(metrics, row)
             if reason is None:
                 session.report(**_fields(result), skipped=False, compute_s=compute_s,
                                window=[window["first"], window["last"]])
@@ -302,6 +316,40 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             _log_stalls(metrics, checkpointer)
         if metrics is not None:
             metrics.close()
+
+
+class StartTimes:
+    """Where a rank's start went, from its assignment to its first step done: the part of a
+    recovery inside the trainer (docs/architecture.md, "Checkpoints"). One metrics line of
+    kind "start" per round, rank 0's; every rank prints its own."""
+
+    PHASES = ("rendezvous", "build", "restore", "setup", "first_step")
+
+    def __init__(self, *, began: float):
+        self._last = began
+        self._began = began
+        self.seconds: dict[str, float] = {}
+        # init_process_group ran before train(): the wait for the round's peers.
+        self.mark("rendezvous")
+        self.done = False
+
+    def mark(self, phase: str) -> None:
+        assert phase in self.PHASES, phase
+        now = time.perf_counter()
+        self.seconds[phase], self._last = now - self._last, now
+        self.done = phase == self.PHASES[-1]
+
+    def row(self, *, round_: int, step: int, source: str) -> dict:
+        return {"kind": "start", "round": round_, "step": step, "from": source,
+                "total_s": round(self._last - self._began, 6),
+                **{f"{p}_s": round(self.seconds.get(p, 0.0), 6) for p in self.PHASES}}
+
+    @staticmethod
+    def line(row: dict) -> str:
+        parts = ", ".join(f"{p.replace('_', ' ')} {row[p + '_s']:.2f} s"
+                          for p in StartTimes.PHASES)
+        return (f"round {row['round']} from {row['from']} at step {row['step']}: first step "
+                f"done {row['total_s']:.2f} s after the assignment ({parts})")
 
 
 def lr_scale_span(opt: OptimizerConfig, start_step: int, extra: dict) -> tuple[int, int] | None:

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -67,6 +68,7 @@ def run(assignment: WorkerAssignment) -> int:
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     a = assignment
+    began = time.perf_counter()
     if os.environ.get(STACKS_ENV):
         # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
         from lazarus.trainer.stackdump import enable_stack_dumps
@@ -92,7 +94,7 @@ def run(assignment: WorkerAssignment) -> int:
     try:
         train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
               snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
-              allowed_roots=a.allowed_roots)
+              allowed_roots=a.allowed_roots, began=began)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))

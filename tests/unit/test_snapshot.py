@@ -60,6 +60,33 @@ def test_a_round_trip_restores_model_optimizer_data_position_and_rng(saved):
     assert torch.equal(torch.rand(4), expected_draw)
 
 
+def test_a_fresh_optimizer_gets_the_state_without_a_step_and_trains_on_alike(saved, monkeypatch):
+    # A restarted rank's optimizer has no state yet; DCP would make one with a zero-gradient
+    # step over the whole shard, which the restore allocates instead.
+    import torch.distributed.checkpoint.state_dict as dcp_state
+    model, opt, data, _ = saved
+    fresh = Transformer(get_model_config("tiny"))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("stepped"))
+    snapshot.restore(data, fresh, fresh_opt, rank=0, world_size=1)
+    monkeypatch.undo()
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert set(fresh_opt.state[q]) == set(opt.state[p])
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+    assert dcp_state.get_state_dict(fresh, fresh_opt)  # a state DCP takes as it is
+    # The next step from it is the step from the same snapshot restored into an optimizer
+    # that had a state of its own (the path through DCP's own allocation).
+    other, other_opt = _trained(3)
+    snapshot.restore(data, other, other_opt, rank=0, world_size=1)
+    batch = torch.randint(0, 100, (2, 16))
+    for m, o in ((fresh, fresh_opt), (other, other_opt)):
+        m(batch).float().mean().backward()
+        o.step()
+    for p, q in zip(fresh.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_restoring_unpickles_nothing(saved, monkeypatch):
     _, _, data, _ = saved
 

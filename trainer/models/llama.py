@@ -173,6 +173,14 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The tables derived from the config (not in checkpoints): all a model materialised
+        from the meta device needs before a restore fills its parameters."""
+        cos, sin = rope_tables(self.cfg, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill every parameter from `seed` alone: the same seed gives the same model whatever
         the data-parallel degree, and works on a model materialised from the meta device.
@@ -182,9 +190,7 @@ class Transformer(nn.Module):
         tp_rank): with one stream per weight every shard would be a copy of the first (the
         SmolLM3 bug), leaving the shards' units identical for the whole run.
         """
-        cos, sin = rope_tables(self.cfg, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_buffers()
         # Residual-branch outputs are scaled down with depth (GPT-2 style) so the residual
         # stream's variance does not grow with the number of layers.
         depth_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
