@@ -185,14 +185,29 @@ def load_file(path: str | Path) -> bytes:
         raise SnapshotError(f"tier-0 snapshot {path} cannot be read ({e.strerror or e})") from None
 
 
+def auto_period(stall: float, step_times: list[float], durable_times: list[float]) -> int:
+    """Steps between snapshots when the period is automatic: the stall under STALL_SHARE of
+    the median step time, and no shorter than the median time to durable. 1 before any step
+    has been timed."""
+    typical = statistics.median(step_times) if step_times else 0.0
+    if not typical > 0:
+        return 1
+    wish = math.ceil(stall / (STALL_SHARE * typical))
+    if durable_times:
+        wish = max(wish, math.ceil(statistics.median(durable_times) / typical))
+    return min(MAX_AUTO_EVERY, max(1, wish))
+
+
 class Snapshotter:
     """Takes this rank's tier-0 snapshots into `directory` (the agent's; it owns each file
     once `on_written(step, path)` has told it), at most one in flight.
 
     `every`: steps between snapshots; 0 means automatic -- after each snapshot the ranks agree
     (an all-reduce of the largest wish) on the smallest period whose stall stays under 1% of
-    the median step time. All ranks snapshot at the same steps: a restore needs every shard
-    of one step.
+    the median step time, and that is at least as long as a snapshot takes to be durable (on
+    the peer node): one in flight end to end. A faster one would only be overtaken before it
+    is sent, its encoding and sending paid for by the cores the step runs on. All ranks
+    snapshot at the same steps: a restore needs every shard of one step.
 
     `kept()`: the (step, durable, time.perf_counter()) of the snapshots the agent settled
     since the last call (lazarus.trainer.session.Session.snapshots_kept); `stalls()` turns
@@ -215,6 +230,7 @@ class Snapshotter:
         self._period = every or 1
         self.next_step = first_step + self._period
         self._step_times: list[float] = []
+        self._durable_times: list[float] = []  # of the last settled snapshots, seconds
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazarus-tier0")
         self._inflight: Future | None = None
         self.last_stall_s = 0.0
@@ -246,9 +262,7 @@ class Snapshotter:
         if self.every:
             self.next_step = step + self.every
             return
-        typical = statistics.median(self._step_times) if self._step_times else 0.0
-        wish = (min(MAX_AUTO_EVERY, max(1, math.ceil(stall / (STALL_SHARE * typical))))
-                if typical > 0 else 1)
+        wish = auto_period(stall, self._step_times, self._durable_times)
         if dist.is_available() and dist.is_initialized():
             agreed = torch.tensor(wish)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -281,6 +295,8 @@ class Snapshotter:
                 started, blocked = self._pending.pop(step)
                 self._done.append(self._record(step, blocked,
                                                at - started if durable else None))
+                if durable:
+                    self._durable_times = [*self._durable_times[-4:], at - started]
         done, self._done = sorted(self._done, key=lambda s: s.step), []
         return done
 

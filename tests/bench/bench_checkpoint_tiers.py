@@ -198,7 +198,10 @@ def recover(tmp: Path, name: str, fault: str, tier: str) -> dict:
     memory = by_tier([CheckpointStall.from_row(r) for r in rows if not is_step(r)]).get("memory")
     steps = [r["step_time_s"] for r in rows if is_step(r)]
     restored = rec.get("restored_step")
-    return {"workdir": workdir, "detected": rec.get("detected_after_s"),
+    # Where the recovered round's rank 0 spent its start (trainer/train.py: StartTimes).
+    starts = [r for r in rows if r.get("kind") == "start"]
+    start = max(starts, key=lambda r: r["round"]) if len(starts) > 1 else None
+    return {"start": start, "workdir": workdir, "detected": rec.get("detected_after_s"),
             "recovered": rec.get("recovered_after_s"), "fault_step": rec["fault_step"],
             "restored": restored, "from": rec.get("restored_from_tier"),
             "redone": None if restored is None else rec["fault_step"] - restored,
@@ -236,7 +239,8 @@ def test_checkpoint_tiers(tmp_path):
     runs = {}
     header = (f"{'model':<6} {'fault':<13} {'tiers':<12} {'detected':>9} {'recovered':>10} "
               f"{'restored':>9} {'from':>5} {'redone':>7} {'step':>8} {'t0 blocked':>11} "
-              f"{'t0 durable':>11} {'peak mem':>10} {'load':>5}")
+              f"{'t0 durable':>11} {'peak mem':>10} {'load':>5}   rank 0's restart: "
+              f"rendezvous / build / restore / first step")
     print(header)
     for name in MODELS:
         for fault in FAULTS:
@@ -249,7 +253,10 @@ def test_checkpoint_tiers(tmp_path):
                       f"{r['redone']!s:>7} {_ms(r['step_s']):>8} "
                       f"{_ms(t0.blocked_median_s if t0 else None):>11} "
                       f"{_ms(t0.durable_median_s if t0 else None):>11} "
-                      f"{r['peak_gb']:7.2f} GB {os.getloadavg()[0]:5.1f}", flush=True)
+                      f"{r['peak_gb']:7.2f} GB {os.getloadavg()[0]:5.1f}   "
+                      + (" / ".join(_s(r["start"][f"{p}_s"]) for p in
+                                    ("rendezvous", "build", "restore", "first_step"))
+                         if r["start"] else "-"), flush=True)
     for key, r in runs.items():
         print(f"  workdir {' / '.join(key)}: {r['workdir']}")
 
@@ -273,6 +280,11 @@ def test_checkpoint_tiers(tmp_path):
             if tiny and small:
                 print(f"tier-0 recovery small / tiny, {fault}: {small / tiny:.2f}x "
                       f"(target <= 1.5x): {_met(small / tiny <= 1.5)}")
+            starts = [runs[m, fault, "tier 0"]["start"] for m in ("tiny", "small")]
+            if all(starts):
+                print(f"  of it, rank 0's restore alone: {_s(starts[0]['restore_s'])} tiny, "
+                      f"{_s(starts[1]['restore_s'])} small; its first step "
+                      f"{_s(starts[0]['first_step_s'])} / {_s(starts[1]['first_step_s'])}")
             t1 = [runs[m, fault, "tier 1 only"]["recovered"] for m in ("tiny", "small")]
             if all(t1):
                 print(f"  tier 1 only, for comparison: {t1[1] / t1[0]:.2f}x")

@@ -200,3 +200,15 @@ def test_a_snapshot_reusing_the_last_ones_buffers_holds_the_new_state(tmp_path):
                                                                         weight_decay=0.1),
                      rank=0, world_size=1)
     assert not all(torch.equal(a, b) for a, b in zip(old.parameters(), fresh.parameters()))
+
+
+def test_the_automatic_period_bounds_the_stall_and_keeps_one_snapshot_in_flight():
+    # 2 ms stall on a 1 s step: under 1% every step, so long as a copy is durable within it.
+    assert snapshot.auto_period(0.002, [1.0, 1.2, 0.9], []) == 1
+    assert snapshot.auto_period(0.002, [1.0, 1.2, 0.9], [0.5, 0.8]) == 1
+    # A copy that takes 2.3 s to reach its peer: the next one waits for it.
+    assert snapshot.auto_period(0.002, [1.0, 1.2, 0.9], [2.3, 2.1, 9.0]) == 3
+    # The stall alone: 50 ms against 1% of a 1 s step.
+    assert snapshot.auto_period(0.05, [1.0], [0.1]) == 5
+    assert snapshot.auto_period(0.05, [], [3.0]) == 1          # nothing timed yet
+    assert snapshot.auto_period(60.0, [0.001], []) == snapshot.MAX_AUTO_EVERY
