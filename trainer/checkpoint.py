@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 from lazarus.core.contract import ABSENT, CORRUPT, UNREADABLE
 from lazarus.core.errors import CheckpointError, RestoreFailed
 from lazarus.core.stall import CheckpointStall
+from lazarus.trainer import optimstate
 
 log = logging.getLogger(__name__)
 
@@ -765,6 +766,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     manifest = _verify_collectively(path) if distributed else verify_checkpoint(path)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    # The state is read over, so allocated rather than made by a step (trainer/optimstate.py).
+    optimstate.allocate(model, optimizer, optimstate.from_dcp_metadata(read_dcp_metadata(path)),
+                        local=False)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     load_tensors(path, state, no_dist=not distributed)

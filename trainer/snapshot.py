@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
 from lazarus.core.stall import CheckpointStall
+from lazarus.trainer import optimstate
 from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
@@ -109,7 +110,8 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
     except SafetensorError as e:
         raise SnapshotError(f"{what}: its tensors do not parse ({e})") from None
     values = header.get("values") if isinstance(header.get("values"), dict) else {}
-    _allocate_optimizer_state(model, optimizer, tensors, values)
+    # Read over below: allocated rather than made by a step (trainer/optimstate.py).
+    optimstate.allocate(model, optimizer, optimstate.from_snapshot(tensors, values), local=True)
     state = _state(model, optimizer)
     leaves = list(_leaves(state))
     want = {p for p, v in leaves if isinstance(v, torch.Tensor)}
@@ -131,38 +133,6 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
                    optim_state_dict=state["optim"])
     _set_rng_state(header["rng"])
     return header
-
-
-def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                              tensors: dict[str, torch.Tensor], values: dict) -> None:
-    """Give a fresh optimizer state of the snapshot's shape, left for the restore to fill.
-
-    Without it `get_state_dict` makes the state by running a whole optimizer step on zero
-    gradients: a full pass over every shard, measured as most of a restore here (0.7 s alone
-    for the small model, 4-5 s with two ranks restoring on two cores). Leaves the optimizer
-    as it is (DCP then makes the state) when the snapshot's entries do not map onto its
-    parameters one by one."""
-    if optimizer.state:
-        return
-    names = {param: name for name, param in model.named_parameters()}
-    fresh = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            prefix = f"optim/state/{names.get(param)}/"
-            keys = [k for k in (*tensors, *values) if k.startswith(prefix)]
-            if param not in names or not keys or any("/" in k[len(prefix):] for k in keys):
-                return
-            entry = {}
-            for key in keys:
-                saved = tensors.get(key)
-                if saved is None:
-                    entry[key[len(prefix):]] = values[key]
-                elif saved.dim() > 0 and saved.shape == _local(param).shape:
-                    entry[key[len(prefix):]] = torch.empty_like(param)  # a DTensor like it
-                else:
-                    entry[key[len(prefix):]] = torch.empty_like(saved)
-            fresh[param] = entry
-    optimizer.state.update(fresh)
 
 
 def _set_leaf(state: dict, path: str, saved, current) -> None:

@@ -80,6 +80,11 @@ def is_step(row: dict) -> bool:
     return "kind" not in row
 
 
+def is_stall(row: dict) -> bool:
+    """Whether a metrics line is a checkpoint's stall record (a round's start line is not)."""
+    return row.get("kind") == KIND
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierStalls:
     """One tier's checkpoints in a run. The durable figures cover the committed ones only

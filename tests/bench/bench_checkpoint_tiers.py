@@ -37,7 +37,7 @@ from lazarus.trainer.optim import build_optimizer
 from lazarus.trainer.parallelize import build_mesh, build_model
 
 from lazarus.core.modelconfig import MODEL_SIZES
-from lazarus.core.stall import CheckpointStall, by_tier, is_step
+from lazarus.core.stall import CheckpointStall, by_tier, is_stall, is_step
 from lazarus.core.trainconfig import ParallelConfig
 from tests.bench.runs import lazarus_up
 
@@ -195,7 +195,7 @@ def recover(tmp: Path, name: str, fault: str, tier: str) -> dict:
                              extra=TIERS[tier])
     (rec,) = summary["recoveries"]
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    memory = by_tier([CheckpointStall.from_row(r) for r in rows if not is_step(r)]).get("memory")
+    memory = by_tier([CheckpointStall.from_row(r) for r in rows if is_stall(r)]).get("memory")
     steps = [r["step_time_s"] for r in rows if is_step(r)]
     restored = rec.get("restored_step")
     # Where the recovered round's rank 0 spent its start (trainer/train.py: StartTimes).

@@ -382,3 +382,19 @@ def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="posix.system is not allowed in DCP metadata"):
         load_checkpoint(path, model, optimizer)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_fresh_optimizer_is_loaded_without_a_step_of_its_own(tmp_path, monkeypatch):
+    # DCP would make the state with a zero-gradient step over every shard, all of it then
+    # read over; the load allocates it from the checkpoint's metadata instead.
+    model, optimizer = _trained()
+    Checkpointer(tmp_path, keep_last=1).save(1, model, optimizer, {"step": 1}, async_save=False)
+    fresh, fresh_optimizer = build(seed=5)
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("stepped"))
+    assert load_checkpoint(ckpt.checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer) == {"step": 1}
+    monkeypatch.undo()
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+        assert optimizer.state[p].keys() == fresh_optimizer.state[q].keys()
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, fresh_optimizer.state[q][key]), key

@@ -15,7 +15,7 @@ import pytest
 from lazarus import cli
 from lazarus.core import ettr
 from lazarus.core.records import EventRecord
-from lazarus.core.stall import CheckpointStall, is_step
+from lazarus.core.stall import CheckpointStall, is_stall, is_step
 from tests.integration.test_report import write_run
 from tests.integration.test_train_cli import train_ok
 
@@ -28,7 +28,7 @@ def run(tmp: Path, *extra: str) -> tuple[list[dict], list[CheckpointStall]]:
     train_ok(RUN + ["--ckpt-dir", str(tmp / "ckpt"), "--metrics", str(metrics), *extra])
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return ([r for r in rows if is_step(r)],
-            [CheckpointStall.from_row(r) for r in rows if not is_step(r)])
+            [CheckpointStall.from_row(r) for r in rows if is_stall(r)])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_goodput_from_the_runs_metrics(async_run, capsys):
     assert table["ETTR"][1] == "not measured"  # no tier-0 figures: none invented
     # The figure printed is the model's over the medians of the file.
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    stalls = [CheckpointStall.from_row(r) for r in rows if not is_step(r)]
+    stalls = [CheckpointStall.from_row(r) for r in rows if is_stall(r)]
     tier = ettr.Tier(every=2, blocked_s=statistics.median(s.blocked_s for s in stalls),
                      durable_s=statistics.median(s.durable_s for s in stalls))
     want = ettr.expected_ettr(step_s=statistics.median(r["step_time_s"] for r in rows
