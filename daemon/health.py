@@ -216,6 +216,7 @@ def _node(name: str, view: ClusterView, drains: set[str], now: float, slow: dict
           members: set[str], positions: dict[str, int]) -> pb.Node:
     node = pb.Node(node=name, state=node_state(name, view, members),
                    cordoned=name in view.cordoned,
+                   cordon_reason=view.cordon_reason.get(name, "") if name in view.cordoned else "",
                    draining=name in drains, registered=name in view.nodes,
                    last_report_age_s=-1.0)
     rec = view.nodes.get(name)

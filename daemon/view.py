@@ -52,6 +52,9 @@ class ClusterView:
     # Who cordoned each of those when it was not an operator: "preflight" (the leader, for a
     # failed preflight: lazarus.daemon.preflight lifts it when one passes again).
     cordon_by: dict[str, str] = field(default_factory=dict)
+    # Why each was cordoned, where its cordon says (a failed preflight, a node that alone
+    # cannot read a checkpoint, a drain's reason); shown by `lazarus nodes`.
+    cordon_reason: dict[str, str] = field(default_factory=dict)
     # Operator commands (see lazarus.core.records). Revisions order them against checkpoint
     # commits without trusting anybody's clock.
     checkpoint_revision: dict[int, int] = field(default_factory=dict)  # step -> mod revision
@@ -110,6 +113,7 @@ class ViewBuilder:
         self._drains: dict[str, int] = {}
         self._cordoned: set[str] = set()
         self._cordon_by: dict[str, str] = {}
+        self._cordon_reason: dict[str, str] = {}
         self._ignored: dict[str, str] = {}
         # Kept by key, assembled in key order at build time (as a snapshot lists them): few.
         self._rounds: dict[str, RoundRecord] = {}
@@ -213,9 +217,14 @@ class ViewBuilder:
         elif kind == "drain":
             self._drains[self._name(key, kind)] = payload
         elif kind == "cordon":
-            self._cordoned.add(self._name(key, kind))
-            if payload:
-                self._cordon_by[self._name(key, kind)] = payload
+            name = self._name(key, kind)
+            self._cordoned.add(name)
+            by, reason = payload
+            for table, value in ((self._cordon_by, by), (self._cordon_reason, reason)):
+                if value:
+                    table[name] = value
+                else:
+                    table.pop(name, None)
         elif kind == "ignored":
             self._ignored[key] = payload
         else:
@@ -248,6 +257,7 @@ class ViewBuilder:
         elif kind == "cordon":
             self._cordoned.discard(self._name(key, kind))
             self._cordon_by.pop(self._name(key, kind), None)
+            self._cordon_reason.pop(self._name(key, kind), None)
         else:
             self._ignored.pop(key, None)
             if kind != "ignored":
@@ -290,7 +300,7 @@ class ViewBuilder:
             nodes=dict(self._nodes), departed_ttl=dict(self._departed_ttl),
             node_status=dict(self._node_status),
             checkpoints=list(checkpoints), cordoned=set(self._cordoned),
-            cordon_by=dict(self._cordon_by),
+            cordon_by=dict(self._cordon_by), cordon_reason=dict(self._cordon_reason),
             checkpoint_revision=dict(checkpoint_revision), drains=dict(self._drains),
             pause_revision=one.get("pause"), cancel_requested="cancel" in one,
             cancel_job_id=one.get("cancel"),
@@ -362,12 +372,19 @@ class LiveView:
         self.informer.stop()
 
 
-def _cordon_by(value: bytes) -> str:
-    """Who wrote a cordon, when its value says (the leader's for a failed preflight does);
-    any other value -- an operator's, or bytes that are not JSON -- is simply a cordon."""
+MAX_CORDON_REASON = 300
+
+
+def _cordon_by(value: bytes) -> tuple[str, str]:
+    """(who, why) of a cordon, where its value says: who is "preflight" for the leader's
+    cordon of a failed preflight, "" for any other (an operator's, a drain's); why is its
+    reason, clipped. Bytes that are not JSON are simply a cordon."""
     try:
         doc = load_json(value, "cordon")
     except RecordError:
-        return ""
-    by = doc.get("by") if isinstance(doc, dict) else None
-    return by if by == "preflight" else ""
+        return "", ""
+    if not isinstance(doc, dict):
+        return "", ""
+    by, reason = doc.get("by"), doc.get("reason")
+    return (by if by == "preflight" else "",
+            reason[:MAX_CORDON_REASON] if isinstance(reason, str) else "")

@@ -167,6 +167,11 @@ def build_corpus(out_dir: Path, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                         source=f"bytes of the .py files under {py} (separator {EOD_TOKEN})")
 
 
+def is_corpus(path: Path) -> bool:
+    """Whether `path` holds a built corpus (ensure_corpus leaves it as it is)."""
+    return (path / MANIFEST).is_file()
+
+
 def ensure_corpus(path: Path | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Path:
     """Return a corpus directory, building the built-in corpus there first if it has none.
 

@@ -35,7 +35,7 @@ from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer import snapshot as tier0
-from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
+from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus, is_corpus
 from lazarus.trainer.guard import Guard
 from lazarus.trainer.hooks import PhaseHooks, StepContext
 from lazarus.trainer.models import Transformer, get_model_config
@@ -131,8 +131,10 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
     this rank got its assignment (time.perf_counter()): the start line times from it."""
     start = StartTimes(began=time.perf_counter() if began is None else began)
-    if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics},
-                               allowed_roots):
+    # A corpus is only read where it exists; a data.dir without one is built, so written.
+    corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
+    if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
+                                "data.dir": corpus}, allowed_roots):
         raise JobRefused(why)
     rank = dist.get_rank()
     kind = device_type()

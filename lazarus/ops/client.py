@@ -285,6 +285,11 @@ def render_nodes(nodes: list[pb.Node]) -> None:
                   f"{_ago(n.last_report_age_s)} ago" if n.last_report_age_s >= 0 else "-",
                   f"{n.lease_ttl_s} s" if n.registered else "expired", n.host or "-")
     _console().print(t)
+    # Below the table, not in it: a reason is a sentence, and a row must fit the terminal.
+    for n in nodes:
+        if n.cordoned and n.cordon_reason:
+            _console().print(f"{n.node} cordoned: {' '.join(n.cordon_reason.split())}",
+                             markup=False, highlight=False)
 
 
 def render_checkpoints(cks: list[pb.Checkpoint]) -> None:

@@ -80,7 +80,10 @@ def test_nodes_table_has_one_row_per_node_with_its_columns(capsys):
                                           reasons=["gpu0: ECC rising"])]),
         pb.Node(node="n1", state="lost", ranks=[2, 3], last_report_age_s=-1),
         pb.Node(node="n2", role="spare", state="spare", cordoned=False, draining=True,
-                registered=True, lease_ttl_s=5, last_report_age_s=3)])
+                registered=True, lease_ttl_s=5, last_report_age_s=3),
+        pb.Node(node="n3", role="active", state="cordoned", cordoned=True, registered=True,
+                cordon_reason="checkpoint step-00000008 cannot be read: holds no checkpoints "
+                              "on this node (a missing mount?)")])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["NODE", "ROLE", "STATE", "RANKS", "STEP", "STEP/S", "TOK/S", "LOSS",
                        "HEALTH", "MEMORY", "REPORTED", "LEASE", "HOST"]
@@ -90,6 +93,10 @@ def test_nodes_table_has_one_row_per_node_with_its_columns(capsys):
                        "5", "s", "h0"]
     assert rows[2][:4] == ["n1", "-", "lost", "2,3"] and "expired" in rows[2]
     assert rows[3][:4] == ["n2", "spare", "spare", "(draining)"]
+    assert rows[4][:3] == ["n3", "active", "cordoned"]
+    # a cordon's reason, under the table
+    assert " ".join(rows[5]) == ("n3 cordoned: checkpoint step-00000008 cannot be read: holds "
+                                 "no checkpoints on this node (a missing mount?)")
 
 
 def test_event_lines_and_json_lines():

@@ -26,3 +26,26 @@ def test_no_roots_means_no_limit_and_tricks_do_not_escape(tmp_path):
     assert outside({"checkpoint.dir": str(tmp_path / "jobs-evil")}, [str(root)])  # a prefix
     os.symlink("/etc", root / "link")
     assert outside({"checkpoint.dir": str(root / "link" / "ck")}, [str(root)])
+
+
+def test_a_corpus_dir_outside_the_roots_is_refused_only_when_it_would_be_built(tmp_path):
+    import json
+
+    import pytest
+
+    from lazarus.core.errors import JobRefused
+    from lazarus.core.trainconfig import TrainConfig
+    from lazarus.trainer.data import MANIFEST
+    from lazarus.trainer.train import train
+
+    root, elsewhere = tmp_path / "jobs", tmp_path / "corpus"
+    cfg = TrainConfig.from_dict({"steps": 1, "data": {"dir": str(elsewhere)}})
+    with pytest.raises(JobRefused, match=f"data.dir {elsewhere} is outside the directories"):
+        train(cfg, session=None, allowed_roots=[str(root)])
+    # A corpus already there is only read: the check lets it through (and the run goes on
+    # to need a process group, which this test has none of).
+    elsewhere.mkdir()
+    (elsewhere / MANIFEST).write_text(json.dumps({}))
+    with pytest.raises(Exception) as info:
+        train(cfg, session=None, allowed_roots=[str(root)])
+    assert not isinstance(info.value, JobRefused)

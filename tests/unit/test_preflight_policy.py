@@ -37,7 +37,7 @@ def test_a_spare_that_failed_preflight_is_cordoned_with_the_reason():
     assert event.fields["culprit"] == "s"
     # written as the leader's cordon, which the view reads back as such
     ops = operations(Keys(), d, v, now=NOW, writer="d")
-    assert _cordon_by(ops[0].value) == "preflight"
+    assert _cordon_by(ops[0].value) == ("preflight", FAILED_DISK["reason"])
 
 
 def test_a_failed_node_is_not_promoted_even_before_its_cordon_lands():
@@ -87,6 +87,11 @@ def test_lazarus_nodes_shows_the_reason():
     verdict = next(h for h in nodes["s"].health if h.monitor == "preflight")
     assert (verdict.state, list(verdict.reasons)) == ("failed", [FAILED_DISK["reason"]])
     assert not any(h.monitor == "preflight" for h in nodes["a"].health)  # it runs none
+    # Any cordon with a reason shows it (a node that alone could not read a checkpoint);
+    # one that is lifted shows none.
+    v = dataclasses.replace(v, cordon_reason={"s": "ckpt unreadable", "a": "stale"})
+    nodes = {n.node: n for n in health.list_nodes(v, now=NOW)}
+    assert (nodes["s"].cordon_reason, nodes["a"].cordon_reason) == ("ckpt unreadable", "")
 
 
 def test_the_first_round_waits_for_an_active_nodes_checks_rather_than_take_a_spare():

@@ -123,7 +123,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node", "host", "role", "state", "cordoned", "draining", "ranks", "round", "step", "step_rate", "step_time_s", "loss", "tokens_per_s", "nproc", "parked", "pid", "last_report_age_s", "lease_ttl_s", "registered_for_s", "registered", "health", "gpu_backend", "tier0_bytes", "tier0_limit_bytes", "tier0_step")
+    __slots__ = ("node", "host", "role", "state", "cordoned", "draining", "ranks", "round", "step", "step_rate", "step_time_s", "loss", "tokens_per_s", "nproc", "parked", "pid", "last_report_age_s", "lease_ttl_s", "registered_for_s", "registered", "health", "gpu_backend", "tier0_bytes", "tier0_limit_bytes", "tier0_step", "cordon_reason")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class Node(_message.Message):
     TIER0_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER0_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER0_STEP_FIELD_NUMBER: _ClassVar[int]
+    CORDON_REASON_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     role: str
@@ -174,7 +175,8 @@ class Node(_message.Message):
     tier0_bytes: int
     tier0_limit_bytes: int
     tier0_step: int
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_rate: _Optional[float] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., nproc: _Optional[int] = ..., parked: _Optional[int] = ..., pid: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., lease_ttl_s: _Optional[int] = ..., registered_for_s: _Optional[float] = ..., registered: _Optional[bool] = ..., health: _Optional[_Iterable[_Union[MonitorVerdict, _Mapping]]] = ..., gpu_backend: _Optional[str] = ..., tier0_bytes: _Optional[int] = ..., tier0_limit_bytes: _Optional[int] = ..., tier0_step: _Optional[int] = ...) -> None: ...
+    cordon_reason: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., cordoned: _Optional[bool] = ..., draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_rate: _Optional[float] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., nproc: _Optional[int] = ..., parked: _Optional[int] = ..., pid: _Optional[int] = ..., last_report_age_s: _Optional[float] = ..., lease_ttl_s: _Optional[int] = ..., registered_for_s: _Optional[float] = ..., registered: _Optional[bool] = ..., health: _Optional[_Iterable[_Union[MonitorVerdict, _Mapping]]] = ..., gpu_backend: _Optional[str] = ..., tier0_bytes: _Optional[int] = ..., tier0_limit_bytes: _Optional[int] = ..., tier0_step: _Optional[int] = ..., cordon_reason: _Optional[str] = ...) -> None: ...
 
 class MonitorVerdict(_message.Message):
     __slots__ = ("monitor", "state", "reasons")
