@@ -88,8 +88,84 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             else:
                 tensors[path] = local.to("cpu", copy=True).contiguous()
         else:
-            values[path] = list(value) if isinstance(value, tuple) else value
+            values[path] = _plain(value)
     return tensors, values
+
+
+class ShardCopier:
+    """`capture` for the same model and optimizer again and again, without walking their
+    state each time: the first capture finds where every tensor of the shard lives (as
+    `get_state_dict` names it), the next ones copy from there in one foreach copy and read
+    the values (the param groups' settings, which change: the learning rate) from the
+    optimizer directly. `get_state_dict` and a copy per tensor cost about 2 ms a snapshot of
+    the tiny model (84 tensors) against a 0.2 ms copy; a large model has thousands.
+
+    The state the first capture saw must still be the live one: every parameter and every
+    optimizer state tensor the same object (FSDP2 keeps its sharded parameters, AdamW
+    updates its moments in place). When not -- or when a value is not a param group's
+    setting -- it captures the long way."""
+
+    def __init__(self):
+        self._objects: list[torch.Tensor] = []  # held: an identity is never reused meanwhile
+        self._paths: list[str] = []
+        self._sources: list[torch.Tensor] = []
+        self._values: list[tuple[str, int, str]] = []  # (path, param group, setting)
+        self._fixed: dict = {}
+
+    def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                into: dict[str, torch.Tensor] | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict]:
+        if not self._sources or not _same(_objects(model, optimizer), self._objects):
+            tensors, values = capture(model, optimizer, into=into)
+            self._learn(model, optimizer, values)
+            return tensors, values
+        buffers = [(into or {}).get(path) for path in self._paths]
+        if all(b is not None and b.shape == src.shape and b.dtype == src.dtype
+               for b, src in zip(buffers, self._sources)):
+            torch._foreach_copy_(buffers, self._sources)
+            tensors = dict(zip(self._paths, buffers))
+        else:
+            tensors = {path: src.to("cpu", copy=True).contiguous()
+                       for path, src in zip(self._paths, self._sources)}
+        groups = optimizer.param_groups
+        values = {path: _plain(groups[i][key]) for path, i, key in self._values}
+        values.update(self._fixed)
+        return tensors, values
+
+    def _learn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               values: dict) -> None:
+        self._sources, self._paths, self._values, self._fixed = [], [], [], {}
+        for path, value in _leaves(_state(model, optimizer)):
+            if isinstance(value, torch.Tensor):
+                self._paths.append(path)
+                self._sources.append(_local(value).detach())
+        for path, value in values.items():
+            parts = path.split("/")
+            if parts[:2] != ["optim", "param_groups"] or len(parts) != 4 \
+                    or not parts[2].isdigit():
+                self._sources = []  # a value this does not know how to read again
+                return
+            if parts[3] == "params":
+                self._fixed[path] = value  # names, not objects: they do not change
+            else:
+                self._values.append((path, int(parts[2]), parts[3]))
+        self._objects = _objects(model, optimizer)
+
+
+def _objects(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.parameters())
+    for entry in optimizer.state.values():
+        out.extend(v for v in entry.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _same(now: list, then: list) -> bool:
+    # Identities, not values: the state's tensors are updated in place step after step.
+    return len(now) == len(then) and all(a is b for a, b in zip(now, then))
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def encode(tensors: dict[str, torch.Tensor], values: dict, *, header: dict) -> bytes:
@@ -196,6 +272,7 @@ class Snapshotter:
         self.kept = kept
         self._pending: dict[int, tuple[float, float]] = {}  # step -> (started, blocked)
         self._buffers: dict[str, torch.Tensor] = {}  # the last capture's, reused by the next
+        self._copier = ShardCopier()
         self._done: list[CheckpointStall] = []
         self._period = every or 1
         self.next_step = first_step + self._period
@@ -218,7 +295,7 @@ class Snapshotter:
         wait for the previous one to be written, plus the copy into host memory."""
         t0 = time.perf_counter()
         self.wait()  # the previous snapshot is encoded: its buffers are free again
-        tensors, values = capture(model, optimizer, into=self._buffers)
+        tensors, values = self._copier.capture(model, optimizer, into=self._buffers)
         self._buffers = tensors
         header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
         stall = time.perf_counter() - t0

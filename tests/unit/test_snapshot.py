@@ -212,3 +212,26 @@ def test_the_automatic_period_bounds_the_stall_and_keeps_one_snapshot_in_flight(
     assert snapshot.auto_period(0.05, [1.0], [0.1]) == 5
     assert snapshot.auto_period(0.05, [], [3.0]) == 1          # nothing timed yet
     assert snapshot.auto_period(60.0, [0.001], []) == snapshot.MAX_AUTO_EVERY
+
+
+def test_the_copier_captures_what_capture_does_and_follows_a_replaced_state():
+    model, opt = _trained(4)
+    copier = snapshot.ShardCopier()
+    first, _ = copier.capture(model, opt)
+    model(torch.randint(0, 100, (2, 16))).float().mean().backward()
+    opt.step()  # in place: the copier's sources are still the live state
+    opt.param_groups[0]["lr"] = 0.25
+    tensors, values = copier.capture(model, opt, into=first)
+    want_tensors, want_values = snapshot.capture(model, opt)
+    assert values == want_values and values["optim/param_groups/0/lr"] == 0.25
+    assert tensors.keys() == want_tensors.keys()
+    assert all(torch.equal(tensors[k], want_tensors[k]) for k in tensors)
+    assert tensors["model/output.weight"] is first["model/output.weight"]  # into the buffers
+    # A state replaced wholesale (a load_state_dict) is found again, not copied from stale
+    # tensors.
+    other, other_opt = _trained(5)
+    opt.load_state_dict(other_opt.state_dict())
+    tensors, _ = copier.capture(model, opt, into=first)
+    path = next(k for k in tensors if k.startswith("optim/state/") and k.endswith("exp_avg"))
+    assert all(torch.equal(tensors[k], v) for k, v in snapshot.capture(model, opt)[0].items())
+    assert not torch.equal(tensors[path], want_tensors[path])
