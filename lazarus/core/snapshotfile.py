@@ -2,8 +2,14 @@
 and travels to a peer node (docs/architecture.md, "Checkpoints").
 
     MAGIC (6 bytes) | header length (4 bytes, big-endian) | header (JSON) | body | digest
-    body   = zstd(safetensors of the rank's tensors)
+    body   = zstd(safetensors of the rank's tensors), or those bytes as they are (below)
     digest = sha256 of everything before it (32 bytes)
+
+The body is compressed when compression pays: when a sample of it (3 slices of 1 MiB) shrinks
+by at least MIN_SAVING at zstd level 1; the header's "codec" says which ("zstd" | "none";
+files without it are zstd). fp32 weights and AdamW moments -- what an FSDP2 shard holds,
+on GPUs too -- shrink by 8% (measured here), bf16 by 22%: compressing fp32 costs a core
+0.3 s per 230 MB each way for 8% fewer bytes to send.
 
 The header says whose shard it is (job, round, rank, world size, mesh, step), carries what is
 not a tensor (the data position and schedule as `extra`, the RNG state, the optimizer's
@@ -35,21 +41,44 @@ _LEN = 4
 _FIELDS = {"format": int, "job": str, "round": int, "rank": int, "world_size": int,
            "step": int, "body_bytes": int, "raw_bytes": int}
 _DIGEST = hashlib.sha256().digest_size
+# The share of bytes compression must save for a body to be stored compressed.
+MIN_SAVING = 0.10
+_SAMPLE = 1 << 20
+CODECS = ("zstd", "none")
 
 
 class SnapshotError(CheckpointError):
     """A snapshot that is not one, is cut short, or fails its checksum."""
 
 
-def pack(header: dict, raw: bytes, *, level: int = 1) -> bytes:
+def pack(header: dict, raw: bytes, *, level: int = 1, min_saving: float | None = None) -> bytes:
     """The file of a snapshot: `header` (JSON-able: job, round, rank, world_size, step and
-    whatever the trainer adds) and `raw`, the safetensors bytes, zstd-compressed. Level 1:
-    the fastest, since the point of this tier is a cheap save."""
-    body = zstandard.ZstdCompressor(level=level).compress(raw)
-    head = {**header, "format": FORMAT_VERSION, "body_bytes": len(body), "raw_bytes": len(raw)}
+    whatever the trainer adds) and `raw`, the safetensors bytes, zstd-compressed if that
+    saves `min_saving` (default MIN_SAVING; 0: always). Level 1: the fastest, since the
+    point of this tier is a cheap save."""
+    compressor = zstandard.ZstdCompressor(level=level)
+    saving = MIN_SAVING if min_saving is None else min_saving
+    if saving <= 0 or _sample_saving(compressor, raw) >= saving:
+        body, codec = compressor.compress(raw), "zstd"
+    else:
+        body, codec = raw, "none"
+    head = {**header, "format": FORMAT_VERSION, "body_bytes": len(body), "raw_bytes": len(raw),
+            "codec": codec}
     text = json.dumps(head, sort_keys=True, allow_nan=False).encode()
     out = MAGIC + len(text).to_bytes(_LEN, "big") + text + body
     return out + hashlib.sha256(out).digest()
+
+
+def _sample_saving(compressor: zstandard.ZstdCompressor, raw: bytes) -> float:
+    """The share of bytes zstd saves on 3 slices of `raw` (start, middle, end)."""
+    if len(raw) <= 3 * _SAMPLE:
+        slices = [raw]
+    else:
+        mid = len(raw) // 2 - _SAMPLE // 2
+        slices = [raw[:_SAMPLE], raw[mid:mid + _SAMPLE], raw[-_SAMPLE:]]
+    size = sum(len(x) for x in slices)
+    packed = sum(len(compressor.compress(x)) for x in slices)
+    return 1.0 - packed / size if size else 0.0
 
 
 def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
@@ -73,6 +102,10 @@ def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise SnapshotError(f"{what}: header field {name!r} is missing or not a "
                                 f"{kind.__name__}")
+    header.setdefault("codec", "zstd")
+    if header["codec"] not in CODECS:
+        raise SnapshotError(f"{what}: codec {str(header['codec'])[:40]!r}, this reader knows "
+                            f"{', '.join(CODECS)}")
     if header["format"] != FORMAT_VERSION:
         raise SnapshotError(f"{what}: format {header['format']}, this reader knows "
                             f"{FORMAT_VERSION}")
@@ -95,6 +128,11 @@ def unpack(data: bytes | memoryview, what: str = "snapshot") -> tuple[dict, byte
     """(header, safetensors bytes) of a snapshot file, checksum verified."""
     header = verify(data, what)
     body = memoryview(data)[header["_body_at"]:-_DIGEST]
+    if header["codec"] == "none":
+        if len(body) != header["raw_bytes"]:
+            raise SnapshotError(f"{what}: {len(body)} body bytes, its header says "
+                                f"{header['raw_bytes']}")
+        return header, bytes(body)
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header["raw_bytes"])
     except zstandard.ZstdError as e:

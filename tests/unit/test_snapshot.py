@@ -235,3 +235,23 @@ def test_the_copier_captures_what_capture_does_and_follows_a_replaced_state():
     path = next(k for k in tensors if k.startswith("optim/state/") and k.endswith("exp_avg"))
     assert all(torch.equal(tensors[k], v) for k, v in snapshot.capture(model, opt)[0].items())
     assert not torch.equal(tensors[path], want_tensors[path])
+
+
+def test_a_body_is_compressed_only_when_that_pays_and_both_read_back():
+    import os
+
+    header = {"job": "j", "round": 1, "rank": 0, "world_size": 1, "step": 3}
+    alike = b"\x00\x01" * (2 << 20)                  # compresses to almost nothing
+    noise = os.urandom(4 << 20)                      # does not compress at all
+    for raw, codec in ((alike, "zstd"), (noise, "none")):
+        data = snapshotfile.pack(header, raw)
+        head, back = snapshotfile.unpack(data)
+        assert (head["codec"], back) == (codec, raw)
+    assert snapshotfile.unpack(snapshotfile.pack(header, noise, min_saving=0))[0]["codec"] == "zstd"
+    # A codec this reader does not know is named, not guessed at.
+    text = json.dumps({**header, "format": 1, "body_bytes": 1, "raw_bytes": 1,
+                       "codec": "lz4"}).encode()
+    odd = snapshotfile.MAGIC + len(text).to_bytes(4, "big") + text + b"x"
+    odd += __import__("hashlib").sha256(odd).digest()
+    with pytest.raises(SnapshotError, match="codec 'lz4', this reader knows zstd, none"):
+        snapshotfile.unpack(odd)
