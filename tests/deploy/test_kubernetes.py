@@ -68,3 +68,17 @@ def test_etcd_is_tls_only_and_every_client_signs_in_with_its_own_user():
             assert ref == {"name": "etcd-users", "key": f"{users[name]}.password"}
     assert users == {"daemon": "lazarus-daemon", "agent": "lazarus-agent", "enable-auth": None}
     assert "--tls-cert" in lazarus["daemon"]["args"]  # the API on 0.0.0.0 is TLS
+
+
+def test_agents_seal_their_tier0_copies_with_a_key_from_a_secret():
+    lazarus = _containers(DEPLOY / "lazarus.yaml")
+    args = " ".join(lazarus["agent"]["args"])
+    assert "--replica-key-file /etc/lazarus/replica/key" in args
+    mounts = {m["name"]: m for m in lazarus["agent"]["volumeMounts"]}
+    assert mounts["replica-key"]["mountPath"] == "/etc/lazarus/replica"
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "lazarus.yaml").read_text()) if d]
+    volumes = {v["name"]: v for d in docs if d["kind"] == "DaemonSet"
+               for v in d["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["replica-key"]["secret"]["secretName"] == "lazarus-replica-key"

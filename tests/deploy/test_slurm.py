@@ -104,6 +104,10 @@ def test_sbatch_runs_the_job_to_success_with_a_spare(tmp_path):
     assert "etcd authentication enabled" in (logs / "etcd-auth.log").read_text()
     assert "--client-cert-auth" in (SBATCH.read_text())
     assert (logs / "pki" / "ca.pem").exists() and not (logs / "pki" / "ca-key.pem").exists()
+    # The agents share a replica key (tier-0 copies go to ring peers), private to the job.
+    assert (logs / "replica-key").stat().st_mode & 0o077 == 0
+    agent_logs = list(logs.glob("agent-*.log"))
+    assert len(agent_logs) == 3 and not any("no replica key" in p.read_text() for p in agent_logs)
     # Nothing left running, and etcd's data (on the "node's" own disk) removed.
     assert leftover == [], leftover
     assert not list(tmp_path.glob("lazarus-etcd-*"))

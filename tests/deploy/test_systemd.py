@@ -117,6 +117,8 @@ def _credentials(unit: Path, security, dest: Path) -> Path:
              "api-cert": api.cert, "api-key": api.key}
     dest.mkdir()
     (dest / "token").write_text("deploy-test-token\n")
+    files["replica-key"] = dest / "replica-key.source"
+    files["replica-key"].write_text("0123456789abcdef" * 4 + "\n")
     loaded = re.findall(r"^LoadCredential=([\w-]+):", unit.read_text(), re.M)
     for name in loaded:
         if name != "token":
