@@ -15,18 +15,19 @@ this process, and the agent sends it to its peer node.
 
 from __future__ import annotations
 
+import json
 import math
+import mmap
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -169,7 +170,12 @@ def _plain(value):
 
 
 def encode(tensors: dict[str, torch.Tensor], values: dict, *, header: dict) -> bytes:
-    return snapshotfile.pack({**header, "values": values}, st_save(tensors))
+    return b"".join(encode_parts(tensors, values, header=header))
+
+
+def encode_parts(tensors: dict[str, torch.Tensor], values: dict, *,
+                 header: dict) -> tuple[bytes, bytes, bytes]:
+    return snapshotfile.pack_parts({**header, "values": values}, st_save(tensors))
 
 
 def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -181,10 +187,7 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
     if header["rank"] != rank or header["world_size"] != world_size:
         raise SnapshotError(f"{what} is rank {header['rank']} of {header['world_size']}, this "
                             f"is rank {rank} of {world_size}")
-    try:
-        tensors = st_load(raw)
-    except SafetensorError as e:
-        raise SnapshotError(f"{what}: its tensors do not parse ({e})") from None
+    tensors = tensors_of(raw, what)
     values = header.get("values") if isinstance(header.get("values"), dict) else {}
     # Read over below: allocated rather than made by a step (trainer/optimstate.py).
     optimstate.allocate(model, optimizer, optimstate.from_snapshot(tensors, values), local=True)
@@ -224,11 +227,60 @@ def _set_leaf(state: dict, path: str, saved, current) -> None:
         node[last if last in node else next(k for k in node if str(k) == last)] = saved
 
 
-def load_file(path: str | Path) -> bytes:
+def load_file(path: str | Path) -> memoryview | bytes:
+    """A snapshot file's bytes, mapped rather than read: it sits in host memory already (a
+    tmpfs), and a restore reads it once, into the model (see `tensors_of`)."""
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     except OSError as e:
         raise SnapshotError(f"tier-0 snapshot {path} cannot be read ({e.strerror or e})") from None
+
+
+# safetensors' dtype names (its format's header) -> torch's.
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+           "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn,
+           "F8_E5M2": torch.float8_e5m2}
+
+
+def tensors_of(raw: bytes | memoryview, what: str = "snapshot") -> dict[str, torch.Tensor]:
+    """The tensors of safetensors bytes as views of those bytes, read-only: no copy. The
+    restore copies each into the model once; `safetensors.torch.load` would copy the whole
+    shard first (and `bytes` of a mapped file once more) -- fresh memory, page-faulted in
+    while the new round waits. SnapshotError for bytes that are not safetensors."""
+    view = memoryview(raw).cast("B")
+    try:
+        size = int.from_bytes(view[:8], "little")
+        if len(view) < 8 or size > len(view) - 8:
+            raise ValueError(f"a header of {size} bytes in {len(view)}")
+        header = json.loads(bytes(view[8:8 + size]))
+        start = 8 + size
+        out = {}
+        with warnings.catch_warnings():
+            # read-only bytes: the tensors are only ever copied from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _DTYPES[entry["dtype"]]
+                shape = [int(d) for d in entry["shape"]]
+                if any(d < 0 for d in shape):
+                    raise ValueError(f"{name}: shape {shape}")
+                begin, end = (int(x) for x in entry["data_offsets"])
+                numel = math.prod(shape)
+                if not 0 <= begin <= end <= len(view) - start \
+                        or end - begin != numel * dtype.itemsize:
+                    raise ValueError(f"{name}: offsets {begin}-{end} for {shape} {dtype}")
+                out[name] = (torch.frombuffer(view, dtype=dtype, count=numel,
+                                              offset=start + begin).view(shape)
+                             if numel else torch.empty(shape, dtype=dtype))
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise SnapshotError(f"{what}: its tensors do not parse ({str(e)[:200]})") from None
 
 
 def auto_period(stall: float, step_times: list[float], durable_times: list[float]) -> int:
@@ -318,10 +370,12 @@ class Snapshotter:
         self.next_step = step + wish
 
     def _write(self, step: int, tensors: dict, values: dict, header: dict) -> None:
-        data = encode(tensors, values, header=header)
+        parts = encode_parts(tensors, values, header=header)
         final = self.directory / f"r{header['rank']:05d}-s{step:010d}.t0"
         tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
         os.replace(tmp, final)
         self.on_written(step, str(final))
 

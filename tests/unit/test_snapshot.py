@@ -255,3 +255,21 @@ def test_a_body_is_compressed_only_when_that_pays_and_both_read_back():
     odd += __import__("hashlib").sha256(odd).digest()
     with pytest.raises(SnapshotError, match="codec 'lz4', this reader knows zstd, none"):
         snapshotfile.unpack(odd)
+
+
+def test_tensors_are_read_in_place_from_a_mapped_file_and_garbage_is_named(tmp_path):
+    from safetensors.torch import save as st_save
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.tensor(7, dtype=torch.int64), "c": torch.zeros(0, 4),
+               "d": torch.ones(3, dtype=torch.bfloat16)}
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(st_save(tensors))
+    back = snapshot.tensors_of(snapshot.load_file(path))
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+    raw = bytearray(st_save(tensors))
+    for garbage in (b"", b"\x05", bytes(raw[:-4]), b"\xff" * 8 + bytes(raw[8:]),
+                    raw.replace(b'"F32"', b'"Q32"'), raw.replace(b"[2,3]", b"[2,-3]")):
+        with pytest.raises(SnapshotError, match="its tensors do not parse"):
+            snapshot.tensors_of(bytes(garbage))
