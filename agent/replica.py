@@ -7,12 +7,19 @@ One request per TCP connection, one answer:
     header   = {"op": "put" | "get", "job", "rank", "step", "from" (node), "time"}
     answer   = the same framing: {"ok", "error"} and, to a get, the snapshot file
 
-Every payload (empty for a get's request and for a refusal) is sealed with HMAC-SHA256 under
-the key the job's agents share, over its header (lazarus.core.sealed), so neither side takes a
-shard, nor a request for one, from anyone without the key; a header more than MAX_SKEW_S off
-this clock is refused, which bounds replays. A received shard must also be a snapshot of the
-rank and step its header names, with a body that passes its checksum (lazarus.core.
-snapshotfile).
+Every message is sealed with HMAC-SHA256 under the key the job's agents share
+(lazarus.core.sealed), over its header and the sha256 digest its payload (a snapshot file,
+or nothing: a get's request, a refusal) ends with -- not over the payload itself: the payload
+must then pass its own checksum against that digest, here, before anything reads it
+(lazarus.core.snapshotfile). The HMAC of a 2 GB shard would cost one of the agent's cores
+about 1.5 s on each side, for nothing the checksum does not already prove. So neither side
+takes a shard, nor a request for one, from anyone without the key; a header more than
+MAX_SKEW_S off this clock is refused, which bounds replays. A received shard must also be a
+snapshot of the rank and step its header names.
+
+    message = header length (4) | header (JSON) | payload length + 36 (8) | MAGIC + tag (36)
+              | payload
+    tag     = HMAC-SHA256(key, ... | CONTEXT | header | the payload's last 32 bytes)
 """
 
 from __future__ import annotations
@@ -40,33 +47,52 @@ class ReplicaError(OSError):
     """A transfer that did not happen: unreachable peer, refused, forged or garbled."""
 
 
-def _send(sock: socket.socket, key: bytes, header: dict, payload: bytes = b"") -> None:
+# Versions the sealing: an agent that sealed whole payloads is refused, not misread.
+CONTEXT = b"lazarus-replica-2\0"
+_SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
+_DIGEST = 32  # sha256, at the end of every snapshot file
+
+
+def _context(head: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    return CONTEXT + head + bytes(memoryview(payload)[-_DIGEST:] if len(payload) else b"")
+
+
+def _send(sock: socket.socket, key: bytes, header: dict,
+          payload: bytes | bytearray | memoryview = b"") -> None:
     head = json.dumps(header, sort_keys=True).encode()
-    body = sealed.seal(key, head, payload)
-    sock.sendall(len(head).to_bytes(4, "big") + head + len(body).to_bytes(8, "big"))
-    sock.sendall(body)
+    seal = sealed.tag(key, _context(head, payload))
+    sock.sendall(len(head).to_bytes(4, "big") + head
+                 + (len(seal) + len(payload)).to_bytes(8, "big") + seal)
+    if len(payload):
+        sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ReplicaError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        if not k:
+            raise ReplicaError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return buf
 
 
-def _recv(sock: socket.socket, key: bytes, *, max_payload: int) -> tuple[dict, bytes]:
+def _recv(sock: socket.socket, key: bytes, *, max_payload: int
+          ) -> tuple[dict, bytearray, dict | None]:
+    """(header, payload, the payload's snapshot header or None when it is empty): sealed
+    under `key`, and a payload that passes its checksum, or ReplicaError."""
     size = int.from_bytes(_recv_exact(sock, 4), "big")
     if size > MAX_HEADER:
         raise ReplicaError(f"a header of {size} bytes: not a replica message")
-    head = _recv_exact(sock, size)
+    head = bytes(_recv_exact(sock, size))
     length = int.from_bytes(_recv_exact(sock, 8), "big")
-    if length > max_payload + len(sealed.MAGIC) + sealed.TAG_BYTES:
-        raise ReplicaError(f"a payload of {length} bytes, more than the {max_payload} allowed")
+    if length < _SEAL or length > max_payload + _SEAL:
+        raise ReplicaError(f"a payload of {length - _SEAL} bytes, not 0..{max_payload}")
+    seal = bytes(_recv_exact(sock, _SEAL))
+    payload = _recv_exact(sock, length - _SEAL)
     try:
-        payload = sealed.unseal(key, head, _recv_exact(sock, length))
+        sealed.check(key, _context(head, payload), seal)
         header = json.loads(head)
     except sealed.Forged as e:
         raise ReplicaError(f"refused an unauthenticated message: {e}") from None
@@ -74,7 +100,13 @@ def _recv(sock: socket.socket, key: bytes, *, max_payload: int) -> tuple[dict, b
         raise ReplicaError(f"a header that is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ReplicaError("a header that is not a JSON object")
-    return header, payload
+    snap = None
+    if payload:
+        try:  # the seal covers the digest: the payload is the sender's only if this holds
+            snap = snapshotfile.verify(payload, "the snapshot received")
+        except SnapshotError as e:
+            raise ReplicaError(str(e)) from None
+    return header, payload, snap
 
 
 def _fresh(header: dict) -> None:
@@ -118,15 +150,17 @@ class ReplicaServer:
                          name="tier0-server").start()
 
     def _serve(self, sock: socket.socket) -> None:
-        header, payload = _recv(sock, self.key, max_payload=self.max_bytes)
+        try:
+            header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes)
+        except ReplicaError as e:
+            if "checksum" in str(e) or "cut short" in str(e):  # the sender may want to know
+                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
+            raise
         _fresh(header)
         job, rank, step = _address(header)
         if header.get("op") == "put":
-            try:
-                got = snapshotfile.verify(payload, f"the replica of rank {rank} step {step}")
-            except SnapshotError as e:
-                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
-                raise ReplicaError(str(e)) from None
+            if got is None:
+                raise ReplicaError("a put without a snapshot")
             if (got["job"], got["rank"], got["step"]) != (job, rank, step):
                 raise ReplicaError(f"a snapshot of rank {got['rank']} step {got['step']} sent "
                                    f"as rank {rank} step {step}")
@@ -160,7 +194,7 @@ def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
     try:
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
             _send(sock, key, {**header, "time": time.time()}, payload)
-            answer, data = _recv(sock, key, max_payload=max_bytes)
+            answer, data, _ = _recv(sock, key, max_payload=max_bytes)
     except OSError as e:
         raise ReplicaError(f"{host}:{port}: {e}") from None
     _fresh(answer)
@@ -170,7 +204,7 @@ def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
 
 
 def push(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-         data: bytes, round_: int) -> None:
+         data: bytes | memoryview, round_: int) -> None:
     """Send a snapshot file, taken in round `round_`, to the agent at host:port (ReplicaError
     if it did not take it)."""
     _request(host, port, key, {"op": "put", "from": node, "job": job, "rank": rank,
@@ -178,12 +212,14 @@ def push(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, st
 
 
 def fetch(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-          max_bytes: int) -> bytes:
+          max_bytes: int) -> bytearray:
     """A snapshot file from the agent at host:port, checked to be the one asked for."""
     answer, data = _request(host, port, key, {"op": "get", "from": node, "job": job,
                                               "rank": rank, "step": step}, b"",
                             max_bytes=max_bytes)
-    got = snapshotfile.verify(data, f"rank {rank} step {step} from {host}:{port}")
+    if not data:
+        raise ReplicaError(f"{host}:{port} answered without the snapshot")
+    got = snapshotfile.read_header(data, f"rank {rank} step {step} from {host}:{port}")
     if (got["job"], got["rank"], got["step"]) != (job, rank, step):
         raise ReplicaError(f"{host}:{port} sent rank {got['rank']} step {got['step']} for "
                            f"rank {rank} step {step}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -154,10 +155,12 @@ class Tier0:
                 self.on_kept(rank, step, True)  # the round changed meanwhile: held here
                 continue
             try:
-                data = path.read_bytes()
-            except OSError:
+                # Mapped, not read: the file is in host memory already, and is sent as it is.
+                with open(path, "rb") as f:
+                    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
                 self.on_kept(rank, step, False)
-                continue  # dropped meanwhile: a newer one follows
+                continue  # dropped meanwhile (a newer one follows), or empty
             try:
                 replica.push(peer[1], peer[2], self.key, node=self.node, job=job, rank=rank,
                              step=step, data=data, round_=self._round or 0)
@@ -165,6 +168,8 @@ class Tier0:
                 log.warning("tier 0: rank %d step %d not sent to %s: %s", rank, step, peer[0], e)
                 self.on_kept(rank, step, False)
                 continue
+            finally:
+                data.close()
             self.store.sent(job, rank, step)
             self.on_kept(rank, step, True)
 

@@ -112,3 +112,30 @@ def test_each_snapshot_is_settled_once_it_is_on_the_peer_or_never_will_be(tmp_pa
     finally:
         for a in agents.values():
             a.close()
+
+
+def test_a_shard_altered_on_the_way_is_refused_whatever_digest_it_carries(peer):
+    """The seal covers the header and the file's own digest, and the file must match that
+    digest: a body changed in transit fails one or the other."""
+    import hashlib
+    import json
+    import socket
+    import time
+
+    server, store, taken = peer
+    good = shard()
+    altered = bytearray(good[:-32])
+    altered[60] ^= 1
+    header = {"op": "put", "from": "n0", "job": "j", "rank": 1, "step": 5, "round": 2}
+    for body in (bytes(altered) + good[-32:],                                  # digest kept
+                 bytes(altered) + hashlib.sha256(bytes(altered)).digest()):    # redone
+        head = json.dumps({**header, "time": time.time()}, sort_keys=True).encode()
+        seal = replica.sealed.tag(KEY, replica._context(head, good))  # sealed for the original
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(len(head).to_bytes(4, "big") + head
+                         + (len(seal) + len(body)).to_bytes(8, "big") + seal + body)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1 << 16)
+    assert taken == [] and store.used_bytes() == 0
+    put(server)  # the original, as sealed, is taken
+    assert taken == [("j", 1, 5)]
