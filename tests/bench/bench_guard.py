@@ -296,7 +296,7 @@ def _train(run: Run, metrics: Path) -> list[dict]:
                              "--metrics", str(metrics)],
                             env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "kind" not in r]
 
 
 def _marks(rows: list[dict], poisoned: set[int]) -> list[str]:

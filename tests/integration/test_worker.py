@@ -28,4 +28,7 @@ def test_parked_worker_runs_the_assignment_it_is_given(tmp_path):
     finally:
         if worker.poll() is None:
             worker.kill()
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "kind" not in r] == [1, 2]
+    (start,) = [r for r in rows if r.get("kind") == "start"]   # where its start went
+    assert (start["round"], start["from"], start["step"]) == (7, "scratch", 0)
