@@ -112,6 +112,7 @@ class ShardCopier:
         self._sources: list[torch.Tensor] = []
         self._values: list[tuple[str, int, str]] = []  # (path, param group, setting)
         self._fixed: dict = {}
+        self._made: dict | None = None  # what the last capture returned
 
     def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 into: dict[str, torch.Tensor] | None = None
@@ -119,15 +120,18 @@ class ShardCopier:
         if not self._sources or not _same(_objects(model, optimizer), self._objects):
             tensors, values = capture(model, optimizer, into=into)
             self._learn(model, optimizer, values)
+            self._made = None
             return tensors, values
         buffers = [(into or {}).get(path) for path in self._paths]
-        if all(b is not None and b.shape == src.shape and b.dtype == src.dtype
-               for b, src in zip(buffers, self._sources)):
+        if into is not None and into is self._made or all(
+                b is not None and b.shape == src.shape and b.dtype == src.dtype
+                for b, src in zip(buffers, self._sources)):
             torch._foreach_copy_(buffers, self._sources)
             tensors = dict(zip(self._paths, buffers))
         else:
             tensors = {path: src.to("cpu", copy=True).contiguous()
                        for path, src in zip(self._paths, self._sources)}
+        self._made = tensors  # fits the next capture as it is: no check of each buffer then
         groups = optimizer.param_groups
         values = {path: _plain(groups[i][key]) for path, i, key in self._values}
         values.update(self._fixed)
