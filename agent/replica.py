@@ -47,6 +47,11 @@ class ReplicaError(OSError):
     """A transfer that did not happen: unreachable peer, refused, forged or garbled."""
 
 
+class BadPayload(ReplicaError):
+    """A sealed message whose snapshot fails its own checksum: damaged on the way, or at the
+    sender. The sender is told (a forger is not)."""
+
+
 # Versions the sealing: an agent that sealed whole payloads is refused, not misread.
 CONTEXT = b"lazarus-replica-2\0"
 _SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
@@ -105,7 +110,7 @@ def _recv(sock: socket.socket, key: bytes, *, max_payload: int
         try:  # the seal covers the digest: the payload is the sender's only if this holds
             snap = snapshotfile.verify(payload, "the snapshot received")
         except SnapshotError as e:
-            raise ReplicaError(str(e)) from None
+            raise BadPayload(str(e)) from None
     return header, payload, snap
 
 
@@ -152,9 +157,8 @@ class ReplicaServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes)
-        except ReplicaError as e:
-            if "checksum" in str(e) or "cut short" in str(e):  # the sender may want to know
-                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
+        except BadPayload as e:
+            _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
             raise
         _fresh(header)
         job, rank, step = _address(header)

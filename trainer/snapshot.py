@@ -118,10 +118,9 @@ class ShardCopier:
                 into: dict[str, torch.Tensor] | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict]:
         if not self._sources or not _same(_objects(model, optimizer), self._objects):
-            tensors, values = capture(model, optimizer, into=into)
-            self._learn(model, optimizer, values)
             self._made = None
-            return tensors, values
+            if not self._learn(model, optimizer):
+                return capture(model, optimizer, into=into)
         buffers = [(into or {}).get(path) for path in self._paths]
         if into is not None and into is self._made or all(
                 b is not None and b.shape == src.shape and b.dtype == src.dtype
@@ -137,24 +136,25 @@ class ShardCopier:
         values.update(self._fixed)
         return tensors, values
 
-    def _learn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               values: dict) -> None:
+    def _learn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Where the state lives now; False when a value is not one it can read again."""
         self._sources, self._paths, self._values, self._fixed = [], [], [], {}
         for path, value in _leaves(_state(model, optimizer)):
             if isinstance(value, torch.Tensor):
                 self._paths.append(path)
                 self._sources.append(_local(value).detach())
-        for path, value in values.items():
+                continue
             parts = path.split("/")
             if parts[:2] != ["optim", "param_groups"] or len(parts) != 4 \
                     or not parts[2].isdigit():
-                self._sources = []  # a value this does not know how to read again
-                return
+                self._sources = []
+                return False
             if parts[3] == "params":
-                self._fixed[path] = value  # names, not objects: they do not change
+                self._fixed[path] = _plain(value)  # names, not objects: they do not change
             else:
                 self._values.append((path, int(parts[2]), parts[3]))
         self._objects = _objects(model, optimizer)
+        return True
 
 
 def _objects(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
