@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import errno
 import hashlib
 import json
 import logging
@@ -448,14 +449,34 @@ def _mount_namespace() -> int:
 # Saving
 
 
-def _storage_problem(e: CheckpointException) -> str | None:
+def _storage_problem(e: CheckpointException, directory: Path) -> str | None:
     """'rank R: the OS error' when the storage refused a rank's part of a DCP save (a full
     disk, before or during the save; a read-only or vanished mount), whatever wraps it; None
     when something else failed (a bug to raise)."""
     for rank, failure in sorted(e.failures.items()):
         if why := _storage_error(failure[0] if isinstance(failure, tuple) else failure):
+            if why.startswith(_SHORT_WRITE) and _nearly_full(directory):
+                # the same words an OSError from a full disk carries, so an operator (and
+                # anything matching on them) sees one cause whichever writer hit it
+                why = f"{_SHORT_WRITE}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: " \
+                      f"{directory} has under 1 MiB free ({why[len(_SHORT_WRITE):].lstrip(' :')})"
             return f"rank {rank}: {why}"
     return None
+
+
+_SHORT_WRITE = "a short write"
+
+
+def _nearly_full(directory: Path) -> bool:
+    """Whether the file system holding `directory` (or its nearest existing parent) has under
+    1 MiB free for this user."""
+    for where in (directory, *directory.parents):
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize < 1 << 20
+    return False
 
 
 def _storage_error(exc: BaseException | None, depth: int = 0) -> str | None:
@@ -470,7 +491,7 @@ def _storage_error(exc: BaseException | None, depth: int = 0) -> str | None:
     text = str(exc)
     if isinstance(exc, RuntimeError) and "inline_container.cc" in text and (
             "unexpected pos" in text or "failed writing file" in text):
-        return f"a short write (the storage is likely full): {text}"
+        return f"{_SHORT_WRITE} (the storage is likely full): {text}"
     if isinstance(exc, CheckpointException):
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
@@ -609,7 +630,7 @@ class Checkpointer:
             metadata = written.result()  # DCP has fsynced every shard and, on rank 0, .metadata
         except CheckpointException as e:
             # DCP ends a failed save collectively: every rank holds this same exception.
-            why = _storage_problem(e)
+            why = _storage_problem(e, directory)
             if why is None:
                 raise
             return self._abandon(directory, commit["step"], why, on_fail)

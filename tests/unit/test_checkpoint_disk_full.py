@@ -4,6 +4,7 @@ same point and go on, nothing of it is ever listed or loaded, and saves work aga
 space is back."""
 
 import json
+import os
 import textwrap
 
 from tests.unit.mountns import run_in_mount_namespace
@@ -121,18 +122,34 @@ def test_refused_saves_leave_nothing_and_training_goes_on(tmp_path):
     assert proc.stderr.count("checkpoint step 2 not written") == 1, proc.stderr[-3000:]
 
 
-def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug():
+def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug(tmp_path,
+                                                                              monkeypatch):
     """A disk that fills during a save: torch's zip writer reports an enforce failure, not an
-    OSError. The save is refused like any other storage failure; other errors stay bugs."""
+    OSError. The save is refused like any other storage failure, and where the disk is indeed
+    full it says so in the OS's words; other errors stay bugs."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lazarus.trainer.checkpoint import _storage_problem
+    from lazarus.trainer import checkpoint
 
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    why = _storage_problem(CheckpointException("save", {0: (short, None)}))
+    why = checkpoint._storage_problem(CheckpointException("save", {0: (short, None)}), tmp_path)
     assert why is not None and why.startswith("rank 0: a short write")
+    assert "No space left" not in why  # tmp_path's disk has room: no claim it is full
     bug = RuntimeError("shape mismatch in tensor 'w'")
-    assert _storage_problem(CheckpointException("save", {1: (bug, None)})) is None
+    assert checkpoint._storage_problem(CheckpointException("save", {1: (bug, None)}),
+                                       tmp_path) is None
+
+    real = os.statvfs
+
+    def full(path):
+        st = real(path)
+        return os.statvfs_result((*st[:4], 0, *st[5:]))  # f_bavail = 0
+
+    monkeypatch.setattr(checkpoint.os, "statvfs", full)
+    why = checkpoint._storage_problem(CheckpointException("save", {0: (short, None)}),
+                                      tmp_path / "step-00000008")
+    assert why.startswith("rank 0: a short write: [Errno 28] No space left on device"), why
+    assert "unexpected pos 704" in why
     # However DCP or torch wrap it: a CheckpointException inside one, an OSError as the cause
     # of a RuntimeError.
     try:
@@ -142,5 +159,5 @@ def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug():
             raise RuntimeError("writing failed") from full
     except RuntimeError as wrapped:
         nested = CheckpointException("save", {0: (wrapped, None)})
-    why = _storage_problem(CheckpointException("save", {1: (nested, None)}))
+    why = checkpoint._storage_problem(CheckpointException("save", {1: (nested, None)}), tmp_path)
     assert why == "rank 1: [Errno 28] No space left on device"
