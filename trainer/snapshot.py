@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import operator
 import os
 import statistics
 import time
@@ -113,6 +114,7 @@ class ShardCopier:
         self._values: list[tuple[str, int, str]] = []  # (path, param group, setting)
         self._fixed: dict = {}
         self._made: dict | None = None  # what the last capture returned
+        self._buffers: list[torch.Tensor] = []  # its tensors, in the order of _paths
 
     def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 into: dict[str, torch.Tensor] | None = None
@@ -121,16 +123,18 @@ class ShardCopier:
             self._made = None
             if not self._learn(model, optimizer):
                 return capture(model, optimizer, into=into)
-        buffers = [(into or {}).get(path) for path in self._paths]
-        if into is not None and into is self._made or all(
-                b is not None and b.shape == src.shape and b.dtype == src.dtype
-                for b, src in zip(buffers, self._sources)):
+        if into is not None and into is self._made:
+            # the last capture's own buffers, in its order: nothing to look up or check
+            torch._foreach_copy_(self._buffers, self._sources)
+            tensors = into
+        elif _fits(buffers := [(into or {}).get(path) for path in self._paths], self._sources):
             torch._foreach_copy_(buffers, self._sources)
             tensors = dict(zip(self._paths, buffers))
         else:
             tensors = {path: src.to("cpu", copy=True).contiguous()
                        for path, src in zip(self._paths, self._sources)}
         self._made = tensors  # fits the next capture as it is: no check of each buffer then
+        self._buffers = list(tensors.values())
         groups = optimizer.param_groups
         values = {path: _plain(groups[i][key]) for path, i, key in self._values}
         values.update(self._fixed)
@@ -164,9 +168,14 @@ def _objects(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[t
     return out
 
 
+def _fits(buffers: list, sources: list[torch.Tensor]) -> bool:
+    return all(b is not None and b.shape == src.shape and b.dtype == src.dtype
+               for b, src in zip(buffers, sources))
+
+
 def _same(now: list, then: list) -> bool:
     # Identities, not values: the state's tensors are updated in place step after step.
-    return len(now) == len(then) and all(a is b for a, b in zip(now, then))
+    return len(now) == len(then) and all(map(operator.is_, now, then))
 
 
 def _plain(value):
