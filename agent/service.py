@@ -46,7 +46,9 @@ from lazarus.agent.netif import collective_env
 from lazarus.agent import collective_check as coll
 from lazarus.agent import preflight as pre
 from lazarus.agent import frozen
-from lazarus.agent.stacks import capture, dumpable
+from lazarus.agent.stacks import (ask_flight_records, capture, collect_flight_recorder,
+                                  describe_flight, dumpable, flight_recorder_env,
+                                  flight_records, request_flight_recorder_dumps)
 from lazarus.agent.workers import Workers
 from lazarus.agent.tier0_agent import Tier0, Tier0Options, add_tier0_args, tier0_options
 
@@ -127,7 +129,9 @@ class Agent:
         env = {**without_secrets(os.environ), "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node),
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),
-               **collective_env(host, dict(os.environ))}
+               **collective_env(host, dict(os.environ)),
+               # what each process group's collectives were when a round hangs
+               **flight_recorder_env(workdir / "stacks" / node)}
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node
@@ -557,9 +561,13 @@ class Agent:
             return
         pids = g.pids()
         asked = dumpable(pids, self.stacks_dir)
+        # asked first, read after the stacks: the ranks write both meanwhile
+        flying = ask_flight_records(pids, self.stacks_dir)
+        request_flight_recorder_dumps(self.stacks_dir, sorted(g.ranks.values()))  # NCCL's own
         before = frozen.samples(pids)
         dump = capture(pids, self.stacks_dir, timeout_s=3.0)
         after = frozen.samples(pids)
+        flights = flight_records(flying, self.stacks_dir, timeout_s=0.5)
         stuck = frozen.frozen({g.ranks[lr]: p.pid for lr, p in g.procs.items()
                                if lr in g.ranks}, before, after, dump, asked)
         if stuck:
@@ -571,8 +579,20 @@ class Agent:
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text("".join(
             f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
+            f"{_flight_line(flights.get(p.pid), p.pid in flying)}"
             f"{dump.get(p.pid, _silent(p.pid, after, stuck.get(g.ranks.get(lr))))}\n"
             for lr, p in sorted(g.procs.items())))
+        for lr, p in g.procs.items():
+            if p.pid in flights:  # torch's own JSON beside it, for its fr_trace tool and people
+                saved.with_name(f"{saved.stem}-rank{g.ranks.get(lr)}.flight.json").write_bytes(
+                    flights[p.pid])
+        nccl = {r: path for r, path in collect_flight_recorder(self.stacks_dir).items()
+                if r in g.ranks.values()}
+        if nccl:
+            with open(saved, "a", encoding="utf-8") as f:
+                f.write("=== NCCL's flight recorder dumps (pickles: read them with "
+                        "python -m torch.distributed.flight_recorder.fr_trace) ===\n" + "".join(
+                            f"rank {r}: {path}\n" for r, path in sorted(nccl.items())))
         self._hang = {**verdict.to_dict(), "stacks": str(saved), "at": time.time()}
         log.warning("hang in round %d: %s; stacks in %s", g.round, verdict.reason, saved)
 
@@ -811,6 +831,13 @@ class Agent:
         with self._lock:
             self._step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
                           "tokens_per_s": old.tokens_per_s, "window": old.window}
+
+
+def _flight_line(record: bytes | None, asked: bool) -> str:
+    """The stacks file's line on a rank's collectives (lazarus.agent.stacks.describe_flight)."""
+    if record is not None:
+        return f"collectives (flight recorder): {describe_flight(record)}\n"
+    return "collectives (flight recorder): no answer\n" if asked else ""
 
 
 def _silent(pid: int, after: dict, why: str | None) -> str:

@@ -10,24 +10,28 @@ Agent side: `capture(pids, dump_dir, timeout_s)` signals each worker that has th
 installed (read from /proc, so a process without it is never killed by SIGUSR1's default
 action) and returns what each one wrote.
 
-On CUDA, `nccl_flight_recorder_env(dump_dir)` goes into the workers' environment: every
-process group then keeps a ring buffer of its last collectives (TORCH_NCCL_TRACE_BUFFER_SIZE
-entries), writes it to `<dump_dir>/nccl/nccl_trace_rank_<rank>` when its watchdog times out
-(TORCH_NCCL_DUMP_ON_TIMEOUT=1, prefix TORCH_NCCL_DEBUG_INFO_TEMP_FILE), and also on demand
-when a byte is written to its pipe `<dump_dir>/nccl-pipes/rank_<rank>.pipe`
-(TORCH_NCCL_DEBUG_INFO_PIPE_FILE; `request_flight_recorder_dumps`). The dumps are pickles:
-we collect their paths and never unpickle them; read them with
+`flight_recorder_env(dump_dir)` goes into the workers' environment: every process group,
+gloo or NCCL, then keeps a ring buffer of its last collectives (TORCH_FR_BUFFER_SIZE entries).
+Each worker answers a byte on its FIFO with that record as JSON
+(lazarus.trainer.flightrec; `flight_records` here asks and reads, `describe_flight`
+says in a line per group where the rank's collectives stand). On CUDA, NCCL also writes the
+record to `<dump_dir>/nccl/nccl_trace_rank_<rank>` when its watchdog times out
+(TORCH_NCCL_DUMP_ON_TIMEOUT=1, prefix TORCH_FR_DUMP_TEMP_FILE), and on demand when a
+byte is written to its pipe `<dump_dir>/nccl-pipes/rank_<rank>.pipe`
+(TORCH_NCCL_DEBUG_INFO_PIPE_FILE; `request_flight_recorder_dumps`). NCCL's dumps are
+pickles: we collect their paths and never unpickle them; read them with
 `python -m torch.distributed.flight_recorder.fr_trace <dump_dir>/nccl -p nccl_trace_rank_`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
-from lazarus.core.contract import dump_path
+from lazarus.core.contract import dump_path, flight_pipe_path, flight_record_path
 
 _FR_PREFIX = "nccl_trace_rank_"
 
@@ -82,14 +86,23 @@ def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> di
     return done
 
 
-def nccl_flight_recorder_env(dump_dir: str | Path, *, entries: int = 2000) -> dict[str, str]:
-    """Environment for CUDA workers that turns NCCL's flight recorder on (see the module doc)."""
+# A flight record is torch's JSON of at most FLIGHT_ENTRIES collectives, a few hundred bytes
+# each: more than this is not one.
+_MAX_RECORD_BYTES = 16 << 20
+FLIGHT_ENTRIES = 2000
+
+
+def flight_recorder_env(dump_dir: str | Path, *, entries: int = FLIGHT_ENTRIES) -> dict[str, str]:
+    """Environment for workers that turns the collectives' flight recorder on, for gloo and
+    NCCL process groups alike, with NCCL's dumps on its watchdog's timeout (module doc)."""
     dump_dir = Path(dump_dir)
     (dump_dir / "nccl").mkdir(parents=True, exist_ok=True)
     (dump_dir / "nccl-pipes").mkdir(parents=True, exist_ok=True)
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+    # torch's current names (the TORCH_NCCL_ ones of the buffer and the file are deprecated
+    # aliases, warned about in every process); the timeout dump and the pipe are NCCL's alone
+    return {"TORCH_FR_BUFFER_SIZE": str(entries),
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dump_dir / "nccl" / _FR_PREFIX),
+            "TORCH_FR_DUMP_TEMP_FILE": str(dump_dir / "nccl" / _FR_PREFIX),
             "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(dump_dir / "nccl-pipes" / "rank_")}
 
 
@@ -119,3 +132,79 @@ def collect_flight_recorder(dump_dir: str | Path) -> dict[int, Path]:
         if suffix.isdigit():
             out[int(suffix)] = path
     return out
+
+
+def ask_flight_records(pids: list[int], dump_dir: str | Path) -> list[int]:
+    """Ask each worker in `pids` for its flight record (lazarus.trainer.flightrec); returns
+    the pids asked. An older record of theirs is removed first, so what `flight_records`
+    reads is the answer."""
+    asked = []
+    for pid in pids:
+        try:
+            flight_record_path(dump_dir, pid).unlink(missing_ok=True)
+            # O_NONBLOCK: ENXIO rather than a wait when nobody reads (no such worker thread)
+            fd = os.open(flight_pipe_path(dump_dir, pid), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            os.write(fd, b"1")
+            asked.append(pid)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
+
+
+def flight_records(asked: list[int], dump_dir: str | Path, timeout_s: float) -> dict[int, bytes]:
+    """The flight records of the workers `ask_flight_records` asked (pid -> torch's JSON),
+    waiting up to `timeout_s` for them: a stopped worker, or one holding the GIL, never
+    answers and is left out."""
+    out: dict[int, bytes] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for pid in asked:
+            path = flight_record_path(dump_dir, pid)
+            if pid in out or not path.exists():
+                continue
+            try:
+                with open(path, "rb") as f:
+                    out[pid] = f.read(_MAX_RECORD_BYTES + 1)
+            except OSError:
+                continue
+        if len(out) == len(asked) or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.02)
+
+
+def describe_flight(raw: bytes) -> str:
+    """Where one worker's collectives stand, from its flight record: per process group the
+    last collective enqueued and completed, and the newest one's operation, e.g.
+    "pg 0 (default_pg): #57 all_reduce enqueued, #56 completed". The record comes from a
+    process running the job's code: anything malformed is said to be, never raised."""
+    if len(raw) > _MAX_RECORD_BYTES:
+        return "flight record too large to read"
+    try:
+        doc = json.loads(raw)
+        status = doc.get("pg_status") or {}
+        newest: dict[str, tuple[int, str, str]] = {}
+        for e in doc.get("entries") or []:
+            pg = str(e.get("pg_id"))
+            seq = int(e.get("collective_seq_id") or 0)
+            if seq >= newest.get(pg, (-1, "", ""))[0]:
+                names = e.get("process_group") or ["", ""]
+                newest[pg] = (seq, str(e.get("profiling_name", "")).rpartition(":")[2],
+                              str(names[1] if len(names) > 1 else ""))
+        parts = []
+        for pg in sorted(status, key=lambda k: (len(k), k)):
+            st = status[pg]
+            enq, done = int(st.get("last_enqueued_collective", -1)), \
+                int(st.get("last_completed_collective", -1))
+            seq, op, name = newest.get(pg, (-1, "", ""))
+            what = f" {op}" if seq == enq and op else ""
+            named = f" ({name})" if name and name != "undefined" else ""
+            parts.append(f"pg {pg}{named}: #{enq}{what} enqueued, "
+                         f"#{done} completed")
+        return "; ".join(parts) or "no collectives recorded"
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        return f"flight record unreadable ({type(e).__name__})"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
-from lazarus.core.contract import WorkerAssignment, exit_note_path
+from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class Workers:
                 g.exit_codes[local_rank] = code
                 changed = True
                 exit_note_path(self.notes_dir, proc.pid).unlink(missing_ok=True)
+                self._forget(proc.pid)
                 if code != 0 and g.first_failure is None:
                     g.fault_at = time.time()
                     g.first_failure = local_rank
@@ -148,7 +149,16 @@ class Workers:
                     pass
         for proc in g.procs.values():
             proc.wait()
+            self._forget(proc.pid)
         self.group = None
+
+    def _forget(self, pid: int) -> None:
+        # A weeks-long run starts thousands of workers: their files must not pile up.
+        for path in worker_files(self.notes_dir, pid):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # what cannot go now is a few bytes
 
     def shutdown(self, *, leave_ranks: bool = False) -> None:
         """Stop every worker; with `leave_ranks`, the parked ones only (the round's ranks

@@ -71,8 +71,11 @@ def run(assignment: WorkerAssignment) -> int:
     began = time.perf_counter()
     if os.environ.get(STACKS_ENV):
         # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
+        from lazarus.trainer.flightrec import serve_flight_record
         from lazarus.trainer.stackdump import enable_stack_dumps
         enable_stack_dumps(os.environ[STACKS_ENV])
+        # ... and its collectives' flight record, when a hang leaves that in doubt
+        serve_flight_record(os.environ[STACKS_ENV])
     cfg = TrainConfig.from_dict(a.train)
     dp, tp = cfg.parallelism.dp, cfg.parallelism.tp
     if dp * tp != a.world_size:

@@ -58,6 +58,23 @@ def dump_path(dump_dir: str | Path, pid: int) -> Path:
     return Path(dump_dir) / f"stacks-{pid}.txt"
 
 
+def flight_pipe_path(dump_dir: str | Path, pid: int) -> Path:
+    """The FIFO on which worker `pid` takes requests for its collectives' flight record."""
+    return Path(dump_dir) / f"flight-{pid}.pipe"
+
+
+def flight_record_path(dump_dir: str | Path, pid: int) -> Path:
+    """Where worker `pid` writes its flight record (torch's JSON dump) when asked."""
+    return Path(dump_dir) / f"flight-{pid}.json"
+
+
+def worker_files(dump_dir: str | Path, pid: int) -> list[Path]:
+    """The files worker `pid` answers requests through: gone with it (the exit note is read
+    after its exit, and removed apart)."""
+    return [dump_path(dump_dir, pid), flight_pipe_path(dump_dir, pid),
+            flight_record_path(dump_dir, pid)]
+
+
 def exit_note_path(dump_dir: str | Path, pid: int) -> Path:
     """Where worker `pid` leaves its exit code before it exits: an agent that adopted it (not
     its parent, so it cannot wait for it) reads it there to tell a crash from a clean end."""

@@ -64,13 +64,14 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
         if fill["time"] < c.committed_at < free["time"]:
             assert c.round == 1 and c.step <= fill["injected_at_step"], c
     # ... the crash restored from memory (tier 0), newer than the newest checkpoint on the
-    # full disk, one committed before it filled, ...
-    newest = max((c for c in ckpts if c.committed_at < kill["time"]),
-                 key=lambda c: c.committed_at)
-    assert 4 <= newest.step <= fill["injected_at_step"]
+    # full disk -- one committed before it filled, unless step 4's save was still in flight
+    # when the disk filled at step 7 (a loaded machine) and was refused too -- ...
+    newest = max((c.step for c in ckpts if c.committed_at < kill["time"]), default=0)
+    assert newest <= fill["injected_at_step"]
+    assert newest == 4 or any(e.fields["step"] == 4 for e in refused), (newest, refused)
     (restart,) = [e for e in events if e.kind == "round_started" and e.time > kill["time"]]
     assert restart.fields["restore_tier"] == 0, restart.message
-    assert restart.fields["restore_step"] > newest.step
+    assert restart.fields["restore_step"] > newest
     # ... and checkpoints were committed again once the space was back.
     cleared = [e for e in events if e.kind == "host_alert_cleared"]
     assert {e.fields["node"] for e in cleared if e.time > free["time"]} == {"n0", "n1"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -116,5 +117,13 @@ def test_slow_first_step_and_slow_checkpoint_are_no_hang_but_a_hang_still_is(tmp
     events = [json.loads(line) for line in (tmp_path / "up" / "events.jsonl").open()]
     faults = [e["fields"].get("kind") for e in events if e["kind"] == "fault_detected"]
     assert faults == ["hang"]                       # the stalls raised nothing
+    # The hung rank's collectives, from torch's flight recorder, beside its stack: every one
+    # it enqueued has completed -- it is not in a collective, the others wait for it.
+    (saved,) = (tmp_path / "up" / "nodes" / "hangs").glob("round*-n1.txt")
+    line = next(x for x in saved.read_text().splitlines() if x.startswith("collectives"))
+    enqueued, completed = re.search(r"pg 0 \(default_pg\): #(\d+)[^;]* enqueued, #(\d+) completed",
+                                    line).groups()
+    assert enqueued == completed and int(enqueued) > 17, line
+    assert saved.with_name(f"{saved.stem}-rank1.flight.json").exists()
     ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert got == ref

@@ -16,7 +16,7 @@ import pytest
 from lazarus.agent.adopt import Left, LeftRank, NodeLock, record_path, start_time
 from lazarus.agent.service import Agent
 from lazarus.core import etcd as E
-from lazarus.core.contract import STACKS_ENV, exit_note_path
+from lazarus.core.contract import STACKS_ENV, exit_note_path, worker_files
 from lazarus.core.errors import UserError
 from lazarus.core.records import (RUNNING, W_FAILED, W_RUNNING, W_SUCCEEDED, NodeRecord,
                                   NodeStatus, RoundRecord, RunStatus)
@@ -126,6 +126,9 @@ def test_agents_restarting_take_over_the_ranks_and_the_lease(etcd, keys, tmp_pat
 
         second = Running(etcd, keys, tmp_path)
         assert second.agent.session.lease == lease
+        for p in ranks:  # what a rank leaves to answer the agent (stacks, flight record)
+            for path in worker_files(tmp_path / "stacks" / "n0", p.pid):
+                path.write_text("")
         _end(ranks[0], 0)
         _end(ranks[1], 0)
         st = _until(lambda: (s := _status(etcd, keys)) and s.workers == W_SUCCEEDED and s)
@@ -133,9 +136,10 @@ def test_agents_restarting_take_over_the_ranks_and_the_lease(etcd, keys, tmp_pat
         # both under the node's one lease, or the daemon would not count the status
         assert etcd.get(keys.node_key("n0")).lease == lease
         assert etcd.get(keys.nodestatus_key("n0")).lease == lease
-        # the notes were read and cleared
-        assert not any(exit_note_path(tmp_path / "stacks" / "n0", p.pid).exists()
-                       for p in ranks)
+        # the notes were read and cleared, and the ranks' other files with them
+        assert not any(path.exists() for p in ranks
+                       for path in [exit_note_path(tmp_path / "stacks" / "n0", p.pid),
+                                    *worker_files(tmp_path / "stacks" / "n0", p.pid)])
         second.halt()  # no ranks left to leave: the node leaves at once
         assert etcd.get(keys.node_key("n0")) is None
         assert Left.load(record_path(tmp_path, "n0")) is None

@@ -1,5 +1,6 @@
 """Stack capture of real processes: one asleep, two ranks of a real gloo group where one
-waits in all_reduce for the other; and the NCCL flight recorder's files and pipes."""
+waits in all_reduce for the other; the collectives' flight records of real gloo ranks, one
+lagging and one stopped; and the NCCL flight recorder's files and pipes."""
 
 import os
 import subprocess
@@ -10,8 +11,11 @@ import psutil
 import pytest
 
 from lazarus.core.contract import dump_path
-from lazarus.agent.stacks import (capture, collect_flight_recorder, handles_sigusr1,
-                                  nccl_flight_recorder_env, request_flight_recorder_dumps)
+import signal
+
+from lazarus.agent.stacks import (ask_flight_records, capture, collect_flight_recorder,
+                                  describe_flight, flight_recorder_env, flight_records,
+                                  handles_sigusr1, request_flight_recorder_dumps)
 
 SLEEPER = textwrap.dedent("""
     import sys, time
@@ -42,6 +46,23 @@ GLOO_RANK = textwrap.dedent("""
         time.sleep(120)
 
     waits_in_all_reduce() if rank == 0 else lagging_rank()
+""")
+
+
+FLIGHT_RANK = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    from lazarus.trainer.flightrec import serve_flight_record
+    dump_dir, store, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    serve_flight_record(dump_dir)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    print("ready", flush=True)
+    if rank == 1:
+        time.sleep(120)   # lagging: the others wait for its 4th all_reduce
+    dist.all_reduce(t)
 """)
 
 
@@ -105,10 +126,10 @@ def test_capture_of_a_process_that_exited_returns_nothing(tmp_path):
 
 
 def test_flight_recorder_env_files_and_dump_requests(tmp_path):
-    env = nccl_flight_recorder_env(tmp_path)
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    env = flight_recorder_env(tmp_path)
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    prefix = env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    prefix = env["TORCH_FR_DUMP_TEMP_FILE"]
     # ProcessGroupNCCL writes <prefix><global rank>; the collector maps them back.
     for rank in (3, 0):
         with open(f"{prefix}{rank}", "wb") as f:
@@ -134,3 +155,48 @@ def _no_leftover_children():
     yield
     assert not [c for c in psutil.Process().children()
                 if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_flight_records_show_which_rank_the_others_wait_for(tmp_path):
+    """Three real gloo ranks with the recorder on, as the agent's environment turns it on:
+    rank 1 lags in Python after three all_reduces, rank 2 is stopped (SIGSTOP) in its fourth,
+    rank 0 waits in its fourth. Asked as the agent asks on a hang, rank 0 says it enqueued #4,
+    rank 1 #3 (the one they wait for); the stopped rank cannot answer and is left out."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **flight_recorder_env(tmp_path)}
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", FLIGHT_RANK, str(tmp_path), str(store),
+                               str(r), "3"], stdout=subprocess.PIPE, text=True, env=env)
+             for r in range(3)]
+    try:
+        assert all(p.stdout.readline().strip() == "ready" for p in ranks)
+        ranks[2].send_signal(signal.SIGSTOP)
+        pids = [p.pid for p in ranks]
+        asked = ask_flight_records(pids, tmp_path)
+        # A stopped process answers nothing (asked or not: its FIFO may still count it as a
+        # reader, so the wait for it ends at the timeout).
+        assert set(pids[:2]) <= set(asked)
+        got = flight_records(asked, tmp_path, timeout_s=2 if pids[2] in asked else 20)
+        assert sorted(got) == pids[:2], got.keys()
+        waiting, lagging = describe_flight(got[pids[0]]), describe_flight(got[pids[1]])
+        assert waiting.startswith("pg 0") and "#4 all_reduce enqueued, #3 completed" in waiting
+        assert "#3 all_reduce enqueued, #3 completed" in lagging, lagging
+        # A worker that is gone is not waited for.
+        ranks[1].kill()
+        ranks[1].wait()
+        assert ask_flight_records([pids[1]], tmp_path) == []
+    finally:
+        ranks[2].send_signal(signal.SIGCONT)
+        stop(ranks)
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"", "unreadable"), (b"not json", "unreadable"), (b"[1, 2]", "unreadable"),
+    (b"[" * 100_000 + b"]" * 100_000, "unreadable"),
+    (b'{"pg_status": {"0": {"last_enqueued_collective": "x"}}}', "unreadable"),
+    (b'{"pg_status": {}, "entries": []}', "no collectives recorded"),
+    (b'{"pg_status": 5}', "unreadable"),
+    (b"x" * (17 << 20), "too large"),
+])
+def test_a_garbled_flight_record_is_said_to_be_one(raw, says):
+    # A flight record comes from a process that runs the job's code: it is input like any.
+    assert says in describe_flight(raw)
