@@ -3,16 +3,16 @@ waits in all_reduce for the other; the collectives' flight records of real gloo 
 lagging and one stopped; and the NCCL flight recorder's files and pipes."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
 
 from lazarus.core.contract import dump_path
-import signal
-
 from lazarus.agent.stacks import (ask_flight_records, capture, collect_flight_recorder,
                                   describe_flight, flight_recorder_env, flight_records,
                                   handles_sigusr1, request_flight_recorder_dumps)
@@ -64,6 +64,22 @@ FLIGHT_RANK = textwrap.dedent("""
         time.sleep(120)   # lagging: the others wait for its 4th all_reduce
     dist.all_reduce(t)
 """)
+
+
+def _until_stopped(pid: int, timeout_s: float = 20) -> None:
+    """Until every thread of `pid` is stopped: a signal is delivered after kill() returns."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tasks = [t.id for t in psutil.Process(pid).threads()]
+        if all(_state(pid, t) == "T" for t in tasks):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop")
+
+
+def _state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+        return f.read().rpartition(")")[2].split()[0]
 
 
 def start(args, **kw):
@@ -170,6 +186,7 @@ def test_flight_records_show_which_rank_the_others_wait_for(tmp_path):
     try:
         assert all(p.stdout.readline().strip() == "ready" for p in ranks)
         ranks[2].send_signal(signal.SIGSTOP)
+        _until_stopped(ranks[2].pid)
         pids = [p.pid for p in ranks]
         asked = ask_flight_records(pids, tmp_path)
         # A stopped process answers nothing (asked or not: its FIFO may still count it as a
