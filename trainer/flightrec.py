@@ -13,7 +13,6 @@ dump on its watchdog's timeout (TORCH_NCCL_DUMP_ON_TIMEOUT) needs no thread of o
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -61,10 +60,8 @@ def _serve(pipe: Path, out: Path) -> None:
     while True:
         try:
             fd = os.open(pipe, os.O_RDONLY)  # blocks, without the GIL, until the agent writes
-        except OSError as e:
-            if e.errno == errno.EINTR:
-                continue
-            return  # the FIFO is gone: nobody can ask any more
+        except OSError:
+            return  # the FIFO is gone: nobody can ask any more (EINTR is retried by Python)
         try:
             asked = os.read(fd, 64)
         finally:
