@@ -113,8 +113,7 @@ class ShardCopier:
         self._sources: list[torch.Tensor] = []
         self._values: list[tuple[str, int, str]] = []  # (path, param group, setting)
         self._fixed: dict = {}
-        self._made: dict | None = None  # what the last capture returned
-        self._buffers: list[torch.Tensor] = []  # its tensors, in the order of _paths
+        self._made: dict | None = None  # what the last capture returned, in _paths' order
 
     def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 into: dict[str, torch.Tensor] | None = None
@@ -125,7 +124,7 @@ class ShardCopier:
                 return capture(model, optimizer, into=into)
         if into is not None and into is self._made:
             # the last capture's own buffers, in its order: nothing to look up or check
-            torch._foreach_copy_(self._buffers, self._sources)
+            torch._foreach_copy_(list(into.values()), self._sources)
             tensors = into
         elif _fits(buffers := [(into or {}).get(path) for path in self._paths], self._sources):
             torch._foreach_copy_(buffers, self._sources)
@@ -134,7 +133,6 @@ class ShardCopier:
             tensors = {path: src.to("cpu", copy=True).contiguous()
                        for path, src in zip(self._paths, self._sources)}
         self._made = tensors  # fits the next capture as it is: no check of each buffer then
-        self._buffers = list(tensors.values())
         groups = optimizer.param_groups
         values = {path: _plain(groups[i][key]) for path, i, key in self._values}
         values.update(self._fixed)
