@@ -565,9 +565,13 @@ class Agent:
         flying = ask_flight_records(pids, self.stacks_dir)
         request_flight_recorder_dumps(self.stacks_dir, sorted(g.ranks.values()))  # NCCL's own
         before = frozen.samples(pids)
+        deadline = time.monotonic() + 3.0
         dump = capture(pids, self.stacks_dir, timeout_s=3.0)
         after = frozen.samples(pids)
-        flights = flight_records(flying, self.stacks_dir, timeout_s=0.5)
+        # Within the stacks' own 3 s, never after: the daemon waits only that long for the
+        # other nodes' reports, and a stopped rank (the culprit) answers neither.
+        flights = flight_records(flying, self.stacks_dir,
+                                 timeout_s=max(0.0, deadline - time.monotonic()))
         stuck = frozen.frozen({g.ranks[lr]: p.pid for lr, p in g.procs.items()
                                if lr in g.ranks}, before, after, dump, asked)
         if stuck:
