@@ -37,7 +37,8 @@ from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, f
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
-                                   RESTORE_KINDS, STACKS_ENV, UNREADABLE, Progress,
+                                   RESTORE_KINDS, STACK_CAPTURE_S, STACKS_ENV, UNREADABLE,
+                                   Progress,
                                    WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
@@ -565,11 +566,11 @@ class Agent:
         flying = ask_flight_records(pids, self.stacks_dir)
         request_flight_recorder_dumps(self.stacks_dir, sorted(g.ranks.values()))  # NCCL's own
         before = frozen.samples(pids)
-        deadline = time.monotonic() + 3.0
-        dump = capture(pids, self.stacks_dir, timeout_s=3.0)
+        deadline = time.monotonic() + STACK_CAPTURE_S
+        dump = capture(pids, self.stacks_dir, timeout_s=STACK_CAPTURE_S)
         after = frozen.samples(pids)
-        # Within the stacks' own 3 s, never after: the daemon waits only that long for the
-        # other nodes' reports, and a stopped rank (the culprit) answers neither.
+        # Within the stacks' own deadline, never after: the daemon's wait for the other nodes'
+        # reports is sized on it, and a stopped rank (the culprit) answers neither.
         flights = flight_records(flying, self.stacks_dir,
                                  timeout_s=max(0.0, deadline - time.monotonic()))
         stuck = frozen.frozen({g.ranks[lr]: p.pid for lr, p in g.procs.items()

@@ -24,7 +24,7 @@ import dataclasses
 
 from lazarus.core import exitcodes
 from lazarus.core import settings
-from lazarus.core.contract import HangVerdict
+from lazarus.core.contract import STACK_CAPTURE_S, HangVerdict
 from lazarus.core.culprits import combine
 from lazarus.core import jobspec
 from lazarus.core.errors import UserError
@@ -153,8 +153,10 @@ def _clip(text: str) -> str:
 
 
 # How long the first hang report of a round waits for the other members' reports (their
-# ranks stall too), so that the culprit is named from every rank's position.
-HANG_REPORT_WAIT_S = 3.0
+# ranks stall too), so that the culprit is named from every rank's position. The node of a
+# stopped rank reports a whole stack capture after its detection, the others at once: the
+# wait is that capture plus the skew between nodes' detections and status writes.
+HANG_REPORT_WAIT_S = STACK_CAPTURE_S + 2.0
 
 
 def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
@@ -182,10 +184,20 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     if not frozen and len(reports) < len(st.members) and now - first_report < HANG_REPORT_WAIT_S:
         return Decision([], f"hang reported by {', '.join(reports)}; waiting for the others")
     verdict = combine(reports)
-    culprits = list(verdict.culprit_nodes) or sorted(reports)
+    silent = sorted(set(st.members) - set(reports))
+    if verdict.culprit_nodes:
+        culprits, reason = list(verdict.culprit_nodes), verdict.reason
+    elif silent:
+        # Every reporting rank waits level with the others: the rank they wait for is on a
+        # node that did not report (its agent is gone, or still waits on a rank that does
+        # not answer), never on theirs.
+        culprits = silent
+        reason = f"{verdict.reason}; no report from {', '.join(silent)}"
+    else:
+        culprits, reason = sorted(reports), verdict.reason
     stacks = [_clip(str(view.node_status[n].hang.get("stacks"))) for n in reports]
     return _to_recovering(now, st, "hang", culprits,
-                          f"hang: {verdict.reason} (stacks: {', '.join(stacks)})",
+                          f"hang: {reason} (stacks: {', '.join(stacks)})",
                           min(started))
 
 

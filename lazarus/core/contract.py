@@ -194,6 +194,12 @@ class Position:
         return f"{where} at step {self.step} after {self.seq} collectives"
 
 
+# How long an agent gives its ranks to answer for their stacks and flight records on a hang. A
+# stopped rank answers neither, so a node holding one reports only this long after detecting:
+# the daemon's wait for the other nodes' reports is longer (lazarus.daemon.decide).
+STACK_CAPTURE_S = 3.0
+
+
 @dataclass(frozen=True, slots=True)
 class HangVerdict:
     culprits: tuple[int, ...]        # global ranks named as the cause; () = none local

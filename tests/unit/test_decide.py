@@ -346,11 +346,17 @@ def test_hang_waits_for_all_reports_then_names_the_rank_behind():
     assert st.incident["fault_at"] == NOW - 1 - 12.0
 
 
-def test_a_lone_hang_report_acts_after_the_wait():
+def test_a_lone_hang_report_waits_out_a_stack_capture_then_blames_the_silent_node():
+    # b's agent may still be waiting on a stopped rank's stacks (a whole capture) -- then acts:
+    # a's ranks all wait level, so the rank they wait for is on b, not on a
     a = ns("a", "running", step=9, hang=_hang_report(NOW - 4, {0: (9, "collective", 40)}))
+    d = decide(NOW, view(status=status(RUNNING), node_status=[a]))
+    assert d.actions == [] and "waiting for the others" in d.reason
+    a = ns("a", "running", step=9, hang=_hang_report(NOW - 6, {0: (9, "collective", 40)}))
     st = only(decide(NOW, view(status=status(RUNNING), node_status=[a])).actions,
               SetStatus).status
-    assert st.incident["kind"] == "hang"
+    assert st.incident["kind"] == "hang" and st.incident["culprit"] == "b"
+    assert "no report from b" in st.reason
 
 
 def test_unreadable_hang_report_is_ignored():
