@@ -52,6 +52,15 @@ class Planted:
         return (Path.touch, (self.marker,))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _elastic_logs_in_tmp(tmp_path_factory):
+    """torchrun keeps its workers' logs in a fresh torchelastic_* dir under TMPDIR that it never
+    removes: put those with the tests' own files, which pytest removes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("torchelastic")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def etcd():
     with EmbeddedEtcd() as server:
