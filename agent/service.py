@@ -48,7 +48,7 @@ from lazarus.agent import collective_check as coll
 from lazarus.agent import preflight as pre
 from lazarus.agent import frozen
 from lazarus.agent.stacks import (ask_flight_records, capture, collect_flight_recorder,
-                                  describe_flight, dumpable, flight_recorder_env,
+                                  FLIGHT_ENTRIES, describe_flight, dumpable, flight_recorder_env,
                                   flight_records, request_flight_recorder_dumps)
 from lazarus.agent.workers import Workers
 from lazarus.agent.tier0_agent import Tier0, Tier0Options, add_tier0_args, tier0_options
@@ -96,10 +96,12 @@ class Agent:
                  status_period_s: float = STATUS_PERIOD_S,
                  preflight_every_s: float | None = PREFLIGHT_EVERY_S,
                  tier0: Tier0Options | None = None,
-                 allowed_roots: list[str] | None = None):
+                 allowed_roots: list[str] | None = None,
+                 flight_entries: int = FLIGHT_ENTRIES):
         """`allowed_roots`: where jobs may have this node's ranks write (lazarus.core.jobpaths);
         None: anywhere (`lazarus agent` always passes a list: its --allowed-root, else its
-        workdir)."""
+        workdir). `flight_entries`: the collectives torch's flight recorder keeps per process
+        group of a rank; 0 turns it off."""
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -132,7 +134,7 @@ class Agent:
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),
                **collective_env(host, dict(os.environ)),
                # what each process group's collectives were when a round hangs
-               **flight_recorder_env(workdir / "stacks" / node)}
+               **flight_recorder_env(workdir / "stacks" / node, entries=flight_entries)}
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node
@@ -876,6 +878,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--long-phase-floor", type=float, default=LONG_FLOOR_S,
                    help="a checkpoint or eval phase hangs after %(default)s s or 4x its "
                         "median duration so far, whichever is longer (at most 600 s)")
+    p.add_argument("--flight-entries", type=int, default=FLIGHT_ENTRIES,
+                   help="collectives torch's flight recorder keeps per process group of each "
+                        "rank, read for a hang's report (default %(default)s); 0 turns it off")
     p.add_argument("--gpu-faults", type=Path, default=None,
                    help="fault script of the simulated GPU backend (default: "
                         "WORKDIR/NODE.gpu-faults.json; `lazarus chaos gpu-xid` writes it)")
@@ -910,6 +915,9 @@ def main(argv: list[str]) -> int:
     if args.nproc < 1:
         raise UserError("--nproc must be at least 1")
     settings.check_lease_ttl(args.lease_ttl)
+    if args.flight_entries < 0:
+        raise UserError("--flight-entries must be 0 (no flight recorder) or a number of "
+                        f"collectives, not {args.flight_entries}")
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
     if not 0 < args.long_phase_floor <= LONG_CAP_S:
@@ -931,7 +939,8 @@ def main(argv: list[str]) -> int:
                   preflight_every_s=args.preflight_every if args.preflight == "on" else None,
                   tier0=tier0_options(args, Path(args.workdir)),
                   # absolute: the ranks resolve them, whatever their working directory
-                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [args.workdir]])
+                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [args.workdir]],
+                  flight_entries=args.flight_entries)
     try:
         agent.run(stop)
     finally:

@@ -94,7 +94,11 @@ FLIGHT_ENTRIES = 2000
 
 def flight_recorder_env(dump_dir: str | Path, *, entries: int = FLIGHT_ENTRIES) -> dict[str, str]:
     """Environment for workers that turns the collectives' flight recorder on, for gloo and
-    NCCL process groups alike, with NCCL's dumps on its watchdog's timeout (module doc)."""
+    NCCL process groups alike, with NCCL's dumps on its watchdog's timeout (module doc); with
+    `entries` 0, off."""
+    assert entries >= 0, entries
+    if entries == 0:  # off, whatever the agent's own environment says
+        return {"TORCH_FR_BUFFER_SIZE": "0"}
     dump_dir = Path(dump_dir)
     (dump_dir / "nccl").mkdir(parents=True, exist_ok=True)
     (dump_dir / "nccl-pipes").mkdir(parents=True, exist_ok=True)

@@ -141,6 +141,16 @@ def test_capture_of_a_process_that_exited_returns_nothing(tmp_path):
     assert capture([done.pid], tmp_path, timeout_s=1) == {}
 
 
+def test_a_flight_recorder_turned_off_stays_off_whatever_the_agents_environment(tmp_path):
+    from lazarus.trainer.flightrec import recorder_on, serve_flight_record
+    env = flight_recorder_env(tmp_path, entries=0)
+    assert not recorder_on({"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", **env})
+    assert not (tmp_path / "nccl").exists()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_FR_BUFFER_SIZE", env["TORCH_FR_BUFFER_SIZE"])
+        assert serve_flight_record(tmp_path) is None  # no FIFO: the agent asks nobody
+
+
 def test_flight_recorder_env_files_and_dump_requests(tmp_path):
     env = flight_recorder_env(tmp_path)
     assert env["TORCH_FR_BUFFER_SIZE"] == "2000"

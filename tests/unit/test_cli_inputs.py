@@ -103,6 +103,7 @@ def test_record_round_trip():
     (["agent", "--status-period", "0"], "--status-period must be positive"),
     (["agent", "--long-phase-floor", "0"], "--long-phase-floor must be above 0 and at most"),
     (["agent", "--preflight-every", "-1"], "--preflight-every must be 0 (only at start) or"),
+    (["agent", "--flight-entries", "-5"], "--flight-entries must be 0 (no flight recorder) or"),
 ])
 def test_bad_command_lines(args, expect, tmp_path):
     if args[0] == "up":
