@@ -31,10 +31,22 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         assert etcd.get(keys.cordon_key("n1")) is not None
         assert etcd.get(keys.drain_key("n1")) is None
 
-        step_before = _last_step(metrics)
+        # What round 2's ranks have surely done (the metrics file's last line may still be
+        # round 1's, past the drain's checkpoint)
+        now = cluster.state().node_status
+        step_before = min((now[n].step for n in st.members if n in now and now[n].round == 2),
+                          default=0)
         etcd.put(keys.pause, b"{}")
-        st = wait_for(cluster, lambda st: st.status and st.status.state == "PAUSED"
-                      and st.status, timeout=120, what="PAUSED")
+
+        def stopped(view):
+            # PAUSED comes with the pause's commit; the ranks stop after it
+            if not (view.status and view.status.state == "PAUSED"):
+                return None
+            if any(view.node_status.get(n) is None or view.node_status[n].workers == "running"
+                   for n in view.status.members):
+                return None
+            return view.status
+        st = wait_for(cluster, stopped, timeout=120, what="PAUSED, its ranks stopped")
         assert st.restore_step >= step_before
         paused_at = _last_step(metrics)
         time.sleep(2)

@@ -77,9 +77,16 @@ def _talk(proc: subprocess.Popen) -> str:
 
 def _hung_up_on(path: str) -> bool:
     """Connect from this process; True when the other end closes without a word."""
+    deadline = time.monotonic() + 30
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
-        s.connect(path)
+        while True:
+            try:  # the socket file exists from bind(); it answers from listen(), just after
+                s.connect(path)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, f"nobody listens on {path}"
+                time.sleep(0.05)
         return s.recv(1) == b""
 
 

@@ -593,7 +593,9 @@ def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
             cluster.start_agent(node, nproc=1, role="active")
         cluster.submit(jobspec.from_dict(
             {"job": {"name": "api-e2e", "nodes": 2, "min_nodes": 1, "nproc_per_node": 1},
-             "train": {"steps": 40, "metrics": str(metrics), "model": {"name": "tiny"},
+             # far more than the test watches: the run must still go on when the standby's
+             # first read (seconds on a busy machine) and the crash come
+             "train": {"steps": 400, "metrics": str(metrics), "model": {"name": "tiny"},
                        "optimizer": {"warmup_steps": 4},
                        "data": {"global_batch": 8, "seq_len": 64},
                        "checkpoint": {"every": 4, "dir": str(cluster.workdir / "ckpt")}}},
