@@ -58,7 +58,7 @@ def wait_steps(metrics: Path, at_least: int, *, timeout: float, what: str) -> No
         time.sleep(0.1)
 
 
-def finish(cluster: LocalCluster, *, timeout: float = 60):
+def finish(cluster: LocalCluster, *, timeout: float = 240):
     return wait_for(cluster, lambda st: st.status and st.status.state in ("SUCCEEDED", "FAILED")
                     and st.status, timeout=timeout, what="the run to finish")
 
