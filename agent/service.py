@@ -133,6 +133,7 @@ class Agent:
                STACKS_ENV: str(workdir / "stacks" / node),
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),
                **collective_env(host, dict(os.environ)),
+               **settings.rank_threads_env(nproc),
                # what each process group's collectives were when a round hangs
                **flight_recorder_env(workdir / "stacks" / node, entries=flight_entries)}
         if not monitors:

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from lazarus.core import settings
 from lazarus.core.batching import plan_batches
 from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
 from lazarus.core.errors import UserError
@@ -153,10 +154,7 @@ def _die_with_parent() -> None:
 
 def spawn_workers(cfg: TrainConfig, nproc: int, *, restore: str | None, store_port: int,
                   round: int = 0) -> list[subprocess.Popen]:
-    env = dict(os.environ)
-    # One process per core is what a rank can use; torch would otherwise start a thread per core
-    # in every rank and oversubscribe the machine.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env = {**os.environ, **settings.rank_threads_env(nproc)}
     procs = []
     for rank in range(nproc):
         assignment = WorkerAssignment(rank=rank, world_size=nproc, local_rank=rank, round=round,

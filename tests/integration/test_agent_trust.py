@@ -203,6 +203,7 @@ def test_ranks_get_none_of_the_agents_secrets(etcd, keys, tmp_path, monkeypatch)
                "LAZARUS_RDZV_KEY": "rendezvous-secret", "ETCDCTL_PASSWORD": "etcd-secret"}
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path / "agent",
                   park=True)
     try:
@@ -215,6 +216,9 @@ def test_ranks_get_none_of_the_agents_secrets(etcd, keys, tmp_path, monkeypatch)
             time.sleep(0.05)
         names = {entry.partition(b"=")[0].decode() for entry in environ if entry}
         assert "LAZARUS_AGENT_SOCKET" in names and not names & set(secrets)
+        # and a share of the host's cores for its intra-op threads, not one thread per core
+        # in every rank
+        assert f"OMP_NUM_THREADS={len(os.sched_getaffinity(0))}".encode() in environ
         assert not any(v.encode() in entry for v in secrets.values() for entry in environ)
     finally:
         agent.shutdown()

@@ -1,5 +1,6 @@
 """The job's settings: from a dict or a TOML [train] table in sections, every mistake named."""
 
+import os
 import subprocess
 import sys
 
@@ -82,3 +83,11 @@ def test_checking_a_job_loads_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_ranks_share_the_hosts_cores_unless_the_operator_said_otherwise():
+    from lazarus.core.settings import rank_threads_env
+    cpus = len(os.sched_getaffinity(0))
+    assert rank_threads_env(1, {}) == {"OMP_NUM_THREADS": str(cpus)}
+    assert rank_threads_env(cpus * 4, {}) == {"OMP_NUM_THREADS": "1"}  # never 0
+    assert rank_threads_env(8, {"OMP_NUM_THREADS": "6"}) == {}
