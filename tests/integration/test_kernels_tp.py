@@ -22,14 +22,17 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 # Two layers of matmuls and attention between the fused ops, and a few AdamW steps.
 MODEL_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 STEPS = 2
+EXIT_ABORT = "terminate called without an active exception"
 
 
 def _spawn(tmp_path, *args: str, world: int) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "store"), str(world), *args],
                           env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("rank ok") == world, proc.stdout
+    # Every rank says "rank ok" once its checks passed; an abort after that, at exit, is
+    # torch's ("terminate called without an active exception", docs/constraints.md).
+    assert proc.stdout.count("rank ok") == world, proc.stdout + proc.stderr
+    assert proc.returncode == 0 or EXIT_ABORT in proc.stderr, proc.stderr
     return proc.stdout
 
 
