@@ -38,8 +38,7 @@ from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
                                    RESTORE_KINDS, STACK_CAPTURE_S, STACKS_ENV, UNREADABLE,
-                                   Progress,
-                                   WorkerAssignment, without_secrets)
+                                   Progress, WorkerAssignment, without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth

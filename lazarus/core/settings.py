@@ -21,17 +21,6 @@ ETCD_ENV = "LAZARUS_ETCD"
 DEFAULT_ETCD = "127.0.0.1:2379"
 
 LEASE_TTL_S = 5
-
-
-def rank_threads_env(nproc: int, environ=os.environ) -> dict[str, str]:
-    """OMP_NUM_THREADS for the `nproc` ranks of one host, unless the operator set it: the CPUs
-    this process may run on, shared among them. torch otherwise starts an intra-op thread
-    per core in every rank -- 8 ranks on a 96-core node, 768 threads -- and the ranks' CPU
-    work (data, optimizer, the CPU collectives) fights over the cores."""
-    if "OMP_NUM_THREADS" in environ:
-        return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) // max(1, nproc)))}
 # Below this a lease expires between two refreshes of a busy process (refresh every TTL/3),
 # and etcd restarts lease timers with a floor of its own: a dead node would show no sooner.
 MIN_LEASE_TTL_S = 2
@@ -89,3 +78,14 @@ def etcd_auth(args: argparse.Namespace) -> _auth.EtcdAuth:
     return _auth.EtcdAuth.load(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
                                user=args.etcd_user, password_file=args.etcd_password_file,
                                insecure=args.insecure)
+
+
+def rank_threads_env(nproc: int, environ=os.environ) -> dict[str, str]:
+    """OMP_NUM_THREADS for the `nproc` ranks of one host, unless the operator set it: the CPUs
+    this process may run on, shared among them. torch otherwise starts an intra-op thread
+    per core in every rank -- 8 ranks on a 96-core node, 768 threads -- and the ranks' CPU
+    work (data, optimizer, the CPU collectives) fights over the cores."""
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) // max(1, nproc)))}
