@@ -20,3 +20,13 @@ def etcd():
 @pytest.fixture
 def keys(request):
     return Keys(f"/test/{request.module.__name__}/{request.node.name}/")
+
+
+@pytest.fixture(scope="module")
+def elastic_logs_in_tmp(tmp_path_factory):
+    """For modules that run torchrun: it keeps its workers' logs in a fresh torchelastic_* dir
+    under TMPDIR that it never removes; put those with the tests' own files, which pytest
+    removes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("torchelastic")))
+        yield

@@ -28,15 +28,7 @@ from lazarus.trainer.checkpoint import verify_checkpoint
 SCRIPT = Path(__file__).parents[2] / "trainer" / "examples" / "plain_fsdp.py"
 EXIT_ABORT = "terminate called without an active exception"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) grad_norm (\S+)$", re.M)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _elastic_logs_in_tmp(tmp_path_factory):
-    """torchrun keeps its workers' logs in a fresh torchelastic_* dir under TMPDIR that it never
-    removes: put those with the tests' own files, which pytest removes."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("torchelastic")))
-        yield
+pytestmark = pytest.mark.usefixtures("elastic_logs_in_tmp")
 
 
 def launch(*args: str, rdzv: list[str] | None = None, env: dict | None = None) -> str:

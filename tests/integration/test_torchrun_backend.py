@@ -38,6 +38,7 @@ from lazarus.rendezvous import (
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_allreduce.py"
 EXIT_ABORT = "terminate called without an active exception"
+pytestmark = pytest.mark.usefixtures("elastic_logs_in_tmp")
 # The key every agent of these jobs shares.
 KEY = "k" * 16 + uuid.uuid4().hex
 
@@ -50,15 +51,6 @@ class Planted:
 
     def __reduce__(self):
         return (Path.touch, (self.marker,))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _elastic_logs_in_tmp(tmp_path_factory):
-    """torchrun keeps its workers' logs in a fresh torchelastic_* dir under TMPDIR that it never
-    removes: put those with the tests' own files, which pytest removes."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("torchelastic")))
-        yield
 
 
 @pytest.fixture(scope="module")
