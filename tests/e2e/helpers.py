@@ -75,3 +75,12 @@ def wait_for(cluster: LocalCluster, predicate, *, timeout: float, what: str):
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; "
                          f"logs in {cluster.workdir}")
+
+
+def paused_and_stopped(view) -> bool:
+    """The run is PAUSED and its members' ranks have stopped: PAUSED comes with the pause's
+    commit, the ranks stop after it (and may commit one more checkpoint meanwhile)."""
+    if not (view.status and view.status.state == "PAUSED"):
+        return False
+    return all(view.node_status.get(n) is not None and view.node_status[n].workers != "running"
+               for n in view.status.members)

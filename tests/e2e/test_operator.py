@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, reference, train_table, wait_for
+from tests.e2e.helpers import losses, paused_and_stopped, reference, train_table, wait_for
 from tests.e2e.test_recovery import _last_step, _start
 
 pytestmark = pytest.mark.e2e
@@ -37,16 +37,8 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         step_before = min((now[n].step for n in st.members if n in now and now[n].round == 2),
                           default=0)
         etcd.put(keys.pause, b"{}")
-
-        def stopped(view):
-            # PAUSED comes with the pause's commit; the ranks stop after it
-            if not (view.status and view.status.state == "PAUSED"):
-                return None
-            if any(view.node_status.get(n) is None or view.node_status[n].workers == "running"
-                   for n in view.status.members):
-                return None
-            return view.status
-        st = wait_for(cluster, stopped, timeout=120, what="PAUSED, its ranks stopped")
+        st = wait_for(cluster, lambda view: paused_and_stopped(view) and view.status,
+                      timeout=120, what="PAUSED, its ranks stopped")
         assert st.restore_step >= step_before
         paused_at = _last_step(metrics)
         time.sleep(2)

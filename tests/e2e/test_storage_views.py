@@ -27,7 +27,7 @@ import pytest
 from lazarus.core import jobspec
 from lazarus.core.records import CheckpointRecord
 from lazarus.sim.localcluster import LocalCluster, Placement
-from tests.e2e.helpers import losses, train_table, wait_for
+from tests.e2e.helpers import losses, paused_and_stopped, train_table, wait_for
 from tests.e2e.test_recovery import _last_step, _start
 
 pytestmark = pytest.mark.e2e
@@ -41,10 +41,7 @@ def _pause_after(cluster: LocalCluster, metrics, step: int):
     def stopped(st):
         # The ranks may commit one more checkpoint between the pause's and their stop: the
         # resumed round restores the newest, so that is the one to return.
-        if not (st.status and st.status.state == "PAUSED"):
-            return None
-        if any(st.node_status.get(n) is None or st.node_status[n].workers == "running"
-               for n in st.status.members):
+        if not paused_and_stopped(st):
             return None
         return max((c.step for c in st.checkpoints if c.job_id == st.status.job_id and c.good),
                    default=None)
