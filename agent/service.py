@@ -31,14 +31,16 @@ from lazarus.core import logs
 from lazarus.core.errors import UserError
 from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, W_FAILED, W_IDLE,
                              W_RUNNING, W_STARTING, W_SUCCEEDED, CheckpointRecord, EventRecord,
-                             Keys, NodeRecord, NodeStatus, RecordError, RoundRecord, RunStatus)
+                             Keys, NodeRecord, NodeStatus, OUTPUT_TAIL_BYTES, RecordError,
+                             RoundRecord, RunStatus)
 from lazarus.agent.adopt import (AdoptedRank, Left, LeftRank, NodeLock, adopt, forget,
                                  record_path, start_time)
 from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
                                    RESTORE_KINDS, STACK_CAPTURE_S, STACKS_ENV, UNREADABLE,
-                                   Progress, WorkerAssignment, without_secrets)
+                                   Progress, WorkerAssignment, round_port_key,
+                                   without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
@@ -49,7 +51,7 @@ from lazarus.agent import frozen
 from lazarus.agent.stacks import (ask_flight_records, capture, collect_flight_recorder,
                                   FLIGHT_ENTRIES, describe_flight, dumpable, flight_recorder_env,
                                   flight_records, request_flight_recorder_dumps)
-from lazarus.agent.workers import Workers
+from lazarus.agent.workers import RANK_LOG_BYTES, Workers, rank_log, tail
 from lazarus.agent.tier0_agent import Tier0, Tier0Options, add_tier0_args, tier0_options
 
 log = logging.getLogger("lazarus.agent")
@@ -96,7 +98,7 @@ class Agent:
                  preflight_every_s: float | None = PREFLIGHT_EVERY_S,
                  tier0: Tier0Options | None = None,
                  allowed_roots: list[str] | None = None,
-                 flight_entries: int = FLIGHT_ENTRIES):
+                 flight_entries: int = FLIGHT_ENTRIES, rank_log_bytes: int = RANK_LOG_BYTES):
         """`allowed_roots`: where jobs may have this node's ranks write (lazarus.core.jobpaths);
         None: anywhere (`lazarus agent` always passes a list: its --allowed-root, else its
         workdir). `flight_entries`: the collectives torch's flight recorder keeps per process
@@ -139,7 +141,7 @@ class Agent:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node,
-                               notes_dir=self.stacks_dir, park=park)
+                               notes_dir=self.stacks_dir, park=park, log_bytes=rank_log_bytes)
         if left is not None:
             self._adopt(left)
         # Listening before the store's slow import: adopted ranks reconnect at once.
@@ -197,6 +199,9 @@ class Agent:
         self._hang: dict | None = None      # this round's hang report, once made
         self._refused = ""                  # why a rank refused this round's job
         self._restore_failed: dict = {}     # what this round's ranks found wrong in its restore
+        self._joined: set = set()           # ranks that made their process group (collwatch)
+        self._tail: tuple[int, str] = (0, "")  # (round, its failed rank's last output)
+        self._round_stores: dict = {}       # round -> the store this node hosts for it
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
@@ -303,6 +308,12 @@ class Agent:
                 if msg.get("round") == self._group_round():
                     self.hangs.observe(int(msg.get("rank", -1)), progress)
                     self._track_long_phase()
+            return None
+        if kind == "joined":
+            with self._lock:
+                if msg.get("round") == self._group_round():
+                    self._joined.add(msg.get("rank"))
+            self.wake.set()
             return None
         if kind == "may_commit":
             return {"type": "may_commit", "ok": self._round_is_current(msg.get("round"))}
@@ -510,10 +521,25 @@ class Agent:
         # a parked worker still importing torch then is no better than a cold start.
         self.workers.refill()
 
+    def _host_round_store(self, rec: RoundRecord) -> None:
+        """The first member hosts a store of the round's own (torch's env:// rendezvous
+        prefixes no key: a store shared across rounds hands a restarted rank the dead round's
+        entries) and publishes its port in this agent's store, where every rank looks."""
+        import torch.distributed as dist
+
+        self._round_stores = {r: s for r, s in self._round_stores.items() if r >= rec.round}
+        if rec.members[0] != self.node or rec.round in self._round_stores:
+            return
+        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self._round_stores[rec.round] = store
+        self.store.set(round_port_key(rec.round), str(store.port))
+
     def _launch(self, rec: RoundRecord) -> None:
         ranks = rec.ranks_of(self.node)
         snapshots = (self.tier0.prepare(rec, ranks) if self.tier0 is not None
                      else dict.fromkeys(ranks))
+        self._host_round_store(rec)
+        self.workers.prune_logs(rec.round)
         assignments = {
             local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
                                     round=rec.round, store_host=rec.store_host,
@@ -523,7 +549,15 @@ class Agent:
                                     restore_step=rec.restore_step,
                                     snapshot_dir=str(self.tier0.store.incoming)
                                     if self.tier0 is not None else None,
-                                    allowed_roots=self.allowed_roots)
+                                    allowed_roots=self.allowed_roots,
+                                    command=list(rec.command), env=dict(rec.env), cwd=rec.cwd,
+                                    log_path=str(rank_log(self.workers.log_dir, rec.round,
+                                                          rank)),
+                                    group_rank=rec.members.index(self.node),
+                                    group_world_size=len(rec.members),
+                                    local_world_size=rec.nproc_per_node,
+                                    restart_count=rec.restarts,
+                                    max_restarts=rec.max_restarts)
             for local, rank in enumerate(ranks)}
         with self._lock:
             self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -535,6 +569,7 @@ class Agent:
             self._refused = ""
             self._restore_failed = {}
             self._long_phase = {"since": 0.0, "until": 0.0}
+            self._joined = set()
         self._job_id = rec.job_id
         self._checkpoint_dir = rec.checkpoint_dir
         self.health.watch_checkpoint_dir(self._checkpoint_dir)
@@ -613,7 +648,11 @@ class Agent:
         if g.succeeded:
             return W_SUCCEEDED
         # "running" once a step was reported: a round is joined when training really goes.
-        return W_RUNNING if step > 0 else W_STARTING
+        # A script that reports no steps (level 0): once each of its ranks made its process
+        # group (lazarus.trainer.collwatch).
+        with self._lock:
+            joined = bool(g.ranks) and set(g.ranks.values()) <= self._joined
+        return W_RUNNING if step > 0 or joined else W_STARTING
 
     def status_state(self) -> tuple:
         """What a status write is due for at once when it changes; cheap, asked every pass
@@ -653,7 +692,17 @@ class Agent:
             preflight=dict(self.preflight.result) if self.preflight is not None else {},
             tier0=self.tier0.holdings(self._job_id, self._world_size)
             if self.tier0 is not None else {},
-            restore_failed=restore_failed)
+            restore_failed=restore_failed, output_tail=self._output_tail(g))
+
+    def _output_tail(self, g) -> str:
+        """The failed rank's last lines, read once per failed round."""
+        if g is None or g.first_failure is None:
+            return ""
+        if self._tail[0] != g.round:
+            rank = g.ranks[g.first_failure]
+            self._tail = (g.round, tail(rank_log(self.workers.log_dir, g.round, rank),
+                                        OUTPUT_TAIL_BYTES))
+        return self._tail[1]
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)
@@ -723,6 +772,7 @@ class Agent:
         if woke or exited or now >= self._next_reconcile:
             self.reconcile(now)
             self._next_reconcile = now + RECONCILE_S
+            self.workers.bound_logs()
             if self.peer_tests is not None:
                 self.peer_tests.poll()
         self.publish(force=exited)
@@ -875,6 +925,14 @@ def main(argv: list[str]) -> int:
                    help="a rank hangs after k x the median step time without progress")
     p.add_argument("--hang-floor", type=float, default=10.0,
                    help="... and never before this many seconds")
+    p.add_argument("--first-step-timeout", type=float, default=HangConfig().first_step_timeout_s,
+                   help="a rank hangs after this many seconds without progress before two of "
+                        "its steps were timed; a script that reports no steps (level 0, "
+                        "docs/adopting.md) always has this allowance between its collectives "
+                        "(default %(default)s)")
+    p.add_argument("--rank-log-mb", type=float, default=RANK_LOG_BYTES / (1 << 20),
+                   help="a rank's log file (WORKDIR/logs/NODE/round-R/rank-N.log) is rotated "
+                        "past this size, one old copy kept (default %(default)s)")
     p.add_argument("--long-phase-floor", type=float, default=LONG_FLOOR_S,
                    help="a checkpoint or eval phase hangs after %(default)s s or 4x its "
                         "median duration so far, whichever is longer (at most 600 s)")
@@ -918,6 +976,8 @@ def main(argv: list[str]) -> int:
     if args.flight_entries < 0:
         raise UserError("--flight-entries must be 0 (no flight recorder) or a number of "
                         f"collectives, not {args.flight_entries}")
+    if not args.first_step_timeout > 0 or not args.rank_log_mb > 0:
+        raise UserError("--first-step-timeout and --rank-log-mb must be positive")
     if args.hang_k <= 1 or args.hang_floor <= 0:
         raise UserError("--hang-k must be above 1 and --hang-floor positive")
     if not 0 < args.long_phase_floor <= LONG_CAP_S:
@@ -933,7 +993,9 @@ def main(argv: list[str]) -> int:
                   park=not args.no_park, gpu_backend=args.gpu_backend,
                   gpu_faults=args.gpu_faults,
                   hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
-                                         long_floor_s=args.long_phase_floor),
+                                         long_floor_s=args.long_phase_floor,
+                                         first_step_timeout_s=args.first_step_timeout),
+                  rank_log_bytes=int(args.rank_log_mb * (1 << 20)),
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period,
                   preflight_every_s=args.preflight_every if args.preflight == "on" else None,

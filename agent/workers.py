@@ -14,6 +14,8 @@ agent adopts them (lazarus.agent.adopt), and ranks whose agent stays away stop b
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,31 @@ from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 log = logging.getLogger(__name__)
 
 PARK_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--park"]
+# A rank's output goes to LOG_DIR/round-<round>/rank-<rank>.log (lazarus.trainer.rankrun). A
+# file past the bound is copied to <file>.1 and emptied (what the rank writes meanwhile may be
+# lost: it keeps its file open), so a rank keeps at most twice the bound on the node; the
+# directories of the newest KEEP_ROUNDS rounds are kept.
+RANK_LOG_BYTES = 64 << 20
+KEEP_ROUNDS = 20
+
+
+def rank_log(log_dir: Path, round_: int, rank: int) -> Path:
+    return log_dir / f"round-{round_}" / f"rank-{rank}.log"
+
+
+def tail(path: Path, nbytes: int) -> str:
+    """The last whole lines within `nbytes` of `path` ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - nbytes))
+            data = f.read(nbytes)
+    except OSError:
+        return ""
+    if size > nbytes:
+        data = data.partition(b"\n")[2]  # from the first whole line
+    return data.decode("utf-8", errors="replace").strip()
 
 
 @dataclass(slots=True)
@@ -63,7 +90,8 @@ class Workers:
     `notes_dir`: where ranks leave their exit codes (lazarus.core.contract.exit_note_path)."""
 
     def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, notes_dir: Path,
-                 park: bool = True):
+                 park: bool = True, log_bytes: int = RANK_LOG_BYTES):
+        self.log_bytes = log_bytes
         self.nproc = nproc
         self.env = env
         self.log_dir = log_dir
@@ -110,6 +138,30 @@ class Workers:
             ranks[local_rank] = assignment.rank
         self.group = Group(round=round_, procs=procs, ranks=ranks)
         return self.group
+
+    def bound_logs(self) -> None:
+        """Keep the current round's rank logs within the bound (see RANK_LOG_BYTES)."""
+        g = self.group
+        if g is None:
+            return
+        for rank in g.ranks.values():
+            path = rank_log(self.log_dir, g.round, rank)
+            try:
+                if path.stat().st_size <= self.log_bytes:
+                    continue
+                with open(path, "rb") as src, open(path.with_name(path.name + ".1"), "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                os.truncate(path, 0)
+            except OSError:
+                continue  # not there yet, or the disk is full: the next pass tries again
+
+    def prune_logs(self, current: int) -> None:
+        """Remove the log directories of rounds older than the newest KEEP_ROUNDS."""
+        old = [p for p in self.log_dir.glob("round-*")
+               if p.name[6:].isdigit() and int(p.name[6:]) <= current - KEEP_ROUNDS]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
 
     def adopt(self, round_: int, procs: dict[int, AdoptedRank], ranks: dict[int, int]) -> Group:
         """Take over the ranks a previous agent of this node left running."""

@@ -148,6 +148,13 @@ def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str
 REPORTED_TEXT = 200
 
 
+# Rounds in a row that crash the same way before they run, after which the run fails: a
+# script that exits at its start fails in seconds, not after max_restarts rounds.
+EARLY_FAILURES = 3
+# Lines of a crashed rank's last output in the fault's message (the event has them all).
+OUTPUT_LINES = 3
+
+
 def _clip(text: str) -> str:
     return text if len(text) <= REPORTED_TEXT else text[:REPORTED_TEXT - 3] + "..."
 
@@ -291,8 +298,25 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         return _restore_failed(now, view, st, failed, fault_at)
     details = [_clip(f"{n} rank {view.node_status[n].failed_rank} exit "
                      f"{view.node_status[n].exit_codes}") for n in culprits]
-    return _to_recovering(now, st, "worker_crash", culprits,
-                          f"worker crash on {'; '.join(details)}", fault_at)
+    output = next((view.node_status[n].output_tail for n in culprits
+                   if view.node_status[n].output_tail), "")
+    # A rank killed by a signal printed nothing about it: its last lines tell nothing then.
+    exited = any(c > 0 for n in culprits for c in view.node_status[n].exit_codes.values())
+    last = " | ".join(output.splitlines()[-OUTPUT_LINES:]) if exited else ""
+    d = _to_recovering(now, st, "worker_crash", culprits,
+                       f"worker crash on {'; '.join(details)}"
+                       + (f"; last output: {_clip(last)}" if last else ""), fault_at,
+                       **({"output_tail": output} if output else {}))
+    if st.state != RENDEZVOUS:
+        return d
+    # Before the round ran: counted, so that a job that cannot start stops (see _recovering).
+    how = ",".join(sorted({str(c) for n in culprits
+                           for c in view.node_status[n].exit_codes.values()}))
+    early = st.early_failures + 1 if how == st.early_failure else 1
+    status = next(a.status for a in d.actions if isinstance(a, SetStatus))
+    status = dataclasses.replace(status, early_failures=early, early_failure=how)
+    return Decision([SetStatus(status) if isinstance(a, SetStatus) else a for a in d.actions],
+                    d.reason)
 
 
 def _restore_failed(now: float, view: ClusterView, st: RunStatus, failed: list[str],
@@ -382,7 +406,8 @@ def _rendezvous(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
     missing = [n for n in st.members if (s := view.node_status.get(n)) is None
                or s.round != st.round or s.workers not in (W_RUNNING, W_SUCCEEDED)]
     if not missing:
-        status = dataclasses.replace(st, state=RUNNING, since=now,
+        status = dataclasses.replace(st, state=RUNNING, since=now, early_failures=0,
+                                     early_failure="",
                                      reason=f"round {st.round}: all {len(st.members)} node(s) "
                                             "running")
         return Decision([SetStatus(status), Emit("running", status.reason)], status.reason)
@@ -404,8 +429,10 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                                      reason=f"all ranks finished in round {st.round}")
         return Decision([SetStatus(status), Emit("succeeded", status.reason)], status.reason)
     if st.incident is not None:
+        # A script that reports no steps (level 0) is back once its ranks joined their
+        # process groups: the round runs.
         progressed = [s for s in statuses if s is not None and s.round == st.round
-                      and s.step > st.restore_step]
+                      and (s.step > st.restore_step or s.step == 0 and s.workers == W_RUNNING)]
         if progressed:
             inc = st.incident
             step = max(s.step for s in progressed)
@@ -442,6 +469,13 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
 
 
 def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
+    if st.early_failures >= min(EARLY_FAILURES, job.max_restarts + 1):
+        status = dataclasses.replace(
+            st, state=FAILED, since=now,
+            reason=_clip(f"every one of the last {st.early_failures} rounds crashed before it "
+                         f"ran (exit {st.early_failure}): the job cannot start; last fault: "
+                         f"{st.reason}"))
+        return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
     if st.restarts >= job.max_restarts:
         status = dataclasses.replace(st, state=FAILED, since=now,
                                      reason=f"gave up after {st.restarts} restarts "

@@ -83,7 +83,9 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
         world_size=world, dp=job.dp_for(len(members)), tp=job.tp,
         store_host=first.host, store_port=first.store_port,
         restore=ckpt.path if ckpt and not memory else None, restore_step=step,
-        train=train, tier0=memory.to_record() if memory else None)
+        train=train, tier0=memory.to_record() if memory else None,
+        command=list(job.command), env=dict(job.env), cwd=job.cwd, restarts=restarts,
+        max_restarts=job.max_restarts)
     status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
                                  reason=reason, restarts=restarts,
                                  restore=memory.label if memory else record.restore,

@@ -218,6 +218,10 @@ class Session:
             self._send({"type": "progress", "step": int(step), "phase": phase, "seq": int(seq),
                         "since": time.monotonic(), "op": op})
 
+    def joined(self) -> None:
+        """This rank made its default process group: the round's rendezvous is done here."""
+        self._send({"type": "joined"})
+
     def should_checkpoint(self, step: int, every: int) -> bool:
         """True every `every` steps, or when the daemon asked for one since the last call.
 
@@ -303,9 +307,21 @@ class Session:
             sock.close()
 
 
+_script_sessions = 0  # sessions this process's own code opened (level 1)
+
+
+def opened_by_script() -> bool:
+    """Whether the script opened a session of its own (lazarus.trainer.collwatch stops then)."""
+    return _script_sessions > 0
+
+
 def connect(*, rank: int | None = None, round: int | None = None,
-            socket_path: str | None = None) -> Session:
-    """A session for this process, from arguments or the environment the agent sets."""
+            socket_path: str | None = None, level: int = 1) -> Session:
+    """A session for this process, from arguments or the environment the agent sets.
+    `level` 0 is Lazarus's own watch of a script that does not report (collwatch)."""
+    global _script_sessions
+    if level:
+        _script_sessions += 1
     env = os.environ
     return Session(
         socket_path=socket_path if socket_path is not None else env.get(SOCKET_ENV),

@@ -165,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assignment", metavar="FILE", help="JSON file with the assignment")
     parser.add_argument("--park", action="store_true",
                         help="import everything, print a 'parked' JSON line, then wait for one "
-                             "assignment line on stdin")
+                             "assignment line on stdin and run its command as that rank")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.park:
-        assignment = _park()
-    elif args.assignment:
+        # Every command of a job, this trainer's too, starts here (lazarus.trainer.rankrun).
+        from lazarus.trainer.rankrun import run_rank
+        run_rank(_park())
+    if args.assignment:
         try:
             text = open(args.assignment, encoding="utf-8").read()
         except OSError as e:
@@ -187,3 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     exitnote.record(code)
     return code
 
+
+if __name__ == "__main__":  # the built-in trainer's command (lazarus.core.jobcommand.BUILTIN)
+    sys.exit(main())

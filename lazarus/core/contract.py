@@ -18,6 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core.jobcommand import BUILTIN as BUILTIN_COMMAND
 
 # --- environment of a worker ------------------------------------------------------------------
 SOCKET_ENV = "LAZARUS_AGENT_SOCKET"     # the agent's unix socket; unset: no agent (local run)
@@ -104,6 +105,17 @@ class WorkerAssignment:
     # Where the job may write (its checkpoint dir, its metrics): the agent's --allowed-root
     # list; empty: anywhere (a `lazarus train` of the user's own)
     allowed_roots: list[str] = field(default_factory=list)
+    # What the rank runs (lazarus.core.jobcommand) and how torchrun would have described it
+    # (`torchrun_env`); where its output goes (one file per round and rank on its node).
+    command: list[str] = field(default_factory=lambda: list(BUILTIN_COMMAND))
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    log_path: str | None = None
+    group_rank: int = 0          # the node's place in the round (torchrun's GROUP_RANK)
+    group_world_size: int = 1    # nodes in the round
+    local_world_size: int = 1    # ranks on this node
+    restart_count: int = 0       # recoveries of the run before this round
+    max_restarts: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -122,6 +134,29 @@ class WorkerAssignment:
         if unknown or missing:
             raise UserError(f"worker assignment: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
         return cls(**d)
+
+
+def round_port_key(round_: int) -> str:
+    """The key, in the store of the agent hosting a round (`store_port`), under which that
+    agent publishes the port of the round's own store: a store per round, so that a rank
+    never reads a dead round's keys (torch's env:// rendezvous prefixes none)."""
+    return f"lazarus/round/{round_}/port"
+
+
+def torchrun_env(a: WorkerAssignment, master_port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank, for this assignment: `init_process_group()`
+    from the environment joins the round's store at MASTER_ADDR:MASTER_PORT as a client
+    (TORCHELASTIC_USE_AGENT_STORE: the agent hosts it)."""
+    return {"RANK": str(a.rank), "LOCAL_RANK": str(a.local_rank),
+            "WORLD_SIZE": str(a.world_size), "LOCAL_WORLD_SIZE": str(a.local_world_size),
+            "GROUP_RANK": str(a.group_rank), "GROUP_WORLD_SIZE": str(a.group_world_size),
+            "ROLE_RANK": str(a.rank), "ROLE_WORLD_SIZE": str(a.world_size),
+            "ROLE_NAME": "default", "MASTER_ADDR": a.store_host,
+            "MASTER_PORT": str(master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
+            "TORCHELASTIC_RUN_ID": a.job_id or "lazarus",
+            RANK_ENV: str(a.rank), ROUND_ENV: str(a.round)}
 
 
 # --- a restore that failed -----------------------------------------------------------------

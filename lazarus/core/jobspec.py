@@ -7,6 +7,9 @@
     nproc_per_node = 2     # ranks per node; tp must divide it (TP stays inside a node)
     max_restarts = 20      # recoveries before the run is declared FAILED
     rendezvous_timeout_s = 60
+    command = ["python", "train.py", "--config", "x.toml"]   # default: the built-in trainer
+    env = { HF_HOME = "/data/hf" }                            # added to every rank's environment
+    cwd = "/home/me/project"                                  # where the ranks start (absolute)
 
     [policy]               # loss spikes, stragglers: lazarus.core.policy (optional)
     max_spikes = 3
@@ -21,6 +24,8 @@
 
 The global batch is fixed by [train]; the data-parallel degree follows the number of live
 nodes, so every node count the run may shrink to must divide it (checked here, up front).
+A job of the user's own command (docs/adopting.md) needs no [train]: the script reads its own
+configuration. [train] configures the built-in trainer only.
 """
 
 from __future__ import annotations
@@ -34,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core import jobcommand
 from lazarus.core import policy as policies
 from lazarus.core.policy import SpikePolicy, StragglerPolicy
 from lazarus.core.records import MAX_RANKS_PER_NODE, RecordError, load_json, number
 from lazarus.core.trainconfig import TrainConfig, check_types
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
-             "rendezvous_timeout_s", "id"}
+             "rendezvous_timeout_s", "id", "command", "env", "cwd"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +60,14 @@ class JobSpec:
     train: dict = field(default_factory=dict)
     policy: dict = field(default_factory=dict)
     id: str = ""
+    command: list[str] = field(default_factory=lambda: list(jobcommand.BUILTIN))
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the ranks run the built-in trainer (configured by [train])."""
+        return jobcommand.is_builtin(self.command)
 
     @property
     def spike_policy(self) -> "SpikePolicy":
@@ -144,7 +158,9 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     timeout = job.get("rendezvous_timeout_s", 60.0)
     if number(timeout) is None or timeout <= 0:
         raise UserError(f"{source}: [job] rendezvous_timeout_s must be a positive number")
+    command, env, cwd = jobcommand.parse(job, source)
     spec = JobSpec(
+        command=command, env=env, cwd=cwd,
         name=name, nodes=nodes, min_nodes=min_nodes,
         nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source,
                             maximum=MAX_RANKS_PER_NODE),
@@ -164,7 +180,10 @@ def _check_tp(train: dict, source: str) -> None:
 
 
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
-    """Every node count from min_nodes to nodes must give a valid trainer config."""
+    """Every node count from min_nodes to nodes must give a valid trainer config (the
+    built-in trainer's; a command of the user's own has its own configuration)."""
+    if not spec.builtin:
+        return
     if "dp" in spec.train.get("parallelism", {}):
         raise UserError(f"{source}: [train.parallelism] dp is derived from the node count; remove it")
     tp = spec.tp

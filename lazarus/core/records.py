@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lazarus.core import jobcommand
 from lazarus.core.contract import HangVerdict
 from lazarus.core.settings import DEFAULT_ROOT, LEASE_TTL_S
 
@@ -58,6 +59,8 @@ from lazarus.core.settings import DEFAULT_ROOT, LEASE_TTL_S
 MAX_ROUND = 10**8
 # Ranks on one node, at most: every reader of a round makes a list of a node's ranks.
 MAX_RANKS_PER_NODE = 1024
+# What a node status carries of a failed rank's last output.
+OUTPUT_TAIL_BYTES = 2048
 
 # Run states (docs/architecture.md, "Run states"): PENDING -> RENDEZVOUS -> RUNNING ->
 # RECOVERING -> RENDEZVOUS ...
@@ -341,6 +344,10 @@ class RunStatus(_Record):
     # Members whose host monitor fails (checkpoint dir full or unwritable, ...): node ->
     # reasons; alerted once when a node enters, once when it leaves (lazarus.daemon.hostalert).
     host_alerts: dict = field(default_factory=dict)
+    # Rounds in a row whose ranks crashed before the round ran (every member's ranks
+    # running), and how (their exit codes): EARLY_FAILURES the same way fail the run.
+    early_failures: int = 0
+    early_failure: str = ""
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -370,6 +377,14 @@ class RoundRecord(_Record):
     # Restore from memory (tier 0) instead of `restore`: {"step": the step, "sources":
     # {global rank: node that holds its copy}} (lazarus.daemon.tier0).
     tier0: dict | None = None
+    # What every rank runs, from the job (lazarus.core.jobcommand): the command, added
+    # environment and working directory; torchrun's TORCHELASTIC_RESTART_COUNT and
+    # TORCHELASTIC_MAX_RESTARTS.
+    command: list[str] = field(default_factory=lambda: list(jobcommand.BUILTIN))
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    restarts: int = 0
+    max_restarts: int = 0
 
     def ranks_of(self, node: str) -> list[int]:
         i = self.members.index(node)
@@ -450,6 +465,9 @@ class NodeStatus(_Record):
     # What its ranks found wrong in the checkpoint they were to restore (exitcodes
     # .BAD_CHECKPOINT): {"checkpoint", "kind" (lazarus.core.contract.RESTORE_KINDS), "reason"}.
     restore_failed: dict = field(default_factory=dict)
+    # The last lines the failed rank printed (its log: stdout and stderr), for the event and
+    # `lazarus status` (at most OUTPUT_TAIL_BYTES).
+    output_tail: str = ""
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -1,0 +1,131 @@
+"""What each rank of a job runs: `[job] command` (docs/adopting.md).
+
+A job names a command, as torchrun is given one; the built-in trainer is the default command,
+not a special case (`BUILTIN`). Every rank is started the same way: a parked worker (Python and
+torch already imported, lazarus.agent.workers) takes the round's assignment, sets torchrun's
+environment and runs the command -- a Python command inside itself (warm: no process start,
+no `import torch`), any other program by exec (lazarus.trainer.rankrun).
+
+Checked when the job is submitted, and again by each agent before it starts a rank: an agent
+that cannot run it says why in one line, and the run fails with that line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from lazarus.core.errors import UserError
+
+# The built-in trainer (lazarus.trainer.worker), which reads its assignment from the
+# environment like any command reads torchrun's.
+BUILTIN: tuple[str, ...] = ("python", "-m", "lazarus.trainer.worker")
+# Programs that name "the Python the agent runs": such a command runs in the parked worker.
+_PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
+# Bounds of what a job record carries to every agent.
+MAX_ARGS = 256
+MAX_TEXT = 4096
+
+
+def is_builtin(command: list[str] | tuple[str, ...]) -> bool:
+    return tuple(command) == BUILTIN
+
+
+def runs_warm(command: list[str] | tuple[str, ...]) -> bool:
+    """Whether `command` runs inside the agent's own Python (a parked worker), not by exec:
+    `python ...` or the agent's interpreter by its path."""
+    prog = command[0]
+    return prog in _PYTHONS or os.path.realpath(prog) == os.path.realpath(sys.executable)
+
+
+def parse(job: Mapping, source: str) -> tuple[list[str], dict[str, str], str | None]:
+    """[job] command, env and cwd, checked for shape (not yet for the program's presence)."""
+    command = job.get("command", list(BUILTIN))
+    if (not isinstance(command, list) or not command or len(command) > MAX_ARGS
+            or not all(isinstance(a, str) and len(a) <= MAX_TEXT for a in command)
+            or not command[0]):
+        raise UserError(f"{source}: [job] command must be a non-empty list of strings, e.g. "
+                        f'["python", "train.py", "--config", "x.toml"], got {command!r:.200}')
+    env = job.get("env", {})
+    if not isinstance(env, dict) or len(env) > MAX_ARGS or not all(
+            isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+            and len(v) <= MAX_TEXT for k, v in env.items()):
+        raise UserError(f"{source}: [job] env must be a table of NAME = \"value\" strings, "
+                        f"got {env!r:.200}")
+    cwd = job.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
+        raise UserError(f"{source}: [job] cwd must be an absolute path, got {cwd!r:.200}")
+    return list(command), dict(env), cwd
+
+
+def check_runnable(command: list[str], *, cwd: str | None, path: str | None = None) -> None:
+    """UserError unless this machine can start `command` (in `cwd`): its program on PATH or
+    a file, executable (or, for a Python command, its script a readable file). Relative
+    paths are taken from `cwd`, else from where this runs."""
+    base = Path(cwd) if cwd else Path.cwd()
+    if cwd is not None and not base.is_dir():
+        raise UserError(f"[job] cwd {cwd!r} is not a directory here")
+    if runs_warm(command):
+        script = _python_script(command)
+        if script is not None:
+            p = base / script
+            if not p.is_file() or not os.access(p, os.R_OK):
+                raise UserError(f"[job] command: {script!r} is not a readable file"
+                                + (f" in {cwd}" if cwd else f" (relative to {base})"))
+        return
+    prog = command[0]
+    if "/" in prog:
+        p = base / prog
+        if not p.is_file() or not os.access(p, os.X_OK):
+            raise UserError(f"[job] command: {prog!r} is not an executable file")
+        return
+    if shutil.which(prog, path=path) is None:
+        raise UserError(f"[job] command: {prog!r} is not on PATH here, nor a file")
+
+
+def _python_script(command: list[str]) -> str | None:
+    """The script of `python [OPTIONS] SCRIPT ...`; None for -m / -c / none (options that
+    take a value are skipped with it)."""
+    args = command[1:]
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "-c") or a.startswith(("-m", "-c")) and len(a) > 2:
+            return None
+        if a in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        return a
+    return None
+
+
+def split_python(command: list[str]) -> tuple[str, str, list[str]]:
+    """(kind, target, argv) of a Python command that runs warm: kind "module" (-m MOD),
+    "code" (-c CODE) or "script" (a path); argv is what sys.argv becomes. Interpreter options
+    other than these (-u, -O, -W ...) are dropped: the parked interpreter is already running."""
+    args = command[1:]
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "-c"):
+            if i + 1 >= len(args):
+                raise UserError(f"[job] command: {a} needs an argument")
+            kind = "module" if a == "-m" else "code"
+            return kind, args[i + 1], ([args[i + 1]] if kind == "module" else ["-c"]) + args[i + 2:]
+        if a.startswith(("-m", "-c")) and len(a) > 2:
+            kind = "module" if a[1] == "m" else "code"
+            return kind, a[2:], ([a[2:]] if kind == "module" else ["-c"]) + args[i + 1:]
+        if a in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        return "script", a, args[i:]
+    raise UserError(f"[job] command {command!r:.200}: python with no script, -m or -c")

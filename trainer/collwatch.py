@@ -1,0 +1,69 @@
+"""What Lazarus sees of a rank whose script reports nothing itself (level 0, docs/adopting.md).
+
+A thread in the rank's process (the parked worker runs the script in-process,
+lazarus.trainer.rankrun) tells the agent:
+  - `joined`: the script made its default process group, i.e. the round's rendezvous is done
+    here -- the agent counts the rank as running from then on (a script that never joins is
+    named when the round's rendezvous timeout runs out);
+  - `progress`: how many collectives the rank has issued over all its process groups,
+    whenever that changes. A rank that stops issuing them while its peers wait in one is
+    behind them, and the agent's hang detector names it (lazarus.agent.hang) with the
+    allowance of a step it never saw complete: the first-step timeout.
+It stops reporting progress once the script opens a session of its own (level 1): the
+script's step reports then say more than this can.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# How often the thread looks: a hang allowance is tens of seconds, a read costs microseconds.
+PERIOD_S = 0.5
+
+
+def _issued() -> int | None:
+    """Collectives this process has issued over all its process groups; None before it has
+    a default group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return None
+    for _ in range(3):  # the script may be making a group meanwhile
+        try:
+            groups = list(c10d._world.pg_map)
+            return sum(g._get_sequence_number_for_group() for g in groups)
+        except RuntimeError:
+            continue
+    return None
+
+
+def _loop(period_s: float) -> None:
+    from lazarus.trainer import session as sessions
+
+    session = sessions.connect(level=0)
+    if not session.connected:
+        return
+    joined = False
+    last = None
+    while True:
+        time.sleep(period_s)
+        if sessions.opened_by_script():
+            return  # level 1: the script's reports are better than ours
+        seq = _issued()
+        if seq is None:
+            continue
+        if not joined:
+            session.joined()
+            joined = True
+        if seq != last:
+            last = seq
+            session.progress(step=0, phase="collective", seq=seq)
+
+
+def watch(period_s: float = PERIOD_S) -> threading.Thread:
+    thread = threading.Thread(target=_loop, args=(period_s,), daemon=True,
+                              name="lazarus-collwatch")
+    thread.start()
+    return thread

@@ -1,0 +1,171 @@
+"""Start one rank of a round: the one launch path of every job (docs/adopting.md).
+
+A parked worker (lazarus.trainer.worker --park: Python, torch and the trainer imported) takes
+its assignment and runs the job's command in torchrun's environment:
+  - the round's own store: the agent that hosts the round publishes its port in the agent's
+    long-lived store (contract.round_port_key); MASTER_ADDR:MASTER_PORT name it, so
+    `init_process_group()` from the environment joins this round and never a dead one's keys;
+  - the rank's output goes to its round's log file on the node (the agent bounds its size);
+  - a Python command (`python train.py ...`, `python -m pkg ...`, the built-in trainer) runs
+    inside this process, so a restart pays neither a process start nor `import torch`; any
+    other program replaces this process (exec).
+A rank of a script that reports nothing itself (level 0) is watched from a thread here
+(lazarus.trainer.collwatch): whether it joined its process group, and its collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from typing import NoReturn
+
+from lazarus.core import jobcommand
+from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, WorkerAssignment,
+                                   round_port_key, torchrun_env)
+from lazarus.core.errors import UserError
+from lazarus.trainer import exitnote
+
+# How long a rank waits for the agent hosting its round to publish the round's store: the
+# hosting agent does so when it reads the round record, as every agent does.
+PORT_WAIT = timedelta(seconds=120)
+
+
+def round_port(a: WorkerAssignment) -> int:
+    """The port of the round's own store, as its hosting agent published it."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(a.store_host, a.store_port, is_master=False, timeout=PORT_WAIT,
+                              wait_for_workers=False)
+        return int(store.get(round_port_key(a.round)).decode())
+    except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
+        raise ConnectionError(f"round {a.round}: the store of {a.store_host}:{a.store_port} "
+                              f"did not give the round's port ({str(e).splitlines()[0]:.200})")
+
+
+def environment(a: WorkerAssignment, master_port: int) -> dict[str, str]:
+    """This process's environment (the agent's, less its secrets), the job's additions, then
+    torchrun's variables and the assignment itself: the job cannot override who the rank is."""
+    return {**os.environ, **a.env, **torchrun_env(a, master_port),
+            ASSIGNMENT_ENV: a.to_json()}
+
+
+def _redirect_output(path: str) -> None:
+    """This rank's stdout and stderr, from here on and in whatever it execs, into `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _collective_timeout() -> None:
+    """The default collective timeout of the process groups the script makes, when the agent
+    sets one (the agent's hang detector acts first, with stacks; this is the backstop)."""
+    spec = os.environ.get(PG_TIMEOUT_ENV)
+    if not spec:
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        seconds = float(spec)
+    except ValueError:
+        return
+    if seconds > 0:
+        c10d.default_pg_timeout = timedelta(seconds=seconds)
+        c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+
+
+def run_rank(a: WorkerAssignment) -> NoReturn:
+    """Become rank `a.rank` of round `a.round`: never returns (the command's exit code ends
+    this process, or the command replaces it)."""
+    if a.log_path:
+        _redirect_output(a.log_path)
+    try:
+        env = environment(a, round_port(a))
+        if a.cwd:
+            os.chdir(a.cwd)
+        jobcommand.check_runnable(a.command, cwd=a.cwd, path=env.get("PATH"))
+    except UserError as e:
+        # The job cannot start here: the agent publishes why, and the daemon fails the run.
+        _refuse(a, str(e))
+    except (ConnectionError, OSError) as e:
+        print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
+        exitnote.exit_now(1)
+    os.environ.clear()
+    os.environ.update(env)
+    if not jobcommand.runs_warm(a.command):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execvpe(a.command[0], a.command, env)
+    if not jobcommand.is_builtin(a.command):
+        _collective_timeout()
+        from lazarus.trainer.collwatch import watch
+        watch()
+    _finish(_run_python(a.command))
+
+
+def _refuse(a: WorkerAssignment, reason: str) -> NoReturn:
+    from lazarus.core import exitcodes
+    from lazarus.trainer.session import connect
+
+    print(f"rank {a.rank} round {a.round}: {reason}", file=sys.stderr, flush=True)
+    session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
+    session.refused(reason)
+    session.close()
+    exitnote.exit_now(exitcodes.REFUSED)
+
+
+def _run_python(command: list[str]) -> int:
+    """Run `python ...` as the interpreter would, in this process; its exit code."""
+    kind, target, argv = jobcommand.split_python(command)
+    sys.argv = argv
+    try:
+        if kind == "script":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+        elif kind == "module":
+            sys.path.insert(0, os.getcwd())
+            with warnings.catch_warnings():
+                # The built-in trainer's module is imported already (parking warmed it up):
+                # runpy's warning that it runs it again as __main__ is expected.
+                warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, "")
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except UserError as e:  # Lazarus's own command refusing its input: one line, as the CLI
+        print(f"lazarus: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except BaseException:  # the script's own error: shown as the interpreter would
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _finish(code: int) -> NoReturn:
+    """Exit as the interpreter would after the script, less its teardown of torch: the
+    script's atexit handlers run, then the process ends without destroying C++ threads that
+    a process group left unjoined (torch's abort at exit, docs/constraints.md)."""
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exitnote.exit_now(code)
