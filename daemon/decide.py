@@ -439,8 +439,9 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
             fields = {**inc, "recovered_at": now, "first_step": step,
                       "recovered_after_s": round(now - inc["fault_at"], 3),
                       "detected_after_s": round(inc["detected_at"] - inc["fault_at"], 3)}
-            msg = (f"recovered from {inc['kind']} ({inc['culprit']}): step {step} done "
-                   f"{fields['recovered_after_s']:.1f} s after the fault")
+            msg = (f"recovered from {inc['kind']} ({inc['culprit']}): "
+                   + (f"step {step} done" if step else "every rank joined its process group")
+                   + f" {fields['recovered_after_s']:.1f} s after the fault")
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})

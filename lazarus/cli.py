@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
     "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
     "preflight": ("lazarus.agent.preflight_cli", "main", "check this node before it takes work: GPUs, storage, clock, collectives"),
+    "run": ("lazarus.ops.run", "main", "run your own script on the cluster: lazarus run -- python train.py ..."),
     "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),
     "chaos": ("lazarus.sim.chaos", "main", "inject a fault into a running cluster on this host"),
     "etcd": ("lazarus.ops.etcdsetup", "main", "secure an etcd: certificates, users and roles, authentication on"),

@@ -24,7 +24,7 @@ import warnings
 from datetime import timedelta
 from typing import NoReturn
 
-from lazarus.core import jobcommand
+from lazarus.core import exitcodes, jobcommand
 from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, WorkerAssignment,
                                    round_port_key, torchrun_env)
 from lazarus.core.errors import UserError
@@ -113,7 +113,6 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
 
 
 def _refuse(a: WorkerAssignment, reason: str) -> NoReturn:
-    from lazarus.core import exitcodes
     from lazarus.trainer.session import connect
 
     print(f"rank {a.rank} round {a.round}: {reason}", file=sys.stderr, flush=True)
@@ -152,8 +151,15 @@ def _run_python(command: list[str]) -> int:
     except KeyboardInterrupt:
         traceback.print_exc()
         return 130
-    except BaseException:  # the script's own error: shown as the interpreter would
+    except BaseException as e:  # the script's own error: shown as the interpreter would
         traceback.print_exc()
+        from lazarus.trainer.worker import is_peer_failure
+        if isinstance(e, Exception) and is_peer_failure(e):
+            # A collective failed because a peer is gone: said in the exit code, so that the
+            # daemon names the peer, not this rank (as the built-in trainer does).
+            print(f"lazarus: a peer of rank {os.environ.get('RANK')} is gone; exiting with "
+                  f"{exitcodes.PEER_LOST}", file=sys.stderr)
+            return exitcodes.PEER_LOST
         return 1
     return 0
 

@@ -2,6 +2,9 @@
 cluster. The same names serve `lazarus up --chaos` and the tests.
 
     kill-worker@STEP[:NODE]   SIGKILL one training rank (of NODE, else of the last member)
+    stop-worker@STEP[:NODE]   SIGSTOP one training rank, for good: a rank frozen in the
+                              kernel or by a debugger. Its peers wait for it in a collective;
+                              the agents name it and the round restarts
     kill-node@STEP[:NODE]     SIGKILL a node's agent, then its ranks (a host lost); its lease
                               lapses
     kill-daemon@STEP          SIGKILL the leading daemon; a standby must take over
@@ -31,7 +34,10 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
     slow-checkpoint@STEP      every rank pauses 4 s inside the first checkpoint save at or
                               after STEP (a slow filesystem): no hang may be reported
 
-A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1".
+A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1". An item may be
+timed in seconds since the run first ran instead of a step -- kill-worker@20s -- for a script
+that reports no steps; the faults the trainer injects itself (hang, loss-spike, diverge,
+slow-step, slow-checkpoint) take a step only.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from lazarus.core.errors import UserError
 from lazarus.core.records import Keys, NodeRecord, NodeStatus
 from lazarus.sim.diskfault import chaos_cli
 
-KINDS = ("kill-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
+KINDS = ("kill-worker", "stop-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
          "hang", "slow-rank", "loss-spike", "diverge", "disk-full", "disk-free", "slow-step",
          "slow-checkpoint")
 # What a GPU fault writes into the node's simulated-GPU fault script (lazarus.agent.gpu_sim).
@@ -62,7 +68,7 @@ TRAINER_KINDS = ("hang", "loss-spike", "diverge", "slow-step", "slow-checkpoint"
 DISK_KINDS = ("disk-full", "disk-free")
 # How much slower slow-rank makes a node: plainly a straggler at any sane margin.
 SLOW_FACTOR = 2.0
-_ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
+_ITEM = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?P<unit>s?)(?::(?P<target>[A-Za-z0-9_.-]+))?$")
 
 
 @dataclass(slots=True)
@@ -73,6 +79,18 @@ class Fault:
     fired_at: float | None = None   # wall time it was injected
     fired_step: int | None = None   # last completed step seen when it was injected
     hit: str | None = None          # what it hit (node, rank/pid, daemon pid)
+    seconds: bool = False           # `step` is seconds since the run first ran, not a step
+
+    def due(self, step: int, running_s: float | None) -> bool:
+        """Whether it strikes now: at its step, or its time after the run first ran."""
+        if self.seconds:
+            return running_s is not None and running_s >= self.step
+        return step >= self.step
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.step}{'s' if self.seconds else ''}" + (
+            f":{self.target}" if self.target else "")
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "step": self.step, "target": self.hit or self.target,
@@ -91,10 +109,14 @@ def parse_schedule(spec: str) -> list[Fault]:
         if m["kind"] in ("kill-daemon", *TRAINER_KINDS, *DISK_KINDS) and m["target"]:
             raise UserError(f"--chaos {item!r}: {m['kind']} takes no target")
         step = int(m["step"])
+        if m["unit"] and m["kind"] in TRAINER_KINDS:
+            raise UserError(f"--chaos {item!r}: the trainer injects {m['kind']} at a step, "
+                            "not at a time")
         if step < 1:
             raise UserError(f"--chaos {item!r}: the step must be at least 1")
-        faults.append(Fault(kind=m["kind"], step=step, target=m["target"]))
-    faults.sort(key=lambda f: f.step)
+        faults.append(Fault(kind=m["kind"], step=step, target=m["target"],
+                            seconds=bool(m["unit"])))
+    faults.sort(key=lambda f: (f.seconds, f.step))
     full = False
     for f in faults:
         if f.kind in DISK_KINDS:

@@ -242,12 +242,13 @@ class LocalCluster:
         return out
 
     # -- faults --------------------------------------------------------------------------------
-    def kill_worker(self, node: str) -> str:
+    def kill_worker(self, node: str, sig: int = signal.SIGKILL) -> str:
+        """Send `sig` to one rank of `node` (its last): SIGKILL a crash, SIGSTOP a freeze."""
         st = self.state().node_status.get(node)
         if st is None or not st.pids:
             raise RuntimeError(f"node {node} runs no workers")
         pid = st.pids[-1]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         return f"{node} pid {pid}"
 
     def kill_node(self, node: str) -> str:

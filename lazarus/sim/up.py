@@ -12,10 +12,12 @@ import argparse
 import atexit
 import json
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
 
+from lazarus.ops.run import split_command
 from lazarus.sim import chaos
 
 from lazarus.sim import diskfault
@@ -30,6 +32,9 @@ from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 from lazarus.core.stall import is_step
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
+# `lazarus up -- COMMAND`: a script of the user's own may report no steps, so its faults are
+# timed from when the run first ran.
+DEMO_OWN_CHAOS = "kill-worker@15s,kill-node@35s"
 
 
 class MetricsTail:
@@ -107,8 +112,28 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="agents' GPU, host, hang and throughput monitors and the workers' "
                         "progress reports; 'off' exists to measure what they cost")
     p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
+    p.add_argument("--first-step-timeout", type=float, default=None,
+                   help="agents: a rank with no timed steps yet (and any rank of a script that "
+                        "reports none) hangs after this many seconds without a collective "
+                        "(default: the agent's, 300)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="with -- COMMAND: add to every rank's environment (repeatable)")
+    p.add_argument("--cwd", default=None,
+                   help="with -- COMMAND: where the ranks start (default: this directory)")
     p.add_argument("--quiet", action="store_true", help="only events and the summary")
-    return p.parse_args(argv)
+    options, command = split_command(argv)
+    args = p.parse_args(options)
+    args.command = command
+    return args
+
+
+def _user_job(args: argparse.Namespace, command: list[str]) -> jobspec.JobSpec:
+    """The job of `lazarus up -- COMMAND`: the user's script on the local nodes."""
+    from lazarus.ops.run import build_job
+
+    args.min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
+    args.max_restarts, args.rdzv_timeout, args.name = 20, 120.0, None
+    return build_job(args, command, check=True)
 
 
 def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobSpec:
@@ -150,6 +175,10 @@ def _agent_args(args: argparse.Namespace) -> list[str]:
         if not args.hang_k > 1:
             raise UserError(f"--hang-k must be above 1, got {args.hang_k:g}")
         out += ["--hang-k", repr(args.hang_k)]
+    if args.first_step_timeout is not None:
+        if not args.first_step_timeout > 0:
+            raise UserError(f"--first-step-timeout must be positive, got {args.first_step_timeout:g}")
+        out += ["--first-step-timeout", repr(args.first_step_timeout)]
     if args.hang_floor is not None:
         if not args.hang_floor > 0:
             raise UserError(f"--hang-floor must be positive, got {args.hang_floor:g}")
@@ -196,6 +225,8 @@ def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
     fault.fired_at, fault.fired_step = time.time(), step
     if fault.kind == "kill-worker":
         fault.hit = cluster.kill_worker(node)
+    elif fault.kind == "stop-worker":
+        fault.hit = cluster.kill_worker(node, signal.SIGSTOP)
     elif fault.kind == "kill-node":
         fault.hit = cluster.kill_node(node)
     elif fault.kind in chaos.GPU_FAULTS:
@@ -291,15 +322,21 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                     rec["restored_from_tier"] = restart.fields["restore_tier"]
                     rec["restored_step"] = restart.fields.get("restore_step")
                 nxt = tail.first_step_after(restart.time) if restart is not None else None
+                back = next((e for e in events if e.kind == "recovered"
+                             and restart is not None and e.time >= restart.time), None)
                 if nxt is not None:
                     rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
                     rec["resumed_at_step"] = nxt[1].get("step")
+                elif back is not None and not tail.seen:
+                    # no metrics of the script's own: the daemon's word that the round runs
+                    rec["recovered_after_s"] = back.fields.get("recovered_after_s")
         out.append(rec)
     return out
 
 
 def run(args: argparse.Namespace) -> dict:
-    schedule = chaos.parse_schedule(DEMO_CHAOS if args.chaos is None else
+    default = DEMO_OWN_CHAOS if args.command else DEMO_CHAOS
+    schedule = chaos.parse_schedule(default if args.chaos is None else
                                     ("" if args.chaos == "none" else args.chaos))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lazarus-up-"))
     previous = [p.name for p in (workdir / "etcd", workdir / "checkpoints", workdir / "nodes")
@@ -314,16 +351,28 @@ def run(args: argparse.Namespace) -> dict:
     if metrics.exists():
         metrics.unlink()  # this run's story only
     trainer_faults = [f for f in schedule if f.kind in chaos.TRAINER_KINDS]
-    job = _job(args, workdir, metrics)
+    own = bool(args.command)  # the user's script, not the built-in trainer
+    if own and trainer_faults:
+        raise UserError(f"--chaos {trainer_faults[0].label}: the built-in trainer injects "
+                        f"{trainer_faults[0].kind}; a script of your own takes kill-worker, "
+                        "stop-worker, kill-node, kill-daemon, revive-node, gpu-xid, gpu-ecc")
+    if own and any(f.kind in chaos.DISK_KINDS for f in schedule):
+        raise UserError("--chaos disk-full/disk-free fill the built-in trainer's checkpoint dir; "
+                        "a script of your own keeps its checkpoints where it likes")
+    job = _user_job(args, args.command) if own else _job(args, workdir, metrics)
     agent_args = _agent_args(args)
     say = print
-    say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
-        f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
+    if own:
+        say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
+            f"rank(s) of `{' '.join(args.command)}`; workdir {workdir}")
+    else:
+        say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
+            f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
     if schedule:
-        say("chaos: " + ", ".join(f"{f.kind}@{f.step}" + (f":{f.target}" if f.target else "")
-                                  for f in schedule))
-    from lazarus.trainer.data import ensure_corpus
-    ensure_corpus()  # build once here, not in every rank of the first round
+        say("chaos: " + ", ".join(f.label for f in schedule))
+    if not own:
+        from lazarus.trainer.data import ensure_corpus
+        ensure_corpus()  # build once here, not in every rank of the first round
 
     tail = MetricsTail(metrics)
     events: list = []
@@ -333,7 +382,8 @@ def run(args: argparse.Namespace) -> dict:
         if any(f.kind in chaos.DISK_KINDS for f in schedule):
             say(_small_checkpoint_fs(cluster, job, args))
         # What this run writes, and nothing beside it.
-        cluster.allowed_roots = [workdir.resolve(), metrics.parent]
+        cluster.allowed_roots = [workdir.resolve(), metrics.parent] + (
+            [Path(job.cwd)] if own and job.cwd else [])
         cluster.agent_args += agent_args
         cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()
@@ -350,11 +400,17 @@ def run(args: argparse.Namespace) -> dict:
         last_print = 0.0
         leader = None
         state = None
+        running_since = None  # when the run first ran: the clock of timed chaos items
+        reported = 0          # the furthest step a script of the user's own reported
         while time.time() - started < args.timeout:
             time.sleep(0.05)
             cluster.keep_disk_full()
             tail.poll()
             st = cluster.state()
+            if st.status is not None and st.status.state == "RUNNING" and running_since is None:
+                running_since = time.time()
+            reported = max([reported] + [ns.step for n, ns in st.node_status.items()
+                                         if st.status and n in st.status.members])
             if st.leader_pid and st.leader_pid != leader:
                 if leader is not None:
                     leader_changes.append((time.time(), st.leader_pid))
@@ -363,7 +419,7 @@ def run(args: argparse.Namespace) -> dict:
             for ev in cluster.new_events():
                 events.append(ev)
                 say(f"  [{ev.kind}] {ev.message}")
-            step = tail.latest["step"] if tail.latest else 0
+            step = tail.latest["step"] if tail.latest else reported
             state = st.status.state if st.status else "PENDING"
             for fault in trainer_faults:
                 # it strikes as step `fault.step` starts, i.e. once the step before is done
@@ -372,11 +428,20 @@ def run(args: argparse.Namespace) -> dict:
                     fault.fired_at, fault.fired_step = time.time(), step
                     fault.hit = "all ranks" if fault.kind.startswith("slow-") else "data"
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
-            if (pending and step >= pending[0].step and state == "RUNNING"
-                    and (st.status.incident is None)):
-                fault = pending.pop(0)
-                _inject(cluster, fault, step)
-                say(f"  >> injected {fault.kind} at step {step}: {fault.hit}")
+            running_s = time.time() - running_since if running_since is not None else None
+            due = next((f for f in pending if f.due(step, running_s)), None)
+            if due is not None and state == "RUNNING" and st.status.incident is None:
+                pending.remove(due)
+                _inject(cluster, due, step)
+                say(f"  >> injected {due.kind} at " + (f"{running_s:.0f} s" if due.seconds
+                                                        else f"step {step}") + f": {due.hit}")
+            if own and not args.quiet and time.time() - last_print >= 5.0:
+                last_print = time.time()
+                say(f"  {state} round {st.status.round if st.status else 0} members "
+                    f"{','.join(st.status.members) if st.status else '-'}"
+                    + (f", step {reported}" if reported else "")
+                    + f" ({time.time() - started:.0f} s; the ranks' output: "
+                      f"{workdir / 'nodes' / 'logs'})")
             if not args.quiet and time.time() - last_print >= 1.0 and tail.latest:
                 last_print = time.time()
                 m = tail.latest
@@ -403,7 +468,7 @@ def run(args: argparse.Namespace) -> dict:
         page = report.write(metrics, events=workdir / "events.jsonl",
                             out=workdir / "report.html")
         say(f"report: {page}")
-    steps = max((rec["step"] for _, rec in tail.seen), default=0)
+    steps = max((rec["step"] for _, rec in tail.seen), default=reported)
     summary = {
         "final_state": state,
         "steps_completed": steps,

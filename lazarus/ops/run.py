@@ -1,0 +1,184 @@
+"""`lazarus run [OPTIONS] -- COMMAND ARGS...`: run your own training script under Lazarus, as
+torchrun would run it, on the nodes whose agents watch an etcd (docs/adopting.md).
+
+Submits a job whose ranks run COMMAND in torchrun's environment, follows it -- the run's events
+as they come -- and exits with its outcome: 0 only when it SUCCEEDED, 1 when it FAILED or was
+CANCELLED. Stopping this command (Ctrl-C) leaves the run going (`lazarus cancel` ends it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from lazarus.core import etcd as E
+from lazarus.core import jobcommand, jobspec, settings
+from lazarus.core.errors import UserError
+from lazarus.core.records import (EventRecord, Keys, RecordError, RunStatus, SUCCEEDED,
+                                  TERMINAL)
+
+# How often the run's events and status are read: once a second is plenty for a person, and
+# two small reads a second are nothing for etcd.
+POLL_S = 1.0
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(options, command): what comes after the first `--` is the command."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def job_options(p: argparse.ArgumentParser, *, nodes: int) -> None:
+    """The options of a job of the user's command, shared with `lazarus up -- ...`."""
+    p.add_argument("--nodes", type=int, default=nodes, help="nodes the run wants (default %(default)s)")
+    p.add_argument("--min-nodes", type=int, default=None,
+                   help="the run goes on, with the same global batch if the script keeps it, "
+                        "on as few as this many nodes when no spare is left (default: --nodes)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--max-restarts", type=int, default=20,
+                   help="recoveries before the run is declared FAILED (default %(default)s)")
+    p.add_argument("--rdzv-timeout", type=float, default=120.0,
+                   help="seconds a round's ranks have to start and join their process group "
+                        "(default %(default)s)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="add to every rank's environment (repeatable)")
+    p.add_argument("--cwd", default=None,
+                   help="where the ranks start (default: this directory)")
+    p.add_argument("--name", default=None, help="the job's name (default: the script's)")
+
+
+def build_job(args: argparse.Namespace, command: list[str], *, check: bool) -> jobspec.JobSpec:
+    """The job of `command` with these options; UserError naming what is wrong. `check`:
+    the command must be runnable here too (this machine is one of the agents')."""
+    if not command:
+        raise UserError("no command: put it after --, e.g. `-- python train.py --lr 3e-4`")
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--env {item!r} is not NAME=VALUE")
+        env[name] = value
+    cwd = os.path.abspath(args.cwd or os.getcwd())
+    doc = {"job": {"name": args.name or _name(command), "nodes": args.nodes,
+                   "min_nodes": args.min_nodes if args.min_nodes is not None else args.nodes,
+                   "nproc_per_node": args.nproc_per_node, "max_restarts": args.max_restarts,
+                   "rendezvous_timeout_s": args.rdzv_timeout, "command": command,
+                   "env": env, "cwd": cwd}}
+    for flag in ("nodes", "nproc_per_node"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    job = jobspec.from_dict(doc, source="lazarus run")
+    if check:
+        jobcommand.check_runnable(job.command, cwd=job.cwd)
+    return job
+
+
+def _name(command: list[str]) -> str:
+    words = [a for a in command[1:] if not a.startswith("-")] if jobcommand.runs_warm(command) \
+        else command
+    return os.path.basename(words[0] if words else command[0]) or "job"
+
+
+class Follower:
+    """The run's events since a point in time, and its status, read from etcd."""
+
+    def __init__(self, etcd: E.Etcd, keys: Keys, *, since_ns: int):
+        self.etcd, self.keys = etcd, keys
+        self._after = f"{keys.events}{since_ns:020d}"
+        self._seen: set[str] = set()
+
+    def new_events(self) -> list[EventRecord]:
+        out = []
+        for key, kv in sorted(self.etcd.get_prefix(self.keys.events).kvs.items()):
+            if key <= self._after or key in self._seen:
+                continue
+            self._seen.add(key)
+            try:
+                out.append(EventRecord.from_json(kv.value))
+            except RecordError:
+                continue
+        return out
+
+    def status(self, job_id: str) -> RunStatus | None:
+        kv = self.etcd.get(self.keys.status)
+        if kv is None:
+            return None
+        try:
+            st = RunStatus.from_json(kv.value)
+        except RecordError:
+            return None
+        return st if st.job_id == job_id else None
+
+
+def follow(etcd: E.Etcd, keys: Keys, job: jobspec.JobSpec, *, since_ns: int,
+           timeout_s: float | None = None, say=print) -> str:
+    """Print the run's events until it ends; its final state ("TIMEOUT" past `timeout_s`)."""
+    f = Follower(etcd, keys, since_ns=since_ns)
+    started = time.monotonic()
+    outage = False
+    while timeout_s is None or time.monotonic() - started < timeout_s:
+        try:
+            for ev in f.new_events():
+                say(f"  [{ev.kind}] {ev.message}")
+            st = f.status(job.id)
+            outage = False
+        except E.EtcdUnavailable as e:
+            if not outage:
+                say(f"  ! {e}; the run goes on, retrying")
+            outage = True
+            st = None
+        if st is not None and st.state in TERMINAL:
+            for ev in f.new_events():
+                say(f"  [{ev.kind}] {ev.message}")
+            return st.state
+        time.sleep(POLL_S)
+    return "TIMEOUT"
+
+
+def main(argv: list[str]) -> int:
+    options, command = split_command(argv)
+    p = argparse.ArgumentParser(prog="lazarus run", usage="lazarus run [OPTIONS] -- COMMAND [ARGS...]",
+                                description=__doc__.split("\n\n")[0])
+    settings.add_etcd_args(p)
+    job_options(p, nodes=1)
+    p.add_argument("--no-local-check", action="store_true",
+                   help="do not check that COMMAND can start on this machine (the agents "
+                        "check it on theirs)")
+    p.add_argument("--detach", action="store_true", help="submit and exit, without following")
+    args = p.parse_args(options)
+    job = build_job(args, command, check=not args.no_local_check)
+    keys = Keys(args.root)
+    etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
+    try:
+        since = time.time_ns()
+        try:
+            kv = etcd.get(keys.status)
+            current = RunStatus.from_json(kv.value) if kv is not None else None
+        except RecordError:
+            current = None
+        if current is not None and current.state not in TERMINAL:
+            raise UserError(f"run {current.job_id} is {current.state}: one run at a time; "
+                            "`lazarus cancel` ends it")
+        etcd.put(keys.job, job.to_json())
+        print(f"lazarus run: job {job.name!r} ({job.id}): {job.nodes} node(s) x "
+              f"{job.nproc_per_node} rank(s), min {job.min_nodes}: {' '.join(command)}",
+              flush=True)
+        if args.detach:
+            return 0
+        try:
+            state = follow(etcd, keys, job, since_ns=since)
+        except KeyboardInterrupt:
+            print("lazarus run: stopped following; the run goes on (`lazarus cancel` ends it)",
+                  file=sys.stderr)
+            return 130
+    except E.EtcdUnavailable as e:
+        print(f"lazarus run: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        etcd.close()
+    print(f"{state}: job {job.name!r} ({job.id})")
+    return 0 if state == SUCCEEDED else 1
