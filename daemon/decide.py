@@ -473,9 +473,9 @@ def _recovering(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
     if st.early_failures >= min(EARLY_FAILURES, job.max_restarts + 1):
         status = dataclasses.replace(
             st, state=FAILED, since=now,
-            reason=_clip(f"every one of the last {st.early_failures} rounds crashed before it "
-                         f"ran (exit {st.early_failure}): the job cannot start; last fault: "
-                         f"{st.reason}"))
+            reason=(f"every one of the last {st.early_failures} rounds crashed before it "
+                    f"ran (exit {st.early_failure}): the job cannot start; last fault: "
+                    f"{st.reason}")[:1000])
         return Decision([SetStatus(status), Emit("failed", status.reason)], status.reason)
     if st.restarts >= job.max_restarts:
         status = dataclasses.replace(st, state=FAILED, since=now,

@@ -1,0 +1,133 @@
+"""A training script of the user's own, unmodified, under Lazarus (docs/adopting.md): run by
+`lazarus up -- ...` through a worker kill, a frozen rank and a node loss, and by `lazarus run
+-- ...` against a running cluster, with what a user gets wrong (a program that is not there,
+a script that exits at its start, a script that never joins its process group)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lazarus.core.etcd_rbac import DAEMON_USER
+from lazarus.core.records import ROLE_ACTIVE
+from lazarus.sim.localcluster import LocalCluster
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_snapshot.py"
+
+
+def _lazarus(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lazarus.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def _rank_logs(workdir: Path) -> dict[tuple[str, int, int], str]:
+    """(node, round, rank) -> what that rank printed."""
+    out = {}
+    for p in workdir.glob("nodes/logs/*/round-*/rank-*.log"):
+        out[(p.parent.parent.name, int(p.parent.name[6:]), int(p.stem[5:]))] = p.read_text(
+            errors="replace")
+    return out
+
+
+def test_lazarus_up_recovers_an_unmodified_torchrun_script(tmp_path):
+    """A worker SIGKILLed, a rank SIGSTOPped, a node lost: each recovered, each culprit named,
+    and every new round's ranks resume from the script's own snapshot, never from epoch 0."""
+    snapshot = tmp_path / "snap.pt"
+    summary = tmp_path / "summary.json"
+    proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
+                    "--chaos", "kill-worker@6s,stop-worker@14s,kill-node@24s",
+                    "--first-step-timeout", "8", "--quiet", "--timeout", "400",
+                    "--", "python", str(SCRIPT), "--snapshot", str(snapshot),
+                    "--epochs", "90", "--pause", "0.4", timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["final_state"] == "SUCCEEDED"
+    got = {r["kind"]: r for r in result["recoveries"]}
+    assert set(got) == {"kill-worker", "stop-worker", "kill-node"}, result["recoveries"]
+    for kind, r in got.items():
+        node = r["target"].split()[0]
+        assert r["culprit"] == node, (kind, r)  # the struck node, never its healthy peer
+        assert r["recovered_after_s"] is not None, (kind, r)
+    assert got["kill-worker"]["detected_as"] == "worker_crash"
+    assert got["stop-worker"]["detected_as"] == "hang"
+    assert got["kill-node"]["detected_as"] == "node_lost"
+
+    logs = _rank_logs(tmp_path / "up")
+    rounds = sorted({r for _, r, _ in logs})
+    assert len(rounds) == 4, sorted(logs)
+    resumed = {}
+    for (node, round_, rank), text in logs.items():
+        m = re.search(r"resuming training from snapshot at epoch (\d+)", text)
+        if round_ == rounds[0]:
+            assert m is None, text[-500:]
+        else:
+            assert m is not None and int(m[1]) > 0, (node, round_, rank, text[-500:])
+            resumed[round_] = int(m[1])
+        # torchrun's environment: the restart count is the round's recoveries so far
+        assert f"restart {rounds.index(round_)} epoch" in text, (round_, text[-300:])
+    in_order = [resumed[r] for r in sorted(resumed)]
+    assert in_order == sorted(in_order)  # never back to an earlier snapshot
+    last = logs[max(k for k in logs if k[2] == 0)]
+    assert "epoch 89 loss" in last
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run-cluster")
+    with LocalCluster(workdir / "cluster", lease_ttl_s=3) as c:
+        c.allowed_roots = [workdir]
+        c.start_etcd()
+        c.start_daemon()
+        for i in range(2):
+            c.start_agent(f"n{i}", nproc=1, role=ROLE_ACTIVE)
+        c.workdir_for_tests = workdir
+        yield c
+
+
+def _run(cluster: LocalCluster, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return _lazarus("run", *cluster.etcd_args(DAEMON_USER), *args, timeout=timeout,
+                    cwd=cluster.workdir_for_tests)
+
+
+def test_lazarus_run_follows_the_script_and_exits_with_its_outcome(cluster):
+    snapshot = cluster.workdir_for_tests / "run-snap.pt"
+    proc = _run(cluster, "--nodes", "2", "--", "python", str(SCRIPT), "--snapshot",
+                str(snapshot), "--epochs", "3", "--pause", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[round_started] round" in proc.stdout and "SUCCEEDED" in proc.stdout
+    assert snapshot.exists()
+
+
+def test_a_program_that_is_not_there_is_one_line(cluster):
+    proc = _run(cluster, "--", "no-such-trainer", "--lr", "1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("lazarus run: error: [job] command: 'no-such-trainer' is "
+                                   "not on PATH here, nor a file")
+    # The agents check it too, on their machines: the run fails at once with their line.
+    proc = _run(cluster, "--no-local-check", "--", "no-such-trainer")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED" in proc.stdout and "'no-such-trainer' is not on PATH" in proc.stdout
+
+
+def test_a_script_that_exits_at_its_start_fails_the_run_with_its_words(cluster):
+    code = "import sys; print('config error: --lr must be positive', file=sys.stderr); sys.exit(1)"
+    proc = _run(cluster, "--nodes", "2", "--", "python", "-c", code)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[failed] every one of the last 3 rounds crashed before it ran (exit 1)" in out, out
+    assert "config error: --lr must be positive" in out
+    assert out.count("[round_started]") == 3  # not max_restarts (20) silent restarts
+
+
+def test_a_script_that_never_joins_its_process_group_is_named(cluster):
+    proc = _run(cluster, "--nodes", "2", "--rdzv-timeout", "8", "--max-restarts", "0", "--",
+                "python", "-c", "import time; time.sleep(600)")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "did not start within 8 s" in proc.stdout, proc.stdout
