@@ -508,3 +508,78 @@ def test_hang_report_is_held_while_a_silent_peer_is_checkpointing():
         b = ns("b", "running", step=20, long_phase=junk)
         d = decide(NOW, view(status=status(RUNNING), node_status=[a, b]))
         assert only(d.actions, SetStatus).status.incident["kind"] == "hang", junk
+
+
+# -- a job of the user's own command (docs/adopting.md) -----------------------------------------
+
+def _crash_in_rendezvous(st, code=1, tail="ValueError: --lr must be positive"):
+    v = view(status=st, node_status=[ns("a", "starting", round=st.round),
+                                     ns("b", "failed", round=st.round, failed_rank=2,
+                                        exit_codes={"0": code}, fault_at=NOW - 0.1,
+                                        output_tail=f"Traceback ...\n{tail}")])
+    return decide(NOW, v)
+
+
+@pytest.mark.parametrize("before, how, code, expect", [
+    (0, "", 1, 1),      # the first
+    (1, "1", 1, 2),     # again the same way
+    (2, "2", 1, 1),     # another way: counting starts again
+    (2, "1", -9, 1),    # killed by a signal is another way
+])
+def test_rounds_that_crash_before_they_run_are_counted(before, how, code, expect):
+    d = _crash_in_rendezvous(status(RENDEZVOUS, early_failures=before, early_failure=how),
+                             code=code)
+    st = only(d.actions, SetStatus).status
+    assert st.state == RECOVERING and st.early_failures == expect
+    if code > 0:  # what the rank printed last, in the fault's words
+        assert d.reason.endswith("last output: Traceback ... | ValueError: --lr must be positive")
+    else:         # a signal leaves nothing the rank could have said about it
+        assert "last output" not in d.reason
+    assert only(d.actions, Emit).fields["output_tail"].endswith("must be positive")
+
+
+def test_a_crash_of_a_running_round_is_not_an_early_failure():
+    d = _crash_in_rendezvous(status(RUNNING, early_failures=2, early_failure="1"))
+    assert only(d.actions, SetStatus).status.early_failures == 2
+
+
+def test_three_rounds_that_crash_the_same_way_before_they_run_fail_the_run():
+    st = status(RECOVERING, early_failures=3, early_failure="1", reason="worker crash on b ...; "
+                "last output: ValueError: --lr must be positive", restarts=2)
+    d = decide(NOW, view(status=st, j=job(max_restarts=20)))
+    failed = only(d.actions, SetStatus).status
+    assert failed.state == FAILED
+    assert failed.reason.startswith("every one of the last 3 rounds crashed before it ran "
+                                    "(exit 1): the job cannot start")
+    assert "--lr must be positive" in failed.reason
+    # two such rounds are not enough: the third is started
+    st = dataclasses.replace(st, early_failures=2)
+    assert kinds(decide(NOW, view(status=st, j=job(max_restarts=20))).actions)[0] == "StartRound"
+
+
+def test_a_round_that_runs_clears_the_count():
+    st = status(RENDEZVOUS, early_failures=2, early_failure="1")
+    v = view(status=st, node_status=[ns("a", "running"), ns("b", "running")])
+    assert only(decide(NOW, v).actions, SetStatus).status.early_failures == 0
+
+
+def test_a_script_that_reports_no_steps_has_recovered_once_its_ranks_joined():
+    inc = {"kind": "worker_crash", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
+           "round": 1}
+    st = status(RUNNING, round=2, incident=inc)
+    v = view(status=st, node_status=[ns("a", "running", round=2), ns("b", "running", round=2)])
+    d = decide(NOW, v)
+    assert only(d.actions, Emit).message == ("recovered from worker_crash (b): every rank joined "
+                                             "its process group 3.0 s after the fault")
+
+
+def test_a_round_carries_the_jobs_command():
+    j = jobspec.from_dict({"job": {"name": "own", "nodes": 2, "min_nodes": 1, "id": "J",
+                                   "nproc_per_node": 2, "max_restarts": 7,
+                                   "command": ["python", "train.py", "--lr", "3e-4"],
+                                   "env": {"HF_HOME": "/data"}, "cwd": "/home/me"}}, source="t")
+    st = status(RECOVERING, restarts=2)
+    rec = only(decide(NOW, view(status=st, j=j)).actions, StartRound).record
+    assert (rec.command, rec.env, rec.cwd) == (["python", "train.py", "--lr", "3e-4"],
+                                               {"HF_HOME": "/data"}, "/home/me")
+    assert (rec.restarts, rec.max_restarts) == (3, 7)

@@ -1,0 +1,98 @@
+"""[job] command: its shape, whether this machine can run it, and how a Python command is run
+inside a parked worker (lazarus.core.jobcommand)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from lazarus.core import jobcommand, jobspec
+from lazarus.core.contract import WorkerAssignment, torchrun_env
+from lazarus.core.errors import UserError
+from lazarus.sim import chaos
+
+
+def test_the_built_in_trainer_is_the_default_command():
+    job = jobspec.from_dict({"job": {"name": "j"}, "train": {}}, source="t")
+    assert job.builtin and tuple(job.command) == jobcommand.BUILTIN
+    own = jobspec.from_dict({"job": {"command": ["python", "train.py"]}}, source="t")
+    assert not own.builtin and own.train == {}
+    assert jobspec.JobSpec.from_json(own.to_json()).command == ["python", "train.py"]
+
+
+@pytest.mark.parametrize("job, words", [
+    ({"command": []}, "[job] command must be a non-empty list of strings"),
+    ({"command": "python train.py"}, "[job] command must be a non-empty list of strings"),
+    ({"command": ["python", 3]}, "[job] command must be a non-empty list of strings"),
+    ({"command": ["x"], "env": {"A=B": "1"}}, "[job] env must be a table"),
+    ({"command": ["x"], "env": {"A": 1}}, "[job] env must be a table"),
+    ({"command": ["x"], "cwd": "relative/dir"}, "[job] cwd must be an absolute path"),
+])
+def test_a_malformed_command_is_one_line(job, words):
+    with pytest.raises(UserError, match=r"^t: " + words.replace("[", r"\[").replace("]", r"\]")):
+        jobspec.from_dict({"job": job}, source="t")
+
+
+def test_runnable_here(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    jobcommand.check_runnable(["python", "train.py"], cwd=str(tmp_path))
+    jobcommand.check_runnable(["python", "-u", str(script), "--lr", "1"], cwd=None)
+    jobcommand.check_runnable(["python", "-m", "json.tool"], cwd=None)
+    jobcommand.check_runnable(["sh", "-c", "true"], cwd=None)
+    with pytest.raises(UserError, match="'missing.py' is not a readable file in"):
+        jobcommand.check_runnable(["python", "missing.py"], cwd=str(tmp_path))
+    with pytest.raises(UserError, match="'no-such-tool' is not on PATH here, nor a file"):
+        jobcommand.check_runnable(["no-such-tool"], cwd=None)
+    with pytest.raises(UserError, match="is not an executable file"):
+        jobcommand.check_runnable([str(script)], cwd=None)  # not executable
+    with pytest.raises(UserError, match="is not a directory here"):
+        jobcommand.check_runnable(["python", "train.py"], cwd=str(tmp_path / "gone"))
+
+
+@pytest.mark.parametrize("command, expect", [
+    (["python", "train.py", "--lr", "1"], ("script", "train.py", ["train.py", "--lr", "1"])),
+    (["python3", "-u", "-W", "ignore", "t.py"], ("script", "t.py", ["t.py"])),
+    (["python", "-m", "pkg.train", "-x"], ("module", "pkg.train", ["pkg.train", "-x"])),
+    (["python", "-mpkg"], ("module", "pkg", ["pkg"])),
+    (["python", "-c", "print(1)", "a"], ("code", "print(1)", ["-c", "a"])),
+])
+def test_a_python_command_is_run_as_the_interpreter_would(command, expect):
+    assert jobcommand.runs_warm(command)
+    assert jobcommand.split_python(command) == expect
+
+
+def test_other_programs_are_executed():
+    assert not jobcommand.runs_warm(["bash", "train.sh"])
+    assert not jobcommand.runs_warm(["/opt/other/bin/python", "t.py"])
+    assert jobcommand.runs_warm([sys.executable, "t.py"])
+
+
+def test_torchruns_environment():
+    a = WorkerAssignment(rank=5, world_size=8, local_rank=1, round=7, store_host="10.0.0.1",
+                         store_port=29400, train={}, job_id="J", group_rank=2,
+                         group_world_size=4, local_world_size=2, restart_count=3,
+                         max_restarts=20)
+    env = torchrun_env(a, master_port=41000)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                                "TORCHELASTIC_MAX_RESTARTS",
+                                "TORCHELASTIC_USE_AGENT_STORE")} == {
+        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "2", "ROLE_RANK": "5", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "41000",
+        "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_RUN_ID": "J",
+        "TORCHELASTIC_MAX_RESTARTS": "20", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def test_chaos_items_timed_in_seconds():
+    faults = chaos.parse_schedule("kill-node@40s:n1,kill-worker@20s,kill-worker@5")
+    assert [f.label for f in faults] == ["kill-worker@5", "kill-worker@20s", "kill-node@40s:n1"]
+    timed = faults[1]
+    assert not timed.due(step=1000, running_s=None) and not timed.due(step=0, running_s=19.9)
+    assert timed.due(step=0, running_s=20.0)
+    assert faults[0].due(step=5, running_s=None)
+    with pytest.raises(UserError, match="injects hang at a step, not at a time"):
+        chaos.parse_schedule("hang@10s")
