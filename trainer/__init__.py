@@ -1,5 +1,5 @@
 """The FSDP2 + TP trainer, and the small API a user's own training script adopts
-(trainer/examples/plain_fsdp.py is a whole script that does):
+(docs/adopting.md; trainer/examples/plain_fsdp.py is a whole script that does):
 
     session = lazarus.trainer.connect()
     session.report(step=step, loss=loss, grad_norm=gn, tokens=n, step_time_s=dt)
@@ -9,4 +9,7 @@
 
 from lazarus.trainer.session import Session, connect
 
-__all__ = ["Session", "connect"]
+# The public API's version (docs/adopting.md): raised when a call changes incompatibly.
+API_VERSION = 1
+
+__all__ = ["API_VERSION", "Session", "connect"]
