@@ -9,8 +9,8 @@ lazarus.trainer.rankrun) tells the agent:
     whenever that changes. A rank that stops issuing them while its peers wait in one is
     behind them, and the agent's hang detector names it (lazarus.agent.hang) with the
     allowance of a step it never saw complete: the first-step timeout.
-It stops reporting progress once the script opens a session of its own (level 1): the
-script's step reports then say more than this can.
+It stops reporting progress once the script reports its own (`Session.progress`, level 1):
+those say more than this can.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _loop(period_s: float) -> None:
     last = None
     while True:
         time.sleep(period_s)
-        if sessions.opened_by_script():
-            return  # level 1: the script's reports are better than ours
+        if sessions.progress_by_script():
+            return  # the script's own progress reports are better than ours
         seq = _issued()
         if seq is None:
             continue

@@ -27,7 +27,7 @@ from typing import NoReturn
 from lazarus.core import exitcodes, jobcommand
 from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, WorkerAssignment,
                                    round_port_key, torchrun_env)
-from lazarus.core.errors import UserError
+from lazarus.core.errors import CheckpointError, UserError
 from lazarus.trainer import exitnote
 
 # How long a rank waits for the agent hosting its round to publish the round's store: the
@@ -145,6 +145,11 @@ def _run_python(command: list[str]) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
+    except CheckpointError:
+        # A copy to restore that does not load (Session.restore): the daemon restores from
+        # elsewhere next, instead of the same copy again.
+        traceback.print_exc()
+        return exitcodes.BAD_CHECKPOINT
     except UserError as e:  # Lazarus's own command refusing its input: one line, as the CLI
         print(f"lazarus: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import NoReturn
 
 from lazarus.core import exitcodes
@@ -57,7 +58,10 @@ class Session:
     """
 
     def __init__(self, *, socket_path: str | None, rank: int, round: int,
-                 publish_progress: bool = True, agent_grace_s: float | None = None):
+                 publish_progress: bool = True, agent_grace_s: float | None = None,
+                 level: int = 1):
+        self._level = level
+        self._snapshots = None                 # lazarus.trainer.statesnap, on first use
         self.rank = rank
         self.round = round
         self.publish_progress = publish_progress
@@ -214,6 +218,9 @@ class Session:
     def progress(self, step: int, phase: str, seq: int, op: str = "") -> None:
         """Where this rank is now (lazarus.agent.hang): the agent notices a rank that stops
         moving, and which rank the others wait for. One small write per phase change."""
+        global _script_progress
+        if self._level:
+            _script_progress = True
         if self.publish_progress:
             self._send({"type": "progress", "step": int(step), "phase": phase, "seq": int(seq),
                         "since": time.monotonic(), "op": op})
@@ -288,11 +295,58 @@ class Session:
         the agent publishes why, and the daemon fails the run with it."""
         self._send({"type": "refused", "reason": str(reason)[:500]})
 
+    # -- tier 0 for a script's own state (lazarus.trainer.statesnap) -------------------------
+    def snapshot(self, step: int, state) -> float:
+        """Keep `state` of `step` in host memory, replicated by the agent to its peer node:
+        a later round restores it with `restore()` instead of reading storage. Every rank
+        must snapshot at the same steps (a restore needs every rank's copy of one step).
+
+        `state`: dicts, lists and tuples of tensors (a DTensor keeps its local shard) and JSON
+        values -- e.g. {"model": ..., "optim": ...} from
+        torch.distributed.checkpoint.state_dict.get_state_dict, plus the script's data
+        position. Costs a copy of this rank's tensors into host memory (returned: the stall
+        in seconds) and blocks only on the previous snapshot's write; nothing without an
+        agent that keeps snapshots. ValueError for a state it cannot hold."""
+        a = _assignment()
+        if self._path is None or a is None or not a.snapshot_dir:
+            return 0.0
+        if self._snapshots is None:
+            import atexit
+
+            from lazarus.trainer.statesnap import StateSnapshots
+            self._snapshots = StateSnapshots(
+                Path(a.snapshot_dir), on_written=self.snapshot_written,
+                header={"job": a.job_id, "round": a.round, "rank": a.rank,
+                        "world_size": a.world_size})
+            atexit.register(self._snapshots.close)  # the last one is written before the exit
+        return self._snapshots.take(step, state)
+
+    def restore(self, into=None):
+        """(step, state) of this rank's copy in memory when the round restores from memory
+        (the daemon chose a step every rank's copy holds, newer than any checkpoint), else
+        None: the script then loads its own checkpoint, or starts afresh. Sets torch's RNG as
+        it was. `into`: the live state (same structure as snapshotted, e.g. a fresh
+        get_state_dict): each saved tensor is copied into the live one in place, so DTensors
+        keep their sharding; pass the result to set_state_dict. Raises
+        lazarus.core.errors.CheckpointError when the copy cannot be read or does not fit:
+        exit then (the daemon restores from storage next)."""
+        a = _assignment()
+        if a is None or not a.snapshot:
+            return None
+        from lazarus.trainer import statesnap
+
+        step, state = statesnap.read(a.snapshot, rank=a.rank, world_size=a.world_size)
+        if into is not None:
+            state = statesnap.copy_into(state, into, a.snapshot)
+        return step, state
+
     def guard(self, loss: float) -> bool:
         """False when the loss is not finite: the caller skips this optimizer step."""
         return math.isfinite(loss)
 
     def close(self) -> None:
+        if self._snapshots is not None:
+            self._snapshots.close()
         if self._closed:
             return
         self._closed = True  # before the socket closes: the reader must not wait for an agent
@@ -307,21 +361,18 @@ class Session:
             sock.close()
 
 
-_script_sessions = 0  # sessions this process's own code opened (level 1)
+_script_progress = False  # the script reports its own progress (level 1)
 
 
-def opened_by_script() -> bool:
-    """Whether the script opened a session of its own (lazarus.trainer.collwatch stops then)."""
-    return _script_sessions > 0
+def progress_by_script() -> bool:
+    """Whether the script reports where it is itself (lazarus.trainer.collwatch stops then)."""
+    return _script_progress
 
 
 def connect(*, rank: int | None = None, round: int | None = None,
             socket_path: str | None = None, level: int = 1) -> Session:
     """A session for this process, from arguments or the environment the agent sets.
     `level` 0 is Lazarus's own watch of a script that does not report (collwatch)."""
-    global _script_sessions
-    if level:
-        _script_sessions += 1
     env = os.environ
     return Session(
         socket_path=socket_path if socket_path is not None else env.get(SOCKET_ENV),
@@ -329,4 +380,18 @@ def connect(*, rank: int | None = None, round: int | None = None,
         round=int(env.get(ROUND_ENV, "0")) if round is None else round,
         publish_progress=env.get(PROGRESS_ENV, "on") != "off",
         agent_grace_s=float(env[AGENT_GRACE_ENV]) if env.get(AGENT_GRACE_ENV) else None,
+        level=level,
     )
+
+
+def _assignment():
+    """This rank's assignment, as the agent handed it (None outside an agent's round)."""
+    from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
+
+    text = os.environ.get(ASSIGNMENT_ENV)
+    if not text:
+        return None
+    try:
+        return WorkerAssignment.from_json(text)
+    except ValueError:
+        return None

@@ -131,3 +131,42 @@ def test_a_script_that_never_joins_its_process_group_is_named(cluster):
                 "python", "-c", "import time; time.sleep(600)")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "did not start within 8 s" in proc.stdout, proc.stdout
+
+
+def _epoch_losses(text: str) -> dict[tuple[int, int], str]:
+    """(rank, epoch) -> the loss that rank printed for it."""
+    return {(int(m[1]), int(m[2])): m[3]
+            for m in re.finditer(r"\[rank (\d+)\] .* epoch (\d+) loss (\S+)", text)}
+
+
+def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
+    """The script's lines of `lazarus.trainer` (a report and a snapshot per epoch, a restore
+    at start): a worker kill and a node loss are recovered from the copies in memory (the lost
+    node's from its peer), and every epoch's loss is the uninterrupted run's, to the digit."""
+    epochs = 40
+    ref = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), "--snapshot", str(tmp_path / "ref.pt"), "--epochs", str(epochs),
+         "--pause", "0"], capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "TMPDIR": str(tmp_path)})
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    reference = _epoch_losses(ref.stdout)
+    assert sorted(reference) == [(r, e) for r in (0, 1) for e in range(epochs)]
+
+    summary = tmp_path / "summary.json"
+    proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
+                    "--chaos", "kill-worker@5s,kill-node@14s", "--quiet", "--timeout", "400",
+                    "--", "python", str(SCRIPT), "--snapshot", str(tmp_path / "snap.pt"),
+                    "--epochs", str(epochs), "--pause", "0.4", "--lazarus", timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recoveries = json.loads(summary.read_text())["recoveries"]
+    assert [(r["kind"], r.get("restored_from_tier")) for r in recoveries] == [
+        ("kill-worker", 0), ("kill-node", 0)], recoveries
+    logs = _rank_logs(tmp_path / "up")
+    first = min(r for _, r, _ in logs)
+    for (node, round_, rank), text in logs.items():
+        if round_ > first:
+            assert "resuming training from memory at epoch" in text, (node, round_, text[-500:])
+        for key, loss in _epoch_losses(text).items():
+            assert loss == reference[key], (node, round_, key)
+    assert "epoch 39 loss" in logs[max(k for k in logs if k[2] == 0)]
