@@ -7,7 +7,8 @@ import sys
 
 from lazarus.core import etcd as E
 from lazarus.core import settings
-from lazarus.core import jobspec
+from lazarus.core import jobcommand, jobspec
+from lazarus.core.errors import UserError
 from lazarus.core.records import Keys
 
 
@@ -15,8 +16,16 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus submit", description=__doc__)
     p.add_argument("job", help="job file (TOML with [job] and [train])")
     settings.add_etcd_args(p)
+    p.add_argument("--no-local-check", action="store_true",
+                   help="do not check that [job] command can start on this machine (the "
+                        "agents check it on theirs)")
     args = p.parse_args(argv)
     spec = jobspec.load(args.job)  # every check before anything is written
+    if not args.no_local_check:
+        try:
+            jobcommand.check_runnable(spec.command, cwd=spec.cwd)
+        except UserError as e:
+            raise UserError(f"{e} (--no-local-check when this is not an agents' machine)")
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     try:
         etcd.put(Keys(args.root).job, spec.to_json())

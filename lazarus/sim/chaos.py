@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
 
 
     p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=("kill-worker", "kill-node", "kill-daemon", "gpu-xid",
+    p.add_argument("kind", choices=("kill-worker", "stop-worker", "kill-node", "kill-daemon", "gpu-xid",
                                     "gpu-ecc", "slow-rank", *DISK_KINDS))
     p.add_argument("--factor", type=float, default=SLOW_FACTOR,
                    help="slow-rank: how many times slower the node computes (1: back to normal)")
@@ -211,11 +211,12 @@ def main(argv: list[str]) -> int:
         etcd.close()
     if not pid:
         raise UserError(f"{args.kind}: nothing to kill ({args.node or 'no leader'} not found)")
+    sig = signal.SIGSTOP if args.kind == "stop-worker" else signal.SIGKILL
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except ProcessLookupError:
         raise UserError(f"{args.kind}: pid {pid} is not running on this host") from None
-    print(f"{args.kind}: killed pid {pid}")
+    print(f"{args.kind}: {'stopped' if sig == signal.SIGSTOP else 'killed'} pid {pid}")
     if args.kind == "kill-node":  # ranks outlive their agent alone (lazarus.agent.adopt)
         for rank in left_ranks(Path(args.workdir), args.node):
             rank.kill()

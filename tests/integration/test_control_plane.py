@@ -149,6 +149,13 @@ def test_two_daemons_never_act_at_once(etcd, keys):
     ("[job]\nnodes = 1\n[train.model]\nname = 'huge'\n", "huge"),
     ("[job]\nnodes = 1\n[train]\nmodel = 'tiny'\n",
      "train setting 'model' must be a table ([train.model])"),
+    ("[job]\ncommand = ['python', '-c', 'pass']\nenv = { A = '1' }\n", None),
+    ("[job]\ncommand = ['no-such-trainer', '--lr', '1']\n",
+     "[job] command: 'no-such-trainer' is not on PATH here, nor a file (--no-local-check when "
+     "this is not an agents' machine)"),
+    ("[job]\ncommand = ['python', 'gone.py']\ncwd = '/'\n",
+     "[job] command: 'gone.py' is not a readable file in /"),
+    ("[job]\ncommand = 'python train.py'\n", "[job] command must be a non-empty list of strings"),
 ])
 def test_submit_rejects_bad_job_files_with_one_line(tmp_path, body, expect, etcd):
     path = tmp_path / "job.toml"

@@ -96,3 +96,30 @@ def test_chaos_items_timed_in_seconds():
     assert faults[0].due(step=5, running_s=None)
     with pytest.raises(UserError, match="injects hang at a step, not at a time"):
         chaos.parse_schedule("hang@10s")
+
+
+def test_rank_logs_stay_within_their_bound(tmp_path):
+    from lazarus.agent.workers import Group, KEEP_ROUNDS, Workers, rank_log, tail
+
+    workers = Workers(nproc=1, env={}, log_dir=tmp_path, notes_dir=tmp_path, park=False,
+                      log_bytes=1000)
+    workers.group = Group(round=30, procs={}, ranks={0: 4})
+    log = rank_log(tmp_path, 30, 4)
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(300)))  # 2,790 bytes
+    workers.bound_logs()
+    assert log.stat().st_size == 0
+    assert log.with_name("rank-4.log.1").read_text().endswith("line 299\n")
+    log.write_text("short\n")
+    workers.bound_logs()
+    assert log.read_text() == "short\n"  # within the bound: left alone
+    for r in (5, 10, 11, 30):
+        rank_log(tmp_path, r, 0).parent.mkdir(parents=True, exist_ok=True)
+    workers.prune_logs(30)
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-11", "round-30"]
+    assert KEEP_ROUNDS == 20
+    # the last whole lines within the bytes asked for
+    log.write_text("first\nsecond\nthird\n")
+    assert tail(log, 13) == "third"
+    assert tail(log, 100) == "first\nsecond\nthird"
+    assert tail(tmp_path / "none.log", 100) == ""
