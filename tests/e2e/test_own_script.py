@@ -1,7 +1,9 @@
-"""A training script of the user's own, unmodified, under Lazarus (docs/adopting.md): run by
-`lazarus up -- ...` through a worker kill, a frozen rank and a node loss, and by `lazarus run
--- ...` against a running cluster, with what a user gets wrong (a program that is not there,
-a script that exits at its start, a script that never joins its process group)."""
+"""A training script of the user's own, unmodified, under Lazarus (docs/adopting.md): HF
+transformers' Trainer run by `lazarus up -- ...` through a worker kill, a frozen rank and a
+node loss; a DDP script in the shape of torch's own example run by `lazarus run -- ...`
+against a running cluster, with what a user gets wrong (a program that is not there, a script
+that exits at its start, a script that never joins its process group); the same DDP script
+with the level-1 lines, recovered from memory with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from lazarus.sim.localcluster import LocalCluster
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_snapshot.py"
+HF_SCRIPT = Path(__file__).parent / "scripts" / "hf_trainer.py"
 
 
 def _lazarus(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -36,16 +39,19 @@ def _rank_logs(workdir: Path) -> dict[tuple[str, int, int], str]:
     return out
 
 
-def test_lazarus_up_recovers_an_unmodified_torchrun_script(tmp_path):
-    """A worker SIGKILLed, a rank SIGSTOPped, a node lost: each recovered, each culprit named,
-    and every new round's ranks resume from the script's own snapshot, never from epoch 0."""
-    snapshot = tmp_path / "snap.pt"
+def test_lazarus_up_recovers_an_unmodified_hf_trainer_script(tmp_path):
+    """HF transformers' Trainer, as its users write it: a worker SIGKILLed, a rank SIGSTOPped
+    (frozen: its peer waits in a collective), a node lost. Each is recovered with the struck
+    node named, never its healthy peer, and every new round's ranks resume from the Trainer's
+    own newest checkpoint, never from step 0."""
     summary = tmp_path / "summary.json"
+    out = tmp_path / "out"
     proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
-                    "--chaos", "kill-worker@6s,stop-worker@14s,kill-node@24s",
+                    "--chaos", "kill-worker@8s,stop-worker@16s,kill-node@26s",
                     "--first-step-timeout", "8", "--quiet", "--timeout", "400",
-                    "--", "python", str(SCRIPT), "--snapshot", str(snapshot),
-                    "--epochs", "90", "--pause", "0.4", timeout=500)
+                    "--", "python", str(HF_SCRIPT), "--output-dir", str(out),
+                    "--max-steps", "260", "--save-steps", "10", "--step-time", "0.1",
+                    timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(summary.read_text())
     assert result["final_state"] == "SUCCEEDED"
@@ -53,7 +59,7 @@ def test_lazarus_up_recovers_an_unmodified_torchrun_script(tmp_path):
     assert set(got) == {"kill-worker", "stop-worker", "kill-node"}, result["recoveries"]
     for kind, r in got.items():
         node = r["target"].split()[0]
-        assert r["culprit"] == node, (kind, r)  # the struck node, never its healthy peer
+        assert r["culprit"] == node, (kind, r)
         assert r["recovered_after_s"] is not None, (kind, r)
     assert got["kill-worker"]["detected_as"] == "worker_crash"
     assert got["stop-worker"]["detected_as"] == "hang"
@@ -64,18 +70,17 @@ def test_lazarus_up_recovers_an_unmodified_torchrun_script(tmp_path):
     assert len(rounds) == 4, sorted(logs)
     resumed = {}
     for (node, round_, rank), text in logs.items():
-        m = re.search(r"resuming training from snapshot at epoch (\d+)", text)
+        m = re.search(r"resume from: (\S+)", text)
+        assert m is not None, text[-500:]
         if round_ == rounds[0]:
-            assert m is None, text[-500:]
+            assert m[1] == "None"
         else:
-            assert m is not None and int(m[1]) > 0, (node, round_, rank, text[-500:])
-            resumed[round_] = int(m[1])
-        # torchrun's environment: the restart count is the round's recoveries so far
-        assert f"restart {rounds.index(round_)} epoch" in text, (round_, text[-300:])
+            step = int(m[1].rpartition("checkpoint-")[2])
+            assert step > 0, (node, round_, rank, text[-500:])
+            resumed[round_] = step
     in_order = [resumed[r] for r in sorted(resumed)]
-    assert in_order == sorted(in_order)  # never back to an earlier snapshot
-    last = logs[max(k for k in logs if k[2] == 0)]
-    assert "epoch 89 loss" in last
+    assert in_order == sorted(in_order)  # never back to an earlier checkpoint
+    assert (out / "checkpoint-260").is_dir()  # the Trainer's own last save: it ran to the end
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +104,7 @@ def _run(cluster: LocalCluster, *args: str, timeout: float = 240) -> subprocess.
 def test_lazarus_run_follows_the_script_and_exits_with_its_outcome(cluster):
     snapshot = cluster.workdir_for_tests / "run-snap.pt"
     proc = _run(cluster, "--nodes", "2", "--", "python", str(SCRIPT), "--snapshot",
-                str(snapshot), "--epochs", "3", "--pause", "0")
+                str(snapshot), "--epochs", "5", "--pause", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[round_started] round" in proc.stdout and "SUCCEEDED" in proc.stdout
     assert snapshot.exists()
@@ -163,10 +168,12 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
     assert [(r["kind"], r.get("restored_from_tier")) for r in recoveries] == [
         ("kill-worker", 0), ("kill-node", 0)], recoveries
     logs = _rank_logs(tmp_path / "up")
-    first = min(r for _, r, _ in logs)
+    rounds = sorted({r for _, r, _ in logs})
     for (node, round_, rank), text in logs.items():
-        if round_ > first:
+        if round_ > rounds[0]:
             assert "resuming training from memory at epoch" in text, (node, round_, text[-500:])
+        # torchrun's environment: the restart count is the run's recoveries before the round
+        assert f"restart {rounds.index(round_)} epoch" in text, (round_, text[-300:])
         for key, loss in _epoch_losses(text).items():
             assert loss == reference[key], (node, round_, key)
     assert "epoch 39 loss" in logs[max(k for k in logs if k[2] == 0)]
