@@ -294,6 +294,29 @@ def tensors_of(raw: bytes | memoryview, what: str = "snapshot") -> dict[str, tor
         raise SnapshotError(f"{what}: its tensors do not parse ({str(e)[:200]})") from None
 
 
+def write_file(directory: Path, rank: int, step: int, parts: tuple[bytes, ...],
+               on_written: Callable[[int, str], None]) -> None:
+    """Write a snapshot's parts into `directory` whole or not at all, then hand it over."""
+    final = Path(directory) / f"r{rank:05d}-s{step:010d}.t0"
+    tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+    os.replace(tmp, final)
+    on_written(step, str(final))
+
+
+def settle(inflight: Future | None) -> None:
+    """Wait for a snapshot's write. A full /dev/shm, a value JSON cannot hold: that snapshot
+    is lost and the restore point stays the one before; training goes on."""
+    if inflight is None:
+        return
+    try:
+        inflight.result()
+    except (OSError, ValueError) as e:
+        print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
+
+
 def auto_period(stall: float, step_times: list[float], durable_times: list[float]) -> int:
     """Steps between snapshots when the period is automatic: the stall under STALL_SHARE of
     the median step time, and no shorter than the median time to durable. 1 before any step
@@ -381,24 +404,12 @@ class Snapshotter:
         self.next_step = step + wish
 
     def _write(self, step: int, tensors: dict, values: dict, header: dict) -> None:
-        parts = encode_parts(tensors, values, header=header)
-        final = self.directory / f"r{header['rank']:05d}-s{step:010d}.t0"
-        tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-        os.replace(tmp, final)
-        self.on_written(step, str(final))
+        write_file(self.directory, header["rank"], step,
+                   encode_parts(tensors, values, header=header), self.on_written)
 
     def wait(self) -> None:
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            try:
-                inflight.result()
-            except (OSError, ValueError) as e:
-                # A full /dev/shm, a value JSON cannot hold: this snapshot is lost, and the
-                # restore point stays the one before; training goes on.
-                print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
+        settle(inflight)
 
     def stalls(self) -> list[CheckpointStall]:
         """The stall records of the snapshots settled since the last call, oldest first."""

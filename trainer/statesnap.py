@@ -15,7 +15,6 @@ snapshot in flight.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
 from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
+from lazarus.trainer.snapshot import load_file, settle, tensors_of, write_file
 
 # Deeper than any state dict: a cycle or a runaway structure is refused, not recursed into.
 MAX_DEPTH = 64
@@ -145,24 +145,12 @@ class StateSnapshots:
         return time.perf_counter() - t0
 
     def _write(self, step: int, tensors: dict, header: dict) -> None:
-        parts = snapshotfile.pack_parts(header, st_save(tensors))
-        final = self.directory / f"r{header['rank']:05d}-s{step:010d}.t0"
-        tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-        os.replace(tmp, final)
-        self.on_written(step, str(final))
+        write_file(self.directory, header["rank"], step,
+                   snapshotfile.pack_parts(header, st_save(tensors)), self.on_written)
 
     def wait(self) -> None:
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            try:
-                inflight.result()
-            except (OSError, ValueError) as e:
-                # A full /dev/shm, a value JSON cannot hold (NaN): this snapshot is lost and the
-                # restore point stays the one before; training goes on.
-                print(f"tier-0 snapshot not written: {type(e).__name__}: {e}", flush=True)
+        settle(inflight)
 
     def close(self) -> None:
         try:
@@ -174,8 +162,6 @@ class StateSnapshots:
 def read(path: str, *, rank: int, world_size: int) -> tuple[int, Any]:
     """(step, state) of this rank's snapshot file, its RNG state set; SnapshotError when it
     is not this rank's, of another world size, corrupt, or not a script's state."""
-    from lazarus.trainer.snapshot import load_file, tensors_of
-
     header, raw = snapshotfile.unpack(load_file(path), path)
     if header.get("rank") != rank or header.get("world_size") != world_size:
         raise SnapshotError(f"{path} is rank {header.get('rank')} of {header.get('world_size')}, "

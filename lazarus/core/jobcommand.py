@@ -87,22 +87,12 @@ def check_runnable(command: list[str], *, cwd: str | None, path: str | None = No
 
 
 def _python_script(command: list[str]) -> str | None:
-    """The script of `python [OPTIONS] SCRIPT ...`; None for -m / -c / none (options that
-    take a value are skipped with it)."""
-    args = command[1:]
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a in ("-m", "-c") or a.startswith(("-m", "-c")) and len(a) > 2:
-            return None
-        if a in ("-W", "-X", "--check-hash-based-pycs"):
-            i += 2
-            continue
-        if a.startswith("-"):
-            i += 1
-            continue
-        return a
-    return None
+    """The script of `python [OPTIONS] SCRIPT ...`; None for -m / -c / none."""
+    try:
+        kind, target, _ = split_python(command)
+    except UserError:
+        return None
+    return target if kind == "script" else None
 
 
 def split_python(command: list[str]) -> tuple[str, str, list[str]]:
