@@ -100,7 +100,7 @@ def _warm(cluster: LocalCluster, node: str) -> bool:
 
 def _worker_logs(cluster: LocalCluster, node: str) -> str:
     return "".join(p.read_text(errors="replace")
-                   for p in sorted((cluster.workdir / "nodes" / "logs" / node).glob("*.log")))
+                   for p in sorted((cluster.workdir / "nodes" / "logs" / node).rglob("*.log")))
 
 
 def test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers(tmp_path, network):
