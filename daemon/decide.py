@@ -383,6 +383,8 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
 
 def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
     members = choose(view, job, [])
+    if not job.start_on_spares:
+        members = [m for m in members if view.nodes[m].role == ROLE_ACTIVE]
     waited = now - st.since
     # Actives before spares: an active node whose preflight is under way is waited for
     # rather than replaced by a spare that finished its own first.
@@ -396,7 +398,9 @@ def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                                      and waited >= job.rendezvous_timeout_s):
         return start_round(now, view, job, st, members, "first round", restarts=st.restarts)
     return Decision([], f"waiting for nodes: {len(members)} of {job.nodes} "
-                        f"(min {job.min_nodes}) after {waited:.0f} s")
+                        f"(min {job.min_nodes}) after {waited:.0f} s"
+                        + ("" if job.start_on_spares else
+                           "; spares are kept for faults (--spares-ok starts on them)"))
 
 
 def _rendezvous(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:

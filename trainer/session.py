@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from lazarus.core import exitcodes
-from lazarus.core.contract import AGENT_GRACE_ENV, PROGRESS_ENV, RANK_ENV, ROUND_ENV, SOCKET_ENV
+from lazarus.core.contract import (AGENT_GRACE_ENV, METRICS_ENV, PROGRESS_ENV, RANK_ENV,
+                                   ROUND_ENV, SOCKET_ENV)
 from lazarus.trainer import exitnote
 
 
@@ -62,6 +63,7 @@ class Session:
                  level: int = 1):
         self._level = level
         self._snapshots = None                 # lazarus.trainer.statesnap, on first use
+        self._metrics = None                   # $LAZARUS_METRICS, open; False: unwritable
         self.rank = rank
         self.round = round
         self.publish_progress = publish_progress
@@ -211,9 +213,27 @@ class Session:
         and `compute_s`, the rank's own work in the step (lazarus.trainer.steptime), which
         the straggler test compares across ranks.
         """
-        self._send({"type": "step", "step": int(step), "loss": float(loss),
-                    "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),
-                    "step_time_s": float(step_time_s), **extra})
+        msg = {"type": "step", "step": int(step), "loss": float(loss),
+               "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),
+               "step_time_s": float(step_time_s), **extra}
+        self._send(msg)
+        if self._level and self.rank == 0 and os.environ.get(METRICS_ENV):
+            self._log_step(msg)
+
+    def _log_step(self, msg: dict) -> None:
+        """Rank 0 of a script's own (level 1): its step as a line of the run's metrics file
+        ($LAZARUS_METRICS), which `lazarus report` draws the run's story from."""
+        row = {k: v for k, v in msg.items() if k != "type"}
+        try:
+            if self._metrics is None:
+                self._metrics = open(os.environ[METRICS_ENV], "a", encoding="utf-8")
+            self._metrics.write(json.dumps({**row, "round": self.round}) + "\n")
+            self._metrics.flush()
+        except (OSError, TypeError, ValueError) as e:
+            if self._metrics is not False:
+                print(f"rank 0: step reports not written to ${METRICS_ENV}: {e}",
+                      file=sys.stderr, flush=True)
+            self._metrics = False
 
     def progress(self, step: int, phase: str, seq: int, op: str = "") -> None:
         """Where this rank is now (lazarus.agent.hang): the agent notices a rank that stops
@@ -340,6 +360,25 @@ class Session:
             state = statesnap.copy_into(state, into, a.snapshot)
         return step, state
 
+    def restore_point(self) -> tuple[int, str] | None:
+        """(step, path) of the committed checkpoint this round restores when it does not
+        restore from memory: the newest good one the script reported with
+        `checkpoint_committed`, or an earlier one after the daemon rolled the run back past
+        repeated loss spikes. None: from scratch (or from memory: see `restore`). A script
+        that reports its checkpoints should load this one, not merely its newest."""
+        a = _assignment()
+        if a is None or not a.restore or a.snapshot:
+            return None
+        return a.restore_step, a.restore
+
+    def skip_windows(self) -> list[tuple[int, int]]:
+        """The data windows [first, last] the daemon ordered skipped after repeated loss
+        spikes: the `window`s that step reports' `spike` named (see `report`). The script's
+        data loader must not serve them again."""
+        a = _assignment()
+        windows = (a.train.get("data", {}).get("skip_windows") if a is not None else None) or []
+        return [(int(w[0]), int(w[1])) for w in windows]
+
     def guard(self, loss: float) -> bool:
         """False when the loss is not finite: the caller skips this optimizer step."""
         return math.isfinite(loss)
@@ -347,6 +386,9 @@ class Session:
     def close(self) -> None:
         if self._snapshots is not None:
             self._snapshots.close()
+        if self._metrics:
+            self._metrics.close()
+            self._metrics = None
         if self._closed:
             return
         self._closed = True  # before the socket closes: the reader must not wait for an agent

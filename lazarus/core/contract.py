@@ -39,6 +39,9 @@ AGENT_GRACE_ENV = "LAZARUS_AGENT_GRACE_S"
 # Seconds a collective may block before the process group gives up (default: the store
 # timeout). Under an agent the hang detector acts long before; plain torchrun has nothing else.
 PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
+# A file to which global rank 0's Session.report() appends each step as a JSON line, the
+# metrics file `lazarus report` and `lazarus up` read (a script of the user's own, level 1).
+METRICS_ENV = "LAZARUS_METRICS"
 # What an agent never passes on to the ranks it starts, whose code is the job's: Lazarus's own
 # secrets ($LAZARUS_TOKEN, $LAZARUS_READ_TOKEN, $LAZARUS_RDZV_KEY, etcd credentials...) and
 # etcdctl's. A rank needs none of them: it talks to its agent only.

@@ -46,7 +46,7 @@ from lazarus.core.records import MAX_RANKS_PER_NODE, RecordError, load_json, num
 from lazarus.core.trainconfig import TrainConfig, check_types
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
-             "rendezvous_timeout_s", "id", "command", "env", "cwd"}
+             "rendezvous_timeout_s", "id", "command", "env", "cwd", "start_on_spares"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +63,9 @@ class JobSpec:
     command: list[str] = field(default_factory=lambda: list(jobcommand.BUILTIN))
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    # The first round may take spare nodes when too few active ones are free; False: spares
+    # wait for a fault (`lazarus run` without --spares-ok)
+    start_on_spares: bool = True
 
     @property
     def builtin(self) -> bool:
@@ -159,8 +162,11 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     if number(timeout) is None or timeout <= 0:
         raise UserError(f"{source}: [job] rendezvous_timeout_s must be a positive number")
     command, env, cwd = jobcommand.parse(job, source)
+    start_on_spares = job.get("start_on_spares", True)
+    if not isinstance(start_on_spares, bool):
+        raise UserError(f"{source}: [job] start_on_spares must be true or false")
     spec = JobSpec(
-        command=command, env=env, cwd=cwd,
+        command=command, env=env, cwd=cwd, start_on_spares=start_on_spares,
         name=name, nodes=nodes, min_nodes=min_nodes,
         nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source,
                             maximum=MAX_RANKS_PER_NODE),

@@ -15,6 +15,7 @@ import time
 
 from lazarus.core import etcd as E
 from lazarus.core import jobcommand, jobspec, settings
+from lazarus.core.contract import METRICS_ENV
 from lazarus.core.errors import UserError
 from lazarus.core.records import (EventRecord, Keys, RecordError, RunStatus, SUCCEEDED,
                                   TERMINAL)
@@ -49,6 +50,9 @@ def job_options(p: argparse.ArgumentParser, *, nodes: int) -> None:
     p.add_argument("--cwd", default=None,
                    help="where the ranks start (default: this directory)")
     p.add_argument("--name", default=None, help="the job's name (default: the script's)")
+    p.add_argument("--spares-ok", action="store_true",
+                   help="the first round may start on spare nodes when too few active ones "
+                        "are free (default: spares wait for a fault)")
 
 
 def build_job(args: argparse.Namespace, command: list[str], *, check: bool) -> jobspec.JobSpec:
@@ -62,12 +66,14 @@ def build_job(args: argparse.Namespace, command: list[str], *, check: bool) -> j
         if not sep or not name:
             raise UserError(f"--env {item!r} is not NAME=VALUE")
         env[name] = value
+    if getattr(args, "metrics_file", None):
+        env.setdefault(METRICS_ENV, os.path.abspath(args.metrics_file))
     cwd = os.path.abspath(args.cwd or os.getcwd())
     doc = {"job": {"name": args.name or _name(command), "nodes": args.nodes,
                    "min_nodes": args.min_nodes if args.min_nodes is not None else args.nodes,
                    "nproc_per_node": args.nproc_per_node, "max_restarts": args.max_restarts,
                    "rendezvous_timeout_s": args.rdzv_timeout, "command": command,
-                   "env": env, "cwd": cwd}}
+                   "env": env, "cwd": cwd, "start_on_spares": args.spares_ok}}
     for flag in ("nodes", "nproc_per_node"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -149,6 +155,9 @@ def main(argv: list[str]) -> int:
                    help="do not check that COMMAND can start on this machine (the agents "
                         "check it on theirs)")
     p.add_argument("--detach", action="store_true", help="submit and exit, without following")
+    p.add_argument("--metrics", dest="metrics_file", default=None, metavar="FILE",
+                   help="rank 0 of a script that reports its steps (level 1) appends them "
+                        "here, for `lazarus report` (sets $LAZARUS_METRICS)")
     args = p.parse_args(options)
     job = build_job(args, command, check=not args.no_local_check)
     keys = Keys(args.root)

@@ -127,12 +127,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _user_job(args: argparse.Namespace, command: list[str]) -> jobspec.JobSpec:
-    """The job of `lazarus up -- COMMAND`: the user's script on the local nodes."""
+def _user_job(args: argparse.Namespace, command: list[str], metrics: Path) -> jobspec.JobSpec:
+    """The job of `lazarus up -- COMMAND`: the user's script on the local nodes; a script that
+    reports its steps (level 1) writes them where this command shows them from."""
     from lazarus.ops.run import build_job
 
     args.min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
     args.max_restarts, args.rdzv_timeout, args.name = 20, 120.0, None
+    args.spares_ok, args.metrics_file = False, str(metrics)
     return build_job(args, command, check=True)
 
 
@@ -359,7 +361,7 @@ def run(args: argparse.Namespace) -> dict:
     if own and any(f.kind in chaos.DISK_KINDS for f in schedule):
         raise UserError("--chaos disk-full/disk-free fill the built-in trainer's checkpoint dir; "
                         "a script of your own keeps its checkpoints where it likes")
-    job = _user_job(args, args.command) if own else _job(args, workdir, metrics)
+    job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
     agent_args = _agent_args(args)
     say = print
     if own:

@@ -583,3 +583,16 @@ def test_a_round_carries_the_jobs_command():
     assert (rec.command, rec.env, rec.cwd) == (["python", "train.py", "--lr", "3e-4"],
                                                {"HF_HOME": "/data"}, "/home/me")
     assert (rec.restarts, rec.max_restarts) == (3, 7)
+
+
+def test_without_spares_ok_the_first_round_keeps_the_spares_for_faults():
+    j = job(start_on_spares=False)
+    st = RunStatus(job_id="J", state=PENDING, since=NOW - 1)
+    d = decide(NOW, view(status=st, nodes=("a",), spares=("s",), j=j, submitted=j))
+    assert d.actions == [] and d.reason.endswith(
+        "spares are kept for faults (--spares-ok starts on them)")
+    # past the rendezvous timeout it starts on what active nodes there are, min_nodes allowing
+    st = dataclasses.replace(st, since=NOW - 31)
+    rec = only(decide(NOW, view(status=st, nodes=("a",), spares=("s",), j=j,
+                                submitted=j)).actions, StartRound).record
+    assert rec.members == ["a"]
