@@ -164,9 +164,14 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
                     "--", "python", str(SCRIPT), "--snapshot", str(tmp_path / "snap.pt"),
                     "--epochs", str(epochs), "--pause", "0.4", "--lazarus", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recoveries = json.loads(summary.read_text())["recoveries"]
+    result = json.loads(summary.read_text())
+    recoveries = result["recoveries"]
     assert [(r["kind"], r.get("restored_from_tier")) for r in recoveries] == [
         ("kill-worker", 0), ("kill-node", 0)], recoveries
+    # rank 0's step reports are the run's story: steps in the summary, the report's page
+    assert result["steps_completed"] == epochs
+    assert all(r.get("resumed_at_step") for r in recoveries), recoveries
+    assert "loss" in (tmp_path / "up" / "report.html").read_text()
     logs = _rank_logs(tmp_path / "up")
     rounds = sorted({r for _, r, _ in logs})
     for (node, round_, rank), text in logs.items():
