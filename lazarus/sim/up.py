@@ -441,10 +441,10 @@ def run(args: argparse.Namespace) -> dict:
                 last_print = time.time()
                 say(f"  {state} round {st.status.round if st.status else 0} members "
                     f"{','.join(st.status.members) if st.status else '-'}"
-                    + (f", step {reported}" if reported else "")
+                    + (f", step {step}" if step else "")
                     + f" ({time.time() - started:.0f} s; the ranks' output: "
                       f"{workdir / 'nodes' / 'logs'})")
-            if not args.quiet and time.time() - last_print >= 1.0 and tail.latest:
+            if not own and not args.quiet and time.time() - last_print >= 1.0 and tail.latest:
                 last_print = time.time()
                 m = tail.latest
                 say(f"step {m['step']:>5}/{args.steps}  loss {m['loss']:.4f}  "
