@@ -72,6 +72,9 @@ REREAD_S = 10.0
 PERIOD_JITTER = 0.2
 # Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
 MAX_SPIKES = 32
+# How often the ranks' log files are held to their size (lazarus.agent.workers.bound_logs): a
+# rank writes at most a few MB a second.
+LOG_CHECK_S = 5.0
 # An idle node repeats its preflight checks this often (docs/operations.md, "Preflight").
 PREFLIGHT_EVERY_S = 600.0
 # Ranks whose agent is gone wait one lease TTL and this much for the next one before they
@@ -201,6 +204,7 @@ class Agent:
         self._restore_failed: dict = {}     # what this round's ranks found wrong in its restore
         self._joined: set = set()           # ranks that made their process group (collwatch)
         self._tail: tuple[int, str] = (0, "")  # (round, its failed rank's last output)
+        self._next_log_check = 0.0
         self._round_stores: dict = {}       # round -> the store this node hosts for it
         self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
@@ -772,7 +776,9 @@ class Agent:
         if woke or exited or now >= self._next_reconcile:
             self.reconcile(now)
             self._next_reconcile = now + RECONCILE_S
+        if now >= self._next_log_check:
             self.workers.bound_logs()
+            self._next_log_check = now + LOG_CHECK_S
             if self.peer_tests is not None:
                 self.peer_tests.poll()
         self.publish(force=exited)

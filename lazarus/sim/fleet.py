@@ -414,6 +414,9 @@ class SimAgent(Agent):
         self._seen: Assignment | None = None   # the fleet's read this agent has had news of
         self._fed = (0, 0)          # (round, last step reported to the agent)
 
+    def _host_round_store(self, rec) -> None:
+        """No store of the round's own: the simulated ranks never dial one."""
+
     # -- what the fleet serves instead of the agent's own etcd reads and session -------------
     def _new_session(self) -> None:
         self.session = self.fleet.leases.new()
