@@ -8,6 +8,7 @@ with the level-1 lines, recovered from memory with the uninterrupted run's losse
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -149,13 +150,18 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
     at start): a worker kill and a node loss are recovered from the copies in memory (the lost
     node's from its peer), and every epoch's loss is the uninterrupted run's, to the digit."""
     epochs = 40
+    # the uninterrupted run, by torchrun: each rank's output in a file of its own (two ranks
+    # on one stdout may interleave within a line)
     ref = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--log-dir", str(tmp_path / "ref"), "--redirects", "3",
          str(SCRIPT), "--snapshot", str(tmp_path / "ref.pt"), "--epochs", str(epochs),
          "--pause", "0"], capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "TMPDIR": str(tmp_path)})
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    reference = _epoch_losses(ref.stdout)
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    outputs = "\n".join(p.read_text() for p in (tmp_path / "ref").rglob("stdout.log"))
+    reference = _epoch_losses(outputs)
+    # torch's abort at exit (docs/constraints.md) after the last epoch is not the script's
+    assert ref.returncode == 0 or len(reference) == 2 * epochs, ref.stderr[-2000:]
     assert sorted(reference) == [(r, e) for r in (0, 1) for e in range(epochs)]
 
     summary = tmp_path / "summary.json"
