@@ -22,7 +22,7 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     # 22 steps after the space is back: the hosts' alerts must clear (each holds a state for
     # a second, lazarus.agent.host.HOLD_S) before the run ends; 10 steps were ~1.6 s on CI,
     # too few once
-    steps = 40
+    steps = 44
     work = tmp_path / "up"
     proc = subprocess.run(
         [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(work), "--quiet",
@@ -32,7 +32,7 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
          # (every ~15 steps of the tiny model here), and the crash must find one newer than
          # the last checkpoint the disk took
          "--memory-every", "2",
-         "--chaos", "disk-full@7,kill-worker@14,disk-free@18"],
+         "--chaos", "disk-full@7,kill-worker@14,disk-free@22"],
         capture_output=True, text=True, timeout=300)
     if proc.returncode == 2 and "private mount namespace" in proc.stderr:
         pytest.skip(proc.stderr.strip())
