@@ -8,11 +8,14 @@ import sys
 import torch.distributed as dist
 
 from lazarus.core.trainconfig import DataConfig, TrainConfig
-from lazarus.core.contract import WorkerAssignment
+from lazarus.core.contract import WorkerAssignment, round_port_key
 
 
 def test_parked_worker_runs_the_assignment_it_is_given(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # as the agent hosting a round does: a store of the round's own, its port published
+    round_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(round_port_key(7), str(round_store.port))
     worker = subprocess.Popen([sys.executable, "-m", "lazarus.cli", "worker", "--park"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
