@@ -48,10 +48,12 @@ def test_lazarus_up_recovers_an_unmodified_hf_trainer_script(tmp_path):
     summary = tmp_path / "summary.json"
     out = tmp_path / "out"
     proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
-                    "--chaos", "kill-worker@8s,stop-worker@16s,kill-node@26s",
+                    # the first two strike as soon as the round before runs; the node loss
+                    # after the hang was seen (8 s, stacks, the daemon's wait: ~16 s)
+                    "--chaos", "kill-worker@4s,stop-worker@5s,kill-node@30s",
                     "--first-step-timeout", "8", "--quiet", "--timeout", "400",
                     "--", "python", str(HF_SCRIPT), "--output-dir", str(out),
-                    "--max-steps", "260", "--save-steps", "10", "--step-time", "0.1",
+                    "--max-steps", "120", "--save-steps", "10", "--step-time", "0.1",
                     timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(summary.read_text())
@@ -81,7 +83,7 @@ def test_lazarus_up_recovers_an_unmodified_hf_trainer_script(tmp_path):
             resumed[round_] = step
     in_order = [resumed[r] for r in sorted(resumed)]
     assert in_order == sorted(in_order)  # never back to an earlier checkpoint
-    assert (out / "checkpoint-260").is_dir()  # the Trainer's own last save: it ran to the end
+    assert (out / "checkpoint-120").is_dir()  # the Trainer's own last save: it ran to the end
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
     """The script's lines of `lazarus.trainer` (a report and a snapshot per epoch, a restore
     at start): a worker kill and a node loss are recovered from the copies in memory (the lost
     node's from its peer), and every epoch's loss is the uninterrupted run's, to the digit."""
-    epochs = 40
+    epochs = 30
     # the uninterrupted run, by torchrun: each rank's output in a file of its own (two ranks
     # on one stdout may interleave within a line)
     ref = subprocess.run(
@@ -166,9 +168,9 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
 
     summary = tmp_path / "summary.json"
     proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
-                    "--chaos", "kill-worker@5s,kill-node@14s", "--quiet", "--timeout", "400",
+                    "--chaos", "kill-worker@4s,kill-node@5s", "--quiet", "--timeout", "400",
                     "--", "python", str(SCRIPT), "--snapshot", str(tmp_path / "snap.pt"),
-                    "--epochs", str(epochs), "--pause", "0.4", "--lazarus", timeout=500)
+                    "--epochs", str(epochs), "--pause", "0.3", "--lazarus", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(summary.read_text())
     recoveries = result["recoveries"]
@@ -187,4 +189,4 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
         assert f"restart {rounds.index(round_)} epoch" in text, (round_, text[-300:])
         for key, loss in _epoch_losses(text).items():
             assert loss == reference[key], (node, round_, key)
-    assert "epoch 39 loss" in logs[max(k for k in logs if k[2] == 0)]
+    assert f"epoch {epochs - 1} loss" in logs[max(k for k in logs if k[2] == 0)]
