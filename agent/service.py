@@ -39,8 +39,8 @@ from lazarus.agent.channel import Channel, descends_from
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig, HangDetector
 from lazarus.core.contract import (ABSENT, AGENT_GRACE_ENV, CORRUPT, PROGRESS_ENV,
                                    RESTORE_KINDS, STACK_CAPTURE_S, STACKS_ENV, UNREADABLE,
-                                   Progress, WorkerAssignment, round_port_key,
-                                   without_secrets)
+                                   SCRIPT_PG_TIMEOUT_ENV, Progress, WorkerAssignment,
+                                   round_port_key, without_secrets)
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
@@ -139,7 +139,8 @@ class Agent:
                **collective_env(host, dict(os.environ)),
                **settings.rank_threads_env(nproc),
                # what each process group's collectives were when a round hangs
-               **flight_recorder_env(workdir / "stacks" / node, entries=flight_entries)}
+               **flight_recorder_env(workdir / "stacks" / node, entries=flight_entries),
+               SCRIPT_PG_TIMEOUT_ENV: str(2 * self.hangs.config.first_step_timeout_s)}
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node

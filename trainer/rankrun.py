@@ -25,8 +25,8 @@ from datetime import timedelta
 from typing import NoReturn
 
 from lazarus.core import exitcodes, jobcommand
-from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, WorkerAssignment,
-                                   round_port_key, torchrun_env)
+from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, SCRIPT_PG_TIMEOUT_ENV,
+                                   WorkerAssignment, round_port_key, torchrun_env)
 from lazarus.core.errors import CheckpointError, UserError
 from lazarus.trainer import exitnote
 
@@ -66,21 +66,23 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
-def _collective_timeout() -> None:
-    """The default collective timeout of the process groups the script makes, when the agent
-    sets one (the agent's hang detector acts first, with stacks; this is the backstop)."""
-    spec = os.environ.get(PG_TIMEOUT_ENV)
-    if not spec:
-        return
+def collective_timeout() -> float | None:
+    """The default collective timeout of the process groups a script makes: the operator's
+    ($LAZARUS_PG_TIMEOUT_S), else the agent's (twice its first-step allowance), applied to
+    torch's defaults -- a script that passes a timeout of its own keeps it. The agent's hang
+    detector acts first, with stacks and a culprit; this is the backstop."""
     import torch.distributed.distributed_c10d as c10d
 
-    try:
-        seconds = float(spec)
-    except ValueError:
-        return
-    if seconds > 0:
-        c10d.default_pg_timeout = timedelta(seconds=seconds)
-        c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+    for name in (PG_TIMEOUT_ENV, SCRIPT_PG_TIMEOUT_ENV):
+        try:
+            seconds = float(os.environ.get(name) or 0)
+        except ValueError:
+            continue
+        if seconds > 0:
+            c10d.default_pg_timeout = timedelta(seconds=seconds)
+            c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+            return seconds
+    return None
 
 
 def run_rank(a: WorkerAssignment) -> NoReturn:
@@ -106,7 +108,7 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
         sys.stderr.flush()
         os.execvpe(a.command[0], a.command, env)
     if not jobcommand.is_builtin(a.command):
-        _collective_timeout()
+        collective_timeout()
         from lazarus.trainer.collwatch import watch
         watch()
     _finish(_run_python(a.command))

@@ -39,6 +39,10 @@ AGENT_GRACE_ENV = "LAZARUS_AGENT_GRACE_S"
 # Seconds a collective may block before the process group gives up (default: the store
 # timeout). Under an agent the hang detector acts long before; plain torchrun has nothing else.
 PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
+# The same for a script of the user's own, when PG_TIMEOUT_ENV is unset: the agent sets twice
+# its first-step allowance (a level-0 rank's hang allowance), in place of torch's 30 minutes
+# (gloo) or 10 (NCCL), so that a rank whose agent is gone does not wait that long.
+SCRIPT_PG_TIMEOUT_ENV = "LAZARUS_SCRIPT_PG_TIMEOUT_S"
 # A file to which global rank 0's Session.report() appends each step as a JSON line, the
 # metrics file `lazarus report` and `lazarus up` read (a script of the user's own, level 1).
 METRICS_ENV = "LAZARUS_METRICS"

@@ -123,3 +123,22 @@ def test_rank_logs_stay_within_their_bound(tmp_path):
     assert tail(log, 13) == "third"
     assert tail(log, 100) == "first\nsecond\nthird"
     assert tail(tmp_path / "none.log", 100) == ""
+
+
+def test_a_scripts_collective_timeout_is_the_agents_not_torchs(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+    from lazarus.core.contract import PG_TIMEOUT_ENV, SCRIPT_PG_TIMEOUT_ENV
+    from lazarus.trainer.rankrun import collective_timeout
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))  # put back after the test
+    monkeypatch.delenv(PG_TIMEOUT_ENV, raising=False)
+    monkeypatch.setenv(SCRIPT_PG_TIMEOUT_ENV, "600.0")
+    assert collective_timeout() == 600.0
+    # what init_process_group() uses when the script passes no timeout
+    assert c10d._get_default_timeout(c10d.Backend("gloo")) == timedelta(seconds=600)
+    monkeypatch.setenv(PG_TIMEOUT_ENV, "90")  # the operator's, first
+    assert collective_timeout() == 90.0
+    assert c10d._get_default_timeout(c10d.Backend("gloo")) == timedelta(seconds=90)
