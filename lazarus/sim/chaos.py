@@ -37,7 +37,9 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
 A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1". An item may be
 timed in seconds since the run first ran instead of a step -- kill-worker@20s -- for a script
 that reports no steps; the faults the trainer injects itself (hang, loss-spike, diverge,
-slow-step, slow-checkpoint) take a step only.
+slow-step, slow-checkpoint) take a step only. `lazarus up` injects an item once the round
+that answers the fault before it runs (or 60 s after it), and while its target cannot be hit
+(a node that runs no ranks, no leading daemon) the item waits for it.
 """
 
 from __future__ import annotations

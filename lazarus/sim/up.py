@@ -222,6 +222,24 @@ def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
     return node
 
 
+# Faults the daemon answers with a new round. The next chaos item waits for that round (or
+# this long): a fault slow to be seen -- a hang, a lease running out -- leaves the run RUNNING
+# meanwhile, and a second fault then would strike before the first was answered.
+ANSWERED_BY_A_ROUND = ("kill-worker", "stop-worker", "kill-node", "gpu-xid")
+ANSWER_WAIT_S = 60.0
+
+
+def _unanswered(schedule: list[chaos.Fault], events: list) -> bool:
+    """Whether the last fault injected awaits the round that answers it."""
+    fired = [f for f in schedule if f.fired_at is not None]
+    if not fired:
+        return False
+    last = max(fired, key=lambda f: f.fired_at)
+    if last.kind not in ANSWERED_BY_A_ROUND or time.time() - last.fired_at > ANSWER_WAIT_S:
+        return False
+    return not any(e.kind == "round_started" and e.time > last.fired_at for e in events)
+
+
 def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
     node = _target(cluster, fault)
     fault.fired_at, fault.fired_step = time.time(), step
@@ -403,6 +421,7 @@ def run(args: argparse.Namespace) -> dict:
         leader = None
         state = None
         running_since = None  # when the run first ran: the clock of timed chaos items
+        waiting: dict[str, str] = {}  # chaos items whose target is not there yet -> why
         reported = 0          # the furthest step a script of the user's own reported
         while time.time() - started < args.timeout:
             time.sleep(0.05)
@@ -432,11 +451,20 @@ def run(args: argparse.Namespace) -> dict:
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
             running_s = time.time() - running_since if running_since is not None else None
             due = next((f for f in pending if f.due(step, running_s)), None)
-            if due is not None and state == "RUNNING" and st.status.incident is None:
-                pending.remove(due)
-                _inject(cluster, due, step)
-                say(f"  >> injected {due.kind} at " + (f"{running_s:.0f} s" if due.seconds
-                                                        else f"step {step}") + f": {due.hit}")
+            if (due is not None and state == "RUNNING" and st.status.incident is None
+                    and not _unanswered(schedule, events)):
+                try:
+                    _inject(cluster, due, step)
+                except RuntimeError as e:
+                    # its target cannot be hit yet (a node that runs no ranks now): it waits
+                    due.fired_at = due.fired_step = None
+                    if waiting.get(due.label) != str(e):
+                        waiting[due.label] = str(e)
+                        say(f"  .. {due.label} waits: {e}")
+                else:
+                    pending.remove(due)
+                    say(f"  >> injected {due.kind} at " + (f"{running_s:.0f} s" if due.seconds
+                                                            else f"step {step}") + f": {due.hit}")
             if own and not args.quiet and time.time() - last_print >= 5.0:
                 last_print = time.time()
                 say(f"  {state} round {st.status.round if st.status else 0} members "

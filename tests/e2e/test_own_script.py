@@ -48,9 +48,8 @@ def test_lazarus_up_recovers_an_unmodified_hf_trainer_script(tmp_path):
     summary = tmp_path / "summary.json"
     out = tmp_path / "out"
     proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
-                    # the first two strike as soon as the round before runs; the node loss
-                    # after the hang was seen (8 s, stacks, the daemon's wait: ~16 s)
-                    "--chaos", "kill-worker@4s,stop-worker@5s,kill-node@30s",
+                    # each strikes once the round that answered the one before runs
+                    "--chaos", "kill-worker@4s,stop-worker@5s,kill-node@6s",
                     "--first-step-timeout", "8", "--quiet", "--timeout", "400",
                     "--", "python", str(HF_SCRIPT), "--output-dir", str(out),
                     "--max-steps", "120", "--save-steps", "10", "--step-time", "0.1",

@@ -142,3 +142,22 @@ def test_a_scripts_collective_timeout_is_the_agents_not_torchs(monkeypatch):
     monkeypatch.setenv(PG_TIMEOUT_ENV, "90")  # the operator's, first
     assert collective_timeout() == 90.0
     assert c10d._get_default_timeout(c10d.Backend("gloo")) == timedelta(seconds=90)
+
+
+def test_a_chaos_item_waits_for_the_round_that_answers_the_one_before():
+    import time
+
+    from lazarus.core.records import EventRecord
+    from lazarus.sim.up import _unanswered
+
+    schedule = chaos.parse_schedule("stop-worker@5s,kill-node@6s,slow-rank@7s")
+    assert not _unanswered(schedule, [])                       # nothing fired yet
+    hang, node, slow = schedule
+    hang.fired_at = time.time() - 10                           # a hang takes ~16 s to be seen
+    assert _unanswered(schedule, [])
+    answer = EventRecord(time=time.time() - 1, kind="round_started", message="round 3")
+    assert not _unanswered(schedule, [answer])
+    hang.fired_at = time.time() - 61                           # never answered: give up waiting
+    assert not _unanswered(schedule, [])
+    slow.fired_at = time.time()                                # a straggler gets no new round
+    assert not _unanswered(schedule, [])
