@@ -777,11 +777,11 @@ class Agent:
         if woke or exited or now >= self._next_reconcile:
             self.reconcile(now)
             self._next_reconcile = now + RECONCILE_S
+            if self.peer_tests is not None:
+                self.peer_tests.poll()
         if now >= self._next_log_check:
             self.workers.bound_logs()
             self._next_log_check = now + LOG_CHECK_S
-            if self.peer_tests is not None:
-                self.peer_tests.poll()
         self.publish(force=exited)
         if self.preflight is not None:
             g = self.workers.group
