@@ -140,7 +140,7 @@ def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
 
 
 def test_etcd_away_for_four_lease_ttls_evicts_nobody_and_training_goes_on(tmp_path):
-    steps = 300
+    steps = 220
     metrics = tmp_path / "metrics.jsonl"
     # With etcd's authentication on (LocalCluster's default): the restarted etcd has forgotten
     # every client's token, and watches must be created again with a new one.

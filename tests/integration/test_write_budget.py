@@ -15,7 +15,7 @@ from lazarus.core.records import RUNNING
 from lazarus.sim.localcluster import LocalCluster
 
 BUDGET = 0.1            # writes/s per node in steady state
-MEASURE_S = 60.0
+MEASURE_S = 40.0        # two to three status periods of every node (15 s, jittered)
 
 
 def _job(tmp_path) -> jobspec.JobSpec:
