@@ -17,6 +17,7 @@ every commit is allowed, and checkpoints follow the fixed period.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -428,9 +429,16 @@ def connect(*, rank: int | None = None, round: int | None = None,
 
 def _assignment():
     """This rank's assignment, as the agent handed it (None outside an agent's round)."""
-    from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
+    from lazarus.core.contract import ASSIGNMENT_ENV
 
-    text = os.environ.get(ASSIGNMENT_ENV)
+    return _parsed_assignment(os.environ.get(ASSIGNMENT_ENV) or "")
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_assignment(text: str):
+    # parsed once per process, not at every snapshot (the environment does not change)
+    from lazarus.core.contract import WorkerAssignment
+
     if not text:
         return None
     try:
