@@ -104,6 +104,15 @@ def test_record_round_trip():
     (["agent", "--long-phase-floor", "0"], "--long-phase-floor must be above 0 and at most"),
     (["agent", "--preflight-every", "-1"], "--preflight-every must be 0 (only at start) or"),
     (["agent", "--flight-entries", "-5"], "--flight-entries must be 0 (no flight recorder) or"),
+    (["agent", "--first-step-timeout", "0"], "--first-step-timeout and --rank-log-mb must be"),
+    (["agent", "--rank-log-mb", "-1"], "--first-step-timeout and --rank-log-mb must be"),
+    (["up", "--first-step-timeout", "0"], "--first-step-timeout must be positive"),
+    (["up", "--chaos", "hang@5s"], "injects hang at a step, not at a time"),
+    (["up", "--chaos", "hang@5", "--", "python", "-c", "pass"], "the built-in trainer injects hang"),
+    (["run", "--nodes", "2"], "no command: put it after --"),
+    (["run", "--env", "NOEQUALS", "--", "python", "-c", "pass"], "--env 'NOEQUALS' is not NAME=VALUE"),
+    (["run", "--nodes", "0", "--", "python", "-c", "pass"], "--nodes must be at least 1"),
+    (["run", "--", "python", "missing-train.py"], "'missing-train.py' is not a readable file"),
 ])
 def test_bad_command_lines(args, expect, tmp_path):
     if args[0] == "up":
