@@ -28,6 +28,9 @@ _PYTHONS = ("python", "python3", f"python3.{sys.version_info.minor}")
 # Bounds of what a job record carries to every agent.
 MAX_ARGS = 256
 MAX_TEXT = 4096
+# ... and in all: the command and env are copied into every round record, one etcd value
+# (etcd refuses requests past 1.5 MiB by default).
+MAX_TOTAL = 64 << 10
 
 
 def is_builtin(command: list[str] | tuple[str, ...]) -> bool:
@@ -55,6 +58,10 @@ def parse(job: Mapping, source: str) -> tuple[list[str], dict[str, str], str | N
             and len(v) <= MAX_TEXT for k, v in env.items()):
         raise UserError(f"{source}: [job] env must be a table of NAME = \"value\" strings, "
                         f"got {env!r:.200}")
+    total = sum(map(len, command)) + sum(len(k) + len(v) for k, v in env.items())
+    if total > MAX_TOTAL:
+        raise UserError(f"{source}: [job] command and env hold {total} characters; at most "
+                        f"{MAX_TOTAL} (they go into every round record)")
     cwd = job.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
         raise UserError(f"{source}: [job] cwd must be an absolute path, got {cwd!r:.200}")

@@ -29,6 +29,8 @@ def test_the_built_in_trainer_is_the_default_command():
     ({"command": ["x"], "env": {"A=B": "1"}}, "[job] env must be a table"),
     ({"command": ["x"], "env": {"A": 1}}, "[job] env must be a table"),
     ({"command": ["x"], "cwd": "relative/dir"}, "[job] cwd must be an absolute path"),
+    ({"command": ["x"], "env": {f"V{i}": "y" * 4000 for i in range(20)}},
+     "[job] command and env hold 80051 characters; at most 65536"),
 ])
 def test_a_malformed_command_is_one_line(job, words):
     with pytest.raises(UserError, match=r"^t: " + words.replace("[", r"\[").replace("]", r"\]")):
