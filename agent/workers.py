@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
+from lazarus.core import exitcodes
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,11 @@ class Workers:
         changed = False
         for local_rank, proc in g.procs.items():
             if local_rank not in g.exit_codes and (code := proc.poll()) is not None:
+                if exitcodes.watchdog_abort(code, tail(rank_log(self.log_dir, g.round,
+                                                               g.ranks[local_rank]), 8192)):
+                    log.warning("round %d rank %d (pid %d): NCCL's watchdog aborted it; "
+                                "counted as a lost peer", g.round, g.ranks[local_rank], proc.pid)
+                    code = exitcodes.PEER_LOST
                 g.exit_codes[local_rank] = code
                 changed = True
                 exit_note_path(self.notes_dir, proc.pid).unlink(missing_ok=True)

@@ -5,8 +5,8 @@ lazarus.trainer.rankrun) tells the agent:
   - `joined`: the script made its default process group, i.e. the round's rendezvous is done
     here -- the agent counts the rank as running from then on (a script that never joins is
     named when the round's rendezvous timeout runs out);
-  - `progress`: how many collectives the rank has issued over all its process groups,
-    whenever that changes. A rank that stops issuing them while its peers wait in one is
+  - `progress`: how many collectives the rank has done over all its process groups (on
+    CUDA, those its device has passed: lazarus.trainer.collprogress), whenever that changes. A rank that stops issuing them while its peers wait in one is
     behind them, and the agent's hang detector names it (lazarus.agent.hang) with the
     allowance of a step it never saw complete: the first-step timeout.
 It stops reporting progress once the script reports its own (`Session.progress`, level 1):
@@ -28,12 +28,13 @@ def _issued() -> int | None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    from lazarus.trainer.collprogress import issued
+
     if not dist.is_initialized():
         return None
     for _ in range(3):  # the script may be making a group meanwhile
         try:
-            groups = list(c10d._world.pg_map)
-            return sum(g._get_sequence_number_for_group() for g in groups)
+            return issued(list(c10d._world.pg_map))
         except RuntimeError:
             continue
     return None
@@ -41,12 +42,14 @@ def _issued() -> int | None:
 
 def _loop(period_s: float) -> None:
     from lazarus.trainer import session as sessions
+    from lazarus.trainer.collprogress import Completed, script_device
 
     session = sessions.connect(level=0)
     if not session.connected:
         return
     joined = False
     last = None
+    completed = None
     while True:
         time.sleep(period_s)
         if sessions.progress_by_script():
@@ -54,6 +57,9 @@ def _loop(period_s: float) -> None:
         seq = _issued()
         if seq is None:
             continue
+        if completed is None or (completed.device is None and script_device() is not None):
+            completed = Completed(script_device())  # once the script has its device
+        seq = completed.count(seq)
         if not joined:
             session.joined()
             joined = True

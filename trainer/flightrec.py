@@ -4,7 +4,8 @@ of every process group (gloo and NCCL alike), dumped as JSON when the agent asks
 The agent turns the recorder on through the workers' environment (TORCH_FR_BUFFER_SIZE,
 lazarus.agent.stacks.flight_recorder_env) and, when a round hangs, writes a byte to each
 worker's FIFO (lazarus.core.contract.flight_pipe_path). A thread of ours blocked on that FIFO
-answers with `_dump_fr_trace_json()` in flight_record_path: which collective of which group
+answers with torch's dump (NCCL's own recorder where the groups are NCCL's) in
+flight_record_path: which collective of which group
 every rank last enqueued, started and completed. It needs the GIL, which a rank blocked in a
 collective or a device synchronisation has released; a rank that holds it, or is stopped,
 does not answer -- the stack dump (faulthandler, from a signal handler) still does. NCCL's own
@@ -70,11 +71,30 @@ def _serve(pipe: Path, out: Path) -> None:
             write_record(out)
 
 
+def _dumper():
+    """torch's dump of the recorder this process's groups write into: ProcessGroupNCCL keeps
+    a recorder of its own, which the generic dump does not show (it would list none of the
+    training's collectives on GPUs)."""
+    nccl = getattr(c10d, "_dump_nccl_trace_json", None)  # CUDA builds only
+    if nccl is not None and _uses_nccl():
+        return nccl
+    return getattr(c10d, "_dump_fr_trace_json", None)  # torch >= 2.8
+
+
+def _uses_nccl() -> bool:
+    import torch.distributed as dist
+
+    try:
+        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):
+        return False
+
+
 def write_record(out: Path) -> None:
     """This process's flight record, JSON, into `out` (whole or not at all)."""
-    dump = getattr(c10d, "_dump_fr_trace_json", None)  # torch >= 2.8
+    dump = _dumper()
     if dump is None:
-        log.warning("flight record not written: this torch has no _dump_fr_trace_json")
+        log.warning("flight record not written: this torch has no flight recorder dump")
         return
     try:
         data = dump(includeCollectives=True, onlyActive=False)

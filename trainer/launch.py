@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lazarus.core import settings
 from lazarus.core.batching import plan_batches
-from lazarus.core.contract import ASSIGNMENT_ENV, WorkerAssignment
+from lazarus.core.contract import ASSIGNMENT_ENV, NCCL_DEFAULTS, WorkerAssignment
 from lazarus.core.errors import UserError
 from lazarus.core.modelconfig import get_model_config
 from lazarus.core.trainconfig import TrainConfig, load_toml
@@ -122,7 +122,7 @@ def _cursor_span(text: str) -> list[int]:
 def check_inputs(cfg: TrainConfig) -> str | None:
     """Check the data and checkpoints the job names; returns the checkpoint to restore."""
     from lazarus.trainer import checkpoint as ckpt
-    from lazarus.trainer.data import TokenDataset, ensure_corpus
+    from lazarus.trainer.data import TokenDataset, check_model_vocab, ensure_corpus
 
     data, ck = cfg.data, cfg.checkpoint
     if cfg.model.fused_kernels:
@@ -130,6 +130,7 @@ def check_inputs(cfg: TrainConfig) -> str | None:
 
         select_ops(fused=True)  # UserError here, not in every rank, if the kernels are missing
     dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
+    check_model_vocab(dataset, get_model_config(cfg.model.name).vocab_size, cfg.model.name)
     if data.global_batch > len(dataset):
         raise UserError(f"global batch {data.global_batch} is larger than the corpus "
                         f"({len(dataset)} sequences of {data.seq_len + 1} tokens)")
@@ -154,7 +155,7 @@ def _die_with_parent() -> None:
 
 def spawn_workers(cfg: TrainConfig, nproc: int, *, restore: str | None, store_port: int,
                   round: int = 0) -> list[subprocess.Popen]:
-    env = {**os.environ, **settings.rank_threads_env(nproc)}
+    env = {**NCCL_DEFAULTS, **os.environ, **settings.rank_threads_env(nproc)}
     procs = []
     for rank in range(nproc):
         assignment = WorkerAssignment(rank=rank, world_size=nproc, local_rank=rank, round=round,

@@ -25,8 +25,9 @@ from datetime import timedelta
 from typing import NoReturn
 
 from lazarus.core import exitcodes, jobcommand
-from lazarus.core.contract import (ASSIGNMENT_ENV, PG_TIMEOUT_ENV, SCRIPT_PG_TIMEOUT_ENV,
-                                   WorkerAssignment, round_port_key, torchrun_env)
+from lazarus.core.contract import (ASSIGNMENT_ENV, NCCL_DEFAULTS, PG_TIMEOUT_ENV,
+                                   SCRIPT_PG_TIMEOUT_ENV, WorkerAssignment, round_port_key,
+                                   torchrun_env)
 from lazarus.core.errors import CheckpointError, UserError
 from lazarus.trainer import exitnote
 
@@ -51,7 +52,7 @@ def round_port(a: WorkerAssignment) -> int:
 def environment(a: WorkerAssignment, master_port: int) -> dict[str, str]:
     """This process's environment (the agent's, less its secrets), the job's additions, then
     torchrun's variables and the assignment itself: the job cannot override who the rank is."""
-    return {**os.environ, **a.env, **torchrun_env(a, master_port),
+    return {**NCCL_DEFAULTS, **os.environ, **a.env, **torchrun_env(a, master_port),
             ASSIGNMENT_ENV: a.to_json()}
 
 

@@ -37,6 +37,7 @@ from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
 from lazarus.core.stall import CheckpointStall
 from lazarus.trainer import optimstate
+from lazarus.trainer.collprogress import collective_device
 from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
@@ -397,7 +398,8 @@ class Snapshotter:
             return
         wish = auto_period(stall, self._step_times, self._durable_times)
         if dist.is_available() and dist.is_initialized():
-            agreed = torch.tensor(wish)
+            # On the device the default group's backend runs on: NCCL has no CPU tensors.
+            agreed = torch.tensor(wish, device=collective_device())
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             wish = int(agreed.item())
         self._period = wish

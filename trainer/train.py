@@ -35,6 +35,8 @@ from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer import snapshot as tier0
+from lazarus.trainer.collprogress import Completed, issued
+from lazarus.trainer.devstats import DeviceStats, make_deterministic
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus, is_corpus
 from lazarus.trainer.guard import Guard
 from lazarus.trainer.hooks import PhaseHooks, StepContext
@@ -142,6 +144,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     par, opt, data, ck = cfg.parallelism, cfg.optimizer, cfg.data, cfg.checkpoint
     mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
     torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
+        make_deterministic()
 
     model_cfg = get_model_config(cfg.model.name)
     model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels,
@@ -177,11 +181,13 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     lr_scaled = lr_scale_span(opt, step, extra)
 
     groups = [dist.group.WORLD] + [mesh.get_group(d) for d in mesh.mesh_dim_names]
+    completed = Completed(device)
 
     def _collectives() -> int:
-        # Collectives this rank has issued: equal on every rank at the same point of the
-        # program, so the agent can tell which rank the others wait for.
-        return sum(g._get_sequence_number_for_group() for g in groups)
+        # Collectives this rank has done: equal on every rank at the same point of the
+        # program, so the agent can tell which rank the others wait for. On CUDA, those its
+        # device has passed, not those the host enqueued (lazarus.trainer.collprogress).
+        return completed.count(issued(groups))
 
     skipped_steps: list[int] = []  # this process's rejected steps: they make a checkpoint bad
 
@@ -222,6 +228,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
     clock = ComputeClock(device)
+    stats = DeviceStats(device, model_cfg, seq_len=data.seq_len, ranks=dist.get_world_size(),
+                        peak=cfg.peak_tflops)
     hooks = hooks or PhaseHooks()
     ctx = StepContext(cfg=cfg, rank=rank, loader=loader, clock=clock,
                       settle=checkpointer.wait if checkpointer is not None else lambda: None)
@@ -263,6 +271,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
                                 tokens=data.global_batch * data.seq_len, step_time_s=time.perf_counter() - t0)
             compute_s = clock.stop()
+            cost = stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
             if not start.done:
                 start.mark("first_step")
                 row = start.row(round_=round_, step=step - 1, source=source)
@@ -271,9 +280,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             if reason is None:
                 session.report(**_fields(result), skipped=False, compute_s=compute_s,
                                window=[window["first"], window["last"]])
-                _log(metrics, _fields(result))
+                _log(metrics, {**_fields(result), **cost})
                 if rank == 0:
-                    print(result.line(cfg.steps), flush=True)
+                    print(result.line(cfg.steps) + DeviceStats.line(cost), flush=True)
             else:
                 skipped_steps.append(step)
                 spike = {"reason": reason, "loss": loss, "grad_norm": grad_norm,

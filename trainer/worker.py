@@ -82,6 +82,9 @@ def run(assignment: WorkerAssignment) -> int:
         raise UserError(f"mesh dp {dp} x tp {tp} = {dp * tp} ranks, but the "
                         f"assignment's world size is {a.world_size}")
     hooks = phase_hooks.from_env()
+    if cfg.deterministic:
+        # Read by cuBLAS when this process makes its handle: before any CUDA work.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = device_type()
     if device == "cuda":
         torch.cuda.set_device(a.local_rank)

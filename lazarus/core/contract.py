@@ -150,6 +150,15 @@ def round_port_key(round_: int) -> str:
     return f"lazarus/round/{round_}/port"
 
 
+# Set for every rank unless the job or the node says otherwise. NCCL's default error handling
+# (3, SkipCleanUp) makes its watchdog abort the whole process on a collective's timeout or a
+# peer's error: the rank dies by SIGABRT and cannot say that a peer went away. 2 (CleanUpOnly)
+# aborts the communicators and raises in the rank instead, which exits PEER_LOST
+# (lazarus.trainer.worker, lazarus.trainer.rankrun); a SIGABRT that still comes is read from
+# the rank's log (lazarus.agent.workers).
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def torchrun_env(a: WorkerAssignment, master_port: int) -> dict[str, str]:
     """The environment torchrun gives a rank, for this assignment: `init_process_group()`
     from the environment joins the round's store at MASTER_ADDR:MASTER_PORT as a client

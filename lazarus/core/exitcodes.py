@@ -14,3 +14,22 @@ ORPHANED = 77           # the rank's agent stayed away past the grace (AGENT_GRA
 REFUSED = 78           # the job cannot run as configured (another job's checkpoints in its
                         # dir): restarting would fail the same way, so the run fails at once
 INJECTED_FAULT = 43     # fault injection: a crash@STEP of lazarus.sim.trainer_faults
+
+
+# What torch prints when NCCL's watchdog, not the rank's own code, ends the process: a
+# collective timed out, or a peer's error reached this rank's communicator.
+WATCHDOG_SIGNS = ("watchdog caught collective operation timeout",
+                  "some nccl operations have failed or timed out",
+                  "processgroupnccl's watchdog", "nccl communicator was aborted",
+                  "c10::distbackenderror")
+
+
+def watchdog_abort(code: int, output: str) -> bool:
+    """Whether an exit `code` with the rank's last `output` is NCCL's watchdog aborting the
+    process because a collective failed (a peer is gone or stalled), which says nothing
+    about this rank. Ranks ask NCCL not to abort (contract.NCCL_DEFAULTS), but a job may set
+    TORCH_NCCL_ASYNC_ERROR_HANDLING itself."""
+    if code not in (-6, 128 + 6):  # SIGABRT, as a signal or through a shell
+        return False
+    text = output.lower()
+    return any(sign in text for sign in WATCHDOG_SIGNS)

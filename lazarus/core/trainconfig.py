@@ -200,6 +200,12 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     metrics: str | None = None
+    # Bit-exact resume on CUDA: deterministic kernels (docs/gpus.md says what it costs). CPU
+    # runs are deterministic either way.
+    deterministic: bool = False
+    # The bf16 dense peak of one accelerator, in TFLOP/s, for the MFU of each step's metrics
+    # line; None: from the device's name (lazarus.core.flops.PEAK_TFLOPS), no MFU if unknown.
+    peak_tflops: float | None = None
     model: ModelSpec = field(default_factory=ModelSpec)
     parallelism: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -210,6 +216,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _at_least("steps", self.steps, 1)
         _at_least("seed", self.seed, 0)
+        if self.peak_tflops is not None:
+            _positive("peak_tflops", self.peak_tflops)
         model, data, par = get_model_config(self.model.name), self.data, self.parallelism
         if data.seq_len > model.max_seq_len:
             raise UserError(f"data.seq_len {data.seq_len} exceeds model {self.model.name}'s "
