@@ -24,6 +24,11 @@ EXPECTED_SKIPS = {
 }
 
 
+# The CPU suite trains on the CPU (gloo) on a GPU machine too: it puts several ranks on one
+# machine, more than it may have GPUs. tests/gpu asks for CUDA in its own processes.
+os.environ.setdefault("LAZARUS_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _lazarus_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("lazarus-home")

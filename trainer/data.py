@@ -16,15 +16,15 @@ A corpus is a directory holding raw shard files and a ``corpus.json`` manifest::
 
     my-corpus/
       corpus.json
-      shard-00000.bin        little-endian uint16 token ids, nothing else (no header)
-      shard-00001.bin
+      shard-00000.bin        little-endian token ids of the manifest's dtype, nothing else
+      shard-00001.bin        (no header)
       ...
 
     corpus.json:
     {
       "format_version": 1,
-      "dtype": "uint16",                 # the only dtype read today
-      "vocab_size": 32000,               # every token id is < vocab_size (<= 65536)
+      "dtype": "uint32",                 # "uint16" (vocab_size <= 65536) or "uint32"
+      "vocab_size": 128256,              # every token id is < vocab_size
       "shards": [
         {"name": "shard-00000.bin", "tokens": 1048576, "sha256": "<hex digest of the file>"},
         ...
@@ -32,10 +32,17 @@ A corpus is a directory holding raw shard files and a ``corpus.json`` manifest::
       "source": "free text describing where the tokens came from"     # optional
     }
 
-A shard's byte size must be exactly 2 x its token count. Shard names are plain file names
+A shard's byte size must be exactly the dtype's item size (2 or 4) x its token count. uint16
+is the original (and the built-in corpus's) dtype; uint32 holds the ids of vocabularies larger
+than 2**16 such as Llama 3's (128256), which the 1b and 8b presets use. `lazarus train`
+refuses a corpus whose vocab_size exceeds the model's. Shard names are plain file names
 inside the corpus directory. Documents are simply concatenated; put your tokenizer's
 end-of-document id between them if you want the model to see boundaries. `write_corpus()`
-writes this layout from numpy arrays.
+writes this layout from numpy arrays, in uint16 when the vocabulary fits and uint32 otherwise.
+
+`lazarus corpus OUT --from-text PATH... --tokenizer tokenizer.json` writes it from local text
+files (.txt: a file is a document; .jsonl: a line's "text" is a document) with a Hugging Face
+``tokenizers`` file, an end-of-document token after each document (lazarus.trainer.tokenizing).
 
 Sequences and shuffling
 -----------------------
@@ -71,8 +78,10 @@ import torch
 from lazarus.core.errors import UserError
 
 MANIFEST = "corpus.json"
+# uint32 was added beside uint16 without a new version: version-1 corpora read as before.
 FORMAT_VERSION = 1
-DTYPE = "uint16"
+# dtype name in corpus.json -> (numpy dtype of a shard, largest vocab_size it can hold)
+DTYPES = {"uint16": ("<u2", 2**16), "uint32": ("<u4", 2**32)}
 BYTE_VOCAB_SIZE = 256
 # Separates documents of the built-in corpus; NUL never occurs in Python source.
 EOD_TOKEN = 0
@@ -107,21 +116,42 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest corpus dtype holding every id of a vocabulary of `vocab_size` tokens."""
+    for name, (_, limit) in DTYPES.items():
+        if 0 < vocab_size <= limit:
+            return name
+    raise UserError(f"vocab_size {vocab_size} must be between 1 and {2**32}")
+
+
 def write_corpus(out_dir: Path, shards: Iterable[np.ndarray], *, vocab_size: int,
-                 source: str = "") -> dict:
+                 source: str = "", dtype: str | None = None) -> dict:
     """Write token arrays as shard files plus the manifest (the format in the module doc).
 
-    `out_dir` must exist and be empty. Returns the manifest.
+    `out_dir` must exist and be empty. `dtype`: "uint16" or "uint32"; None picks uint16 when
+    the vocabulary fits. The manifest goes last, so a failed write leaves no corpus. Returns
+    the manifest.
     """
-    assert 0 < vocab_size <= 2**16
+    dtype = dtype_for_vocab(vocab_size) if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise UserError(f"corpus dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    np_dtype, limit = DTYPES[dtype]
+    if not 0 < vocab_size <= limit:
+        raise UserError(f"vocab_size {vocab_size} does not fit corpus dtype {dtype} "
+                        f"(at most {limit})")
     entries = []
     for i, tokens in enumerate(shards):
+        tokens = np.asarray(tokens)
+        # The cast below would wrap an out-of-range id silently into another token.
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise UserError(f"shard {i} holds token ids outside 0..{vocab_size - 1} "
+                            f"(min {tokens.min()}, max {tokens.max()})")
         name = f"shard-{i:05d}.bin"
-        data = np.ascontiguousarray(tokens, dtype="<u2").tobytes()
+        data = np.ascontiguousarray(tokens, dtype=np_dtype).tobytes()
         _fsync_write(out_dir / name, data)
-        entries.append({"name": name, "tokens": len(data) // 2,
+        entries.append({"name": name, "tokens": tokens.size,
                         "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"format_version": FORMAT_VERSION, "dtype": DTYPE, "vocab_size": vocab_size,
+    manifest = {"format_version": FORMAT_VERSION, "dtype": dtype, "vocab_size": vocab_size,
                 "shards": entries, "source": source}
     _fsync_write(out_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
@@ -225,23 +255,31 @@ def read_manifest(corpus_dir: Path) -> dict:
         raise UserError(f"{mpath} is missing: not a corpus directory")
     try:
         m = json.loads(mpath.read_text())
-        bad = (m["format_version"] != FORMAT_VERSION or m["dtype"] != DTYPE
-               or not 0 < int(m["vocab_size"]) <= 2**16 or not m["shards"])
+        version, dtype, vocab_size = m["format_version"], m["dtype"], int(m["vocab_size"])
         shards = [(str(s["name"]), int(s["tokens"]), str(s["sha256"])) for s in m["shards"]]
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{mpath} is malformed ({type(e).__name__}: {e})") from None
-    if bad:
-        raise UserError(f"{mpath} is malformed: need format_version {FORMAT_VERSION}, dtype "
-                        f"{DTYPE}, 0 < vocab_size <= 65536 and at least one shard")
+    if version != FORMAT_VERSION:
+        raise UserError(f"{mpath} has format_version {version!r}; this Lazarus reads "
+                        f"{FORMAT_VERSION}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise UserError(f"{mpath} has dtype {dtype!r}; the dtype must be one of "
+                        f"{', '.join(DTYPES)}")
+    itemsize, limit = np.dtype(DTYPES[dtype][0]).itemsize, DTYPES[dtype][1]
+    if not 0 < vocab_size <= limit:
+        raise UserError(f"{mpath} has vocab_size {vocab_size}, which dtype {dtype} cannot hold "
+                        f"(1 to {limit})")
+    if not shards:
+        raise UserError(f"{mpath} lists no shards")
     for name, tokens, _ in shards:
         spath = corpus_dir / name
         if Path(name).name != name:
             raise UserError(f"{mpath}: shard name {name!r} must be a plain file name")
         if not spath.is_file():
             raise UserError(f"shard {spath} listed in {mpath} is missing")
-        if spath.stat().st_size != 2 * tokens:
+        if spath.stat().st_size != itemsize * tokens:
             raise UserError(f"shard {spath} has {spath.stat().st_size} bytes, {mpath} says "
-                            f"{tokens} uint16 tokens ({2 * tokens} bytes)")
+                            f"{tokens} {dtype} tokens ({itemsize * tokens} bytes)")
     return m
 
 
@@ -265,7 +303,8 @@ class TokenDataset:
         self.seq_len = seq_len
         self.manifest = read_manifest(self.corpus_dir)
         self.vocab_size = int(self.manifest["vocab_size"])
-        self._shards = [np.memmap(self.corpus_dir / s["name"], dtype="<u2", mode="r")
+        np_dtype = DTYPES[self.manifest["dtype"]][0]
+        self._shards = [np.memmap(self.corpus_dir / s["name"], dtype=np_dtype, mode="r")
                         for s in self.manifest["shards"]]
         counts = [max(0, (len(s) - 1) // seq_len) for s in self._shards]
         # _starts[i] = index of shard i's first window.
@@ -292,6 +331,15 @@ class TokenDataset:
         """The windows at `indices` as an int64 tensor [len(indices), seq_len + 1]."""
         rows = np.stack([self[int(i)] for i in indices]).astype(np.int64)
         return torch.from_numpy(rows)
+
+
+def check_model_vocab(dataset: TokenDataset, model_vocab: int, model: str) -> None:
+    """UserError when the corpus may hold ids the model cannot embed: on a GPU that would
+    surface as a device-side assert in the embedding, not as a message."""
+    if dataset.vocab_size > model_vocab:
+        raise UserError(f"corpus {dataset.corpus_dir} has vocab_size {dataset.vocab_size}, "
+                        f"more than model {model}'s {model_vocab}: tokenize it for this "
+                        f"model or pick a model whose vocabulary covers it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,21 +445,58 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lazarus corpus",
         description="Build the built-in byte-level corpus (the Python standard library's "
-                    "sources, no download), or verify an existing corpus directory.")
+                    "sources, no download), verify an existing corpus directory, or tokenize "
+                    "your own text with a tokenizer.json (--from-text, --tokenizer).")
     parser.add_argument("dir", nargs="?", type=Path, default=None,
                         help=f"corpus directory (default: {default_corpus_dir()})")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help="cap on the number of tokens built (default %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"cap on the number of tokens built (default {DEFAULT_MAX_TOKENS} "
+                             f"for the built-in corpus, none with --from-text)")
+    text = parser.add_argument_group(
+        "tokenizing your own text", "e.g. lazarus corpus OUT --from-text books/ --tokenizer "
+        "llama3/tokenizer.json (.txt: a file is a document; .jsonl: a line's \"text\" is)")
+    text.add_argument("--from-text", nargs="+", type=Path, metavar="PATH",
+                      help="text files, or directories searched for *.txt and *.jsonl")
+    text.add_argument("--tokenizer", type=Path, metavar="FILE",
+                      help="a Hugging Face tokenizer.json (needs the tokenizers package)")
+    text.add_argument("--eod-token", metavar="TEXT",
+                      help="the end-of-document token put after each document (default: "
+                           "the tokenizer's <|end_of_text|>, <|endoftext|>, </s> or <eos>)")
+    text.add_argument("--shard-tokens", type=int, metavar="N",
+                      help="tokens per shard file (default 16 Mi)")
     args = parser.parse_args(argv)
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.from_text or args.tokenizer:
+        return _tokenize_main(args)
+    if args.eod_token is not None or args.shard_tokens is not None:
+        raise UserError("--eod-token and --shard-tokens go with --from-text and --tokenizer")
     path = args.dir if args.dir is not None else default_corpus_dir()
     existed = (path / MANIFEST).is_file()
     t0 = time.perf_counter()
-    ensure_corpus(path, max_tokens=args.max_tokens)
+    ensure_corpus(path, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS)
     m = verify_corpus(path)
-    tokens = sum(s["tokens"] for s in m["shards"])
-    what = "verified" if existed else "built"
-    print(f"{what} corpus {path}: {len(m['shards'])} shards, {tokens:,} tokens, "
-          f"vocab {m['vocab_size']}, {time.perf_counter() - t0:.1f} s")
+    print(f"{'verified' if existed else 'built'} {_summary(path, m, t0)}")
     return 0
+
+
+def _tokenize_main(args: argparse.Namespace) -> int:
+    from lazarus.trainer import tokenizing as tokenize  # imports the optional tokenizers package
+
+    if not args.from_text or args.tokenizer is None:
+        raise UserError("--from-text PATH... and --tokenizer FILE go together")
+    if args.dir is None:
+        raise UserError("name the new corpus directory: lazarus corpus OUT --from-text ...")
+    t0 = time.perf_counter()
+    shard_tokens = tokenize.DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens
+    tokenize.tokenize_corpus(args.from_text, args.tokenizer, args.dir, eod_token=args.eod_token,
+                             shard_tokens=shard_tokens, max_tokens=args.max_tokens,
+                             log=lambda line: print(line, flush=True))
+    print(f"built {_summary(args.dir, read_manifest(args.dir), t0)}")
+    return 0
+
+
+def _summary(path: Path, m: dict, t0: float) -> str:
+    tokens = sum(s["tokens"] for s in m["shards"])
+    return (f"corpus {path}: {len(m['shards'])} shards, {tokens:,} tokens, "
+            f"vocab {m['vocab_size']} ({m['dtype']}), {time.perf_counter() - t0:.1f} s")

@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     setting("--steps", "steps", type=int, help="optimizer steps to train to")
     setting("--seed", "seed", type=int)
     setting("--metrics", "metrics", metavar="FILE", help="append one JSON line per step to FILE")
+    setting("--deterministic", "deterministic", action="store_true",
+            help="deterministic kernels: a resumed run repeats the uninterrupted one bit for "
+                 "bit on CUDA too (slower; docs/gpus.md)")
+    setting("--peak-tflops", "peak_tflops", type=float,
+            help="the accelerator's bf16 dense peak for the MFU figure (default: by its name)")
     setting("--model", "model.name", help="model size: tiny, small, 1b, 8b")
     setting("--fused-kernels", "model.fused_kernels", action="store_true", help="use the Triton kernels")
     setting("--dp", "parallelism.dp", type=int, help="data-parallel degree (default: nproc / tp)")

@@ -89,10 +89,20 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     and buffer.dtype == local.dtype):
                 tensors[path] = buffer.copy_(local)
             else:
-                tensors[path] = local.to("cpu", copy=True).contiguous()
+                tensors[path] = host_copy(local)
         else:
             values[path] = _plain(value)
     return tensors, values
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in host memory, pinned when it comes from a GPU: a device-to-host
+    copy into pageable memory goes through a staging buffer at a fraction of the link's speed,
+    and the buffers are reused by every later snapshot (their allocation is paid once)."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu", copy=True).contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor)
 
 
 class ShardCopier:
@@ -131,8 +141,7 @@ class ShardCopier:
             torch._foreach_copy_(buffers, self._sources)
             tensors = dict(zip(self._paths, buffers))
         else:
-            tensors = {path: src.to("cpu", copy=True).contiguous()
-                       for path, src in zip(self._paths, self._sources)}
+            tensors = {path: host_copy(src) for path, src in zip(self._paths, self._sources)}
         self._made = tensors  # fits the next capture as it is: no check of each buffer then
         groups = optimizer.param_groups
         values = {path: _plain(groups[i][key]) for path, i, key in self._values}

@@ -37,12 +37,14 @@ from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
-from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus, is_corpus
+from lazarus.trainer.data import (SequenceLoader, TokenDataset, check_model_vocab, ensure_corpus,
+                                  is_corpus)
 from lazarus.trainer.guard import Guard
 from lazarus.trainer.hooks import PhaseHooks, StepContext
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import ScheduleConfig, build_optimizer, lr_at, set_lr
-from lazarus.trainer.parallelize import build_mesh, build_model, device_type
+from lazarus.trainer.device import device_type
+from lazarus.trainer.parallelize import build_mesh, build_model
 from lazarus.trainer.session import Session
 from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
@@ -153,6 +155,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
     plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
     dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
+    check_model_vocab(dataset, model_cfg.vocab_size, cfg.model.name)
     loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,
                             dp_rank=mesh["dp"].get_local_rank(), dp_size=par.dp, micro_batch=plan.micro_batch)
     schedule = ScheduleConfig(schedule=opt.schedule, lr=opt.lr, min_lr=opt.min_lr,

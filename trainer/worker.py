@@ -60,7 +60,7 @@ def run(assignment: WorkerAssignment) -> int:
     import torch
     import torch.distributed as dist
 
-    from lazarus.trainer.parallelize import backend_for, device_type
+    from lazarus.trainer.device import backend_for, device_type, local_cuda_device
     from lazarus.trainer.session import connect
     from lazarus.trainer.train import train
 
@@ -87,7 +87,7 @@ def run(assignment: WorkerAssignment) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = device_type()
     if device == "cuda":
-        torch.cuda.set_device(a.local_rank)
+        torch.cuda.set_device(local_cuda_device(a.local_rank))
     # Connected before the rendezvous: from here on a rank whose agent is gone for good stops
     # itself (lazarus.trainer.session), even while it waits for peers that never come.
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)

@@ -228,3 +228,82 @@ def test_cli_builds_into_the_cache_and_rejects_bad_paths(tmp_path: Path, monkeyp
         data.main([str(tmp_path / "file")])
     with pytest.raises(UserError, match="not empty"):
         data.main([str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------------------------
+# uint32 corpora (vocabularies beyond 2**16, e.g. Llama 3's 128256)
+
+LLAMA3_VOCAB = 128256
+
+
+def test_uint32_corpus_round_trips_ids_above_uint16_exactly(tmp_path: Path):
+    ids = [np.arange(65_530, 67_531), np.array([LLAMA3_VOCAB - 1, 0, 70_000] * 3)]
+    manifest = write_corpus(tmp_path, ids, vocab_size=LLAMA3_VOCAB)
+    assert manifest["dtype"] == "uint32"
+    assert (tmp_path / "shard-00000.bin").stat().st_size == 4 * 2001
+    assert verify_corpus(tmp_path)["vocab_size"] == LLAMA3_VOCAB
+    ds = TokenDataset(tmp_path, SEQ)
+    assert len(ds) == 2000 // SEQ + 8 // SEQ
+    rows = ds.batch(range(len(ds)))
+    assert rows.dtype == torch.int64
+    assert rows[0].tolist() == list(range(65_530, 65_530 + SEQ + 1))
+    assert rows[-1].tolist() == ids[1][:SEQ + 1].tolist()
+    assert rows.max() == LLAMA3_VOCAB - 1
+
+
+def test_write_corpus_picks_uint16_when_the_vocab_fits_or_takes_a_checked_dtype(tmp_path: Path):
+    def write(name: str, tokens, **kw) -> dict:
+        (tmp_path / name).mkdir()
+        return write_corpus(tmp_path / name, [np.asarray(tokens)], **kw)
+
+    assert write("a", np.arange(100) + 65_400, vocab_size=2**16)["dtype"] == "uint16"
+    assert TokenDataset(tmp_path / "a", SEQ).batch([0])[0, 0] == 65_400
+    assert write("b", np.arange(100), vocab_size=256, dtype="uint32")["dtype"] == "uint32"
+    assert TokenDataset(tmp_path / "b", SEQ).batch([1])[0].tolist() == list(range(SEQ, 2 * SEQ + 1))
+    with pytest.raises(UserError, match="vocab_size 70000 does not fit corpus dtype uint16"):
+        write("c", [1], vocab_size=70_000, dtype="uint16")
+    with pytest.raises(UserError, match="corpus dtype 'int8' is not one of uint16, uint32"):
+        write("d", [1], vocab_size=256, dtype="int8")
+    # A cast to uint16 would have silently turned 65536 into 0.
+    with pytest.raises(UserError, match="token ids outside 0..65535"):
+        write("e", [1, 65_536], vocab_size=2**16)
+
+
+def test_a_version_1_uint16_corpus_written_before_uint32_still_reads(tmp_path: Path):
+    # The exact layout the uint16-only code wrote (no "source" needed).
+    ids = np.arange(1000, 1100, dtype="<u2")
+    (tmp_path / "shard-00000.bin").write_bytes(ids.tobytes())
+    (tmp_path / "corpus.json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "vocab_size": 32000,
+        "shards": [{"name": "shard-00000.bin", "tokens": 100, "sha256": "x"}]}))
+    ds = TokenDataset(tmp_path, SEQ)
+    assert ds.vocab_size == 32000 and len(ds) == 99 // SEQ
+    assert ds.batch([2])[0].tolist() == list(range(1016, 1016 + SEQ + 1))
+
+
+@pytest.mark.parametrize("change, expect", [
+    ({"dtype": "int8"}, r"corpus.json has dtype 'int8'; the dtype must be one of uint16, uint32"),
+    ({"vocab_size": 70_000}, r"corpus.json has vocab_size 70000, which dtype uint16 cannot hold"),
+    ({"vocab_size": 0}, r"corpus.json has vocab_size 0, which dtype uint16 cannot hold"),
+    ({"dtype": "uint32"}, r"shard-00000.bin has 4002 bytes, .*corpus.json says 2001 uint32 "
+                          r"tokens \(8004 bytes\)"),
+    ({"shards": []}, r"corpus.json lists no shards"),
+    ({"format_version": 2}, r"corpus.json has format_version 2; this Lazarus reads 1"),
+])
+def test_bad_dtype_vocab_or_size_is_a_user_error_naming_the_file(corpus: Path, change, expect):
+    manifest = json.loads((corpus / "corpus.json").read_text())
+    (corpus / "corpus.json").write_text(json.dumps({**manifest, **change}))
+    with pytest.raises(UserError, match=expect):
+        TokenDataset(corpus, SEQ)
+
+
+def test_training_refuses_a_corpus_whose_vocab_exceeds_the_models(tmp_path: Path):
+    from lazarus.trainer import launch
+
+    write_corpus(tmp_path, [np.arange(0, 2001) % 300], vocab_size=LLAMA3_VOCAB)
+    job = ["--data", str(tmp_path), "--seq-len", str(SEQ), "--global-batch", "4", "--nproc", "1"]
+    cfg, _ = launch.job_from_args([*job, "--model", "tiny"])
+    with pytest.raises(UserError, match=f"vocab_size {LLAMA3_VOCAB}, more than model tiny's 256"):
+        launch.check_inputs(cfg)
+    cfg, _ = launch.job_from_args([*job, "--model", "1b"])
+    assert launch.check_inputs(cfg) is None

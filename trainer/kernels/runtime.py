@@ -7,6 +7,7 @@ import os
 import torch
 
 from lazarus.core.errors import UserError
+from lazarus.trainer.device import device_type
 
 
 def _interpreted() -> bool:
@@ -26,7 +27,7 @@ def available() -> tuple[bool, str]:
         return False, "triton is not installed (pip install 'lazarus[triton]')"
     if _interpreted():
         return True, "triton interpreter (TRITON_INTERPRET=1): kernels run on CPU tensors, slowly"
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         return True, "triton kernels compiled for CUDA tensors"
     if os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"):
         return False, (

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU check, on one H100/H200 in at most 8 minutes: the GPU tests (fused kernels against
+# float64 in fp32 and bf16, a CUDA run's MFU and peak memory, bit-exact deterministic resume,
+# the tier-0 period over NCCL, NCCL's flight record of a stalled collective, NVML against
+# nvidia-smi), then the figures (tests/gpu/figures.py). Output: the terminal, and $OUT (or
+# /tmp/lazarus-gpu) for the logs and figures.txt.
+#
+# The GPU machine has torch, triton and most of our dependencies, and no package index: the
+# wheels it lacks (built for its Python 3.12) travel in tests/gpu/wheels, which
+# tests/gpu/fetch-wheels.sh fills on a machine with one. The project goes in with --no-deps.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/lazarus-gpu}
+mkdir -p "$OUT"
+export LAZARUS_CACHE=${LAZARUS_CACHE:-/tmp/lazarus-cache} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+started=$SECONDS
+
+missing=$(tr -d ' ' <tests/gpu/wheels.txt | grep -v '^#' | grep -v '^$' | while read -r w; do
+    ls tests/gpu/wheels/"${w%%==*}"-"${w##*==}"-*.whl >/dev/null 2>&1 || echo "$w"; done)
+if [ -n "$missing" ]; then
+    echo "run.sh: wheels missing from tests/gpu/wheels: $missing (run tests/gpu/fetch-wheels.sh)" >&2
+    exit 2
+fi
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lazarus-site \
+    tests/gpu/wheels/*.whl || exit 2
+export PYTHONPATH=/tmp/lazarus-site${PYTHONPATH:+:$PYTHONPATH}
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 2; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv | tee "$OUT/card.txt"
+
+echo "=== GPU tests ==="
+$PY -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --timeout 240 -rA \
+    --durations=10 -s 2>&1 | tee "$OUT/pytest.log"
+tests=${PIPESTATUS[0]}
+
+echo "=== figures ==="
+$PY tests/gpu/figures.py "$OUT" ${FIGURES_ARGS:-} 2>&1 | tee "$OUT/figures.log"
+figures=${PIPESTATUS[0]}
+echo "run.sh: GPU tests exit $tests, figures exit $figures, $((SECONDS - started)) s"
+[ "$tests" -eq 0 ] && [ "$figures" -eq 0 ]
