@@ -2,6 +2,12 @@
 bandwidth is measured, on a process group made for it alone (the agent's process has no
 default group, and must not get one).
 
+The requesting side runs in a child process (`python -m lazarus.agent.collective_check`),
+killed when it overruns: NCCL would leave CUDA contexts on the agent's GPUs for as long as it
+lives, and its watchdog aborts the whole process on a timeout. Gloo takes the same path, so
+that the tests without GPUs run it. The child also ends when its parent does (its stdin
+closes), never outliving an agent with a hung NCCL in it.
+
 Three shapes:
 
     collective(peers, rank)   ranks at HOST:PORT each; those at this node's address run here,
@@ -26,7 +32,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -41,12 +52,93 @@ REQUESTS = "lazarus/preflight/requests"
 ACK_S = 5.0
 # A requester asks for at most this much: it costs the serving node's CPU and network.
 MAX_PEER_BYTES = 64 * MiB
+# The child's time to start on top of the test's own timeout: a cold torch import on a busy
+# node takes seconds (5-12 s seen for four agents starting together).
+CHILD_START_S = 30.0
+# What the child prints before its verdict: NCCL_DEBUG's lines go to stdout too.
+_RESULT = "lazarus-collective-result "
 
 
 def collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: float,
                timeout_s: float = 30.0) -> tuple[bool, str]:
     """All-reduce `nbytes` between the ranks at `peers` (HOST:PORT each; rank 0's hosts the
-    rendezvous store on its port). With one address given twice, both ranks run here."""
+    rendezvous store on its port). With one address given twice, both ranks run here, in one
+    child process (NCCL when it sees a GPU per rank), which gets `timeout_s` for the test
+    and CHILD_START_S to start before it is killed."""
+    return in_child("collective", {"peers": list(peers), "rank": rank, "nbytes": nbytes,
+                                   "min_bus_gbps": min_bus_gbps, "timeout_s": timeout_s},
+                    timeout_s + CHILD_START_S)
+
+
+def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes: int,
+              min_bus_gbps: float, timeout_s: float = 30.0,
+              ack_s: float = ACK_S) -> tuple[bool, str]:
+    """Rank 1 of a gloo all-reduce with `peer`'s agent (rank 0), which hosts the store at
+    `store_host:store_port`; this node's side binds `host`, in a child process (as
+    `collective`)."""
+    return in_child("with_peer", {"peer": peer, "store_host": store_host,
+                                  "store_port": store_port, "host": host, "nbytes": nbytes,
+                                  "min_bus_gbps": min_bus_gbps, "timeout_s": timeout_s,
+                                  "ack_s": ack_s},
+                    timeout_s + ack_s + CHILD_START_S)
+
+
+def child_command() -> list[str]:
+    """What runs a test's requesting side: this module, by the agent's own interpreter."""
+    return [sys.executable, "-m", __name__]
+
+
+def in_child(test: str, args: dict, limit_s: float) -> tuple[bool, str]:
+    """Run `test` with `args` in a child process and return its verdict; a child that has
+    none within `limit_s` is killed, and one that dies is a failure with its last words."""
+    # Files, not pipes: a chatty child (NCCL_DEBUG=INFO) must not block on a full pipe
+    # while this side waits for its exit.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen([*child_command(), json.dumps({"test": test, **args})],
+                                 stdin=subprocess.PIPE, stdout=out, stderr=err)
+        try:
+            child.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            return False, f"no result within {limit_s:.0f} s (the test's process was killed)"
+        finally:
+            child.stdin.close()  # its lifeline (`_main`)
+        out.seek(0)
+        err.seek(0)
+        lines = out.read().decode(errors="replace").splitlines()
+        result = next((line[len(_RESULT):] for line in reversed(lines)
+                       if line.startswith(_RESULT)), None)
+        if child.returncode == 0 and result is not None:
+            ok, reason = json.loads(result)
+            return ok, reason
+        last = err.read().decode(errors="replace").strip().splitlines()[-1:]
+        code = child.returncode
+        how = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}")
+        return False, f"the test's process died ({how})" + (f": {last[0]}" if last else "")
+
+
+def _main(request: str) -> None:
+    """The child: run the test `request` names, print its verdict, and leave without
+    joining torch's threads (a gloo group's, a store's: an unjoined C++ thread aborts the
+    exit) -- or as soon as the parent is gone."""
+    def lifeline() -> None:
+        sys.stdin.buffer.read()  # EOF: the agent ended or gave up on this test
+        os._exit(3)
+
+    threading.Thread(target=lifeline, daemon=True).start()
+    args = json.loads(request)
+    test = {"collective": _collective, "with_peer": _with_peer}[args.pop("test")]
+    try:
+        ok, reason = test(**args)
+    except Exception as e:  # a failed test's verdict, with the reason
+        ok, reason = False, _first_line(e)
+    print(_RESULT + json.dumps([ok, reason]), flush=True)
+    os._exit(0)
+
+
+def _collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: float,
+                timeout_s: float) -> tuple[bool, str]:
     import torch
     import torch.distributed as dist
 
@@ -86,11 +178,8 @@ def collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: fl
                   f"over {world} ranks")
 
 
-def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes: int,
-              min_bus_gbps: float, timeout_s: float = 30.0,
-              ack_s: float = ACK_S) -> tuple[bool, str]:
-    """Rank 1 of a gloo all-reduce with `peer`'s agent (rank 0), which hosts the store at
-    `store_host:store_port`; this node's side binds `host`."""
+def _with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes: int,
+               min_bus_gbps: float, timeout_s: float, ack_s: float) -> tuple[bool, str]:
     import torch.distributed as dist
 
     client = dist.TCPStore(store_host, store_port, is_master=False,
@@ -201,3 +290,7 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -8,9 +8,15 @@ The monitor is split so the policy can be tested without a GPU:
 
 `failed` means the node must be cordoned and swapped now (docs/architecture.md, "Failure
 classes"): a critical Xid, an uncorrectable ECC error, a pending or failed row remap, a GPU off
-the bus, NVLink errors at a rate that breaks collectives. `degraded` means it still works but is
-heading there or running slow: correctable ECC errors rising, thermal or power slowdown, a
-PCIe link below its maximum; the daemon answers with a checkpoint and a planned swap.
+the bus, NVLink errors at a rate that breaks collectives, a driver asking for a reset or a
+reboot (its recovery action). `degraded` means it still works but is heading there or running
+slow: correctable ECC errors rising, thermal or hardware slowdown, a PCIe link below its
+maximum, a driver asking for a drain; the daemon answers with a checkpoint and a planned swap.
+A power limit below the default is neither: an admin's cap, at which a busy GPU runs all day.
+
+An NVML error is a verdict or "no data", never an exception out of the monitor: a lost GPU is
+a failed GPU, another query's error a degraded one (it says which query), and an event set that
+cannot be read means no Xid events this poll.
 """
 
 from __future__ import annotations
@@ -52,8 +58,27 @@ XID_MEANINGS = {
     92: "high single-bit ECC error rate",
     94: "contained ECC error",
     95: "uncontained ECC error",
+    119: "GSP RPC timeout (the GPU is unusable until it is reset)",
+    120: "GSP error (the GPU is unusable until it is reset)",
 }
 CRITICAL_XIDS = frozenset(XID_MEANINGS)
+
+# Xid 154: the driver changed the GPU's recovery action. Its severity is that action's, read
+# from NVML's field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and judged on every poll, event or not.
+# By number, as nvml.h has them: nvidia-ml-py releases before 13 lack some of the names, and
+# the agent must import with those too.
+XID_RECOVERY_ACTION = 154
+RECOVERY_ACTION_FIELD = 230
+RECOVERY_NONE = 0
+RECOVERY_ACTIONS = {                                   # NVML_GPU_RECOVERY_ACTION_*
+    1: (FAILED, "reset the GPU"),                      # GPU_RESET
+    2: (FAILED, "reboot the node"),                    # NODE_REBOOT
+    3: (FAILED, "drain peer-to-peer traffic"),         # DRAIN_P2P: NCCL's processes do it
+    4: (DEGRADED, "drain, then reset the GPU"),        # DRAIN_AND_RESET: it still runs its work
+    5: (FAILED, "recover the IMEX domain"),            # RECOVER_IMEX_DOMAIN
+    6: (FAILED, "reset the GPU's PCIe bus"),           # BUS_RESET
+    7: (FAILED, "reboot the system"),                  # SYSTEM_REBOOT
+}
 
 # Clock event reasons that mean the GPU is slowed by heat or power hardware. Software power
 # capping (SwPowerCap) is left out: a busy training GPU sits at its power cap all the time.
@@ -65,8 +90,6 @@ SLOWDOWN_REASONS = {
 }
 
 
-
-
 @dataclass(kw_only=True, slots=True)
 class GpuThresholds:
     critical_xids: frozenset[int] = CRITICAL_XIDS
@@ -76,8 +99,6 @@ class GpuThresholds:
     retired_pages_max: int = 60
     # Degraded within this many degrees of the slowdown threshold; failed at shutdown.
     slowdown_margin_c: int = 0
-    # An enforced power limit below this share of the default limit (someone capped it).
-    power_cap_fraction: float = 0.9
     # A link below its maximum generation only counts when the GPU is busy: idle GPUs drop
     # their link speed to save power.
     pcie_busy_utilization: int = 50
@@ -105,9 +126,24 @@ def _rise(prev: GpuSample | None, cur: GpuSample, name: str) -> int:
     return max(0, now - before)
 
 
-def assess(previous: GpuSample | None, sample: GpuSample,
-           thresholds: GpuThresholds) -> GpuVerdict:
-    """The health of one GPU from its sample and the one before it (None on the first)."""
+def _recovery(action: int | None, announced: bool) -> tuple[str, str] | None:
+    """The verdict on the driver's recovery action (None: nothing to do, or not known);
+    `announced`: an Xid 154 came with the sample."""
+    xid = f"Xid {XID_RECOVERY_ACTION}: " if announced else ""
+    if action is None:
+        # the driver said the GPU needs recovering, NVML does not say how: assume the worst
+        return (FAILED, f"{xid}the driver asks for a recovery action that NVML does not name"
+                ) if announced else None
+    if action == RECOVERY_NONE:
+        return None
+    state, what = RECOVERY_ACTIONS.get(action, (FAILED, f"unknown action {action}"))
+    return state, f"{xid}the driver's recovery action: {what}"
+
+
+def assess(previous: GpuSample | None, sample: GpuSample, thresholds: GpuThresholds, *,
+           recovery_action: int | None = None) -> GpuVerdict:
+    """The health of one GPU from its sample and the one before it (None on the first).
+    `recovery_action`: the driver's (RECOVERY_ACTIONS) for it, None when unknown."""
     failed: list[str] = []
     degraded: list[str] = []
     s, t = sample, thresholds
@@ -116,6 +152,8 @@ def assess(previous: GpuSample | None, sample: GpuSample,
     for xid in s.xids:
         if xid in t.critical_xids:
             failed.append(f"Xid {xid}: {XID_MEANINGS.get(xid, 'critical error')}")
+    if recovery := _recovery(recovery_action, XID_RECOVERY_ACTION in s.xids):
+        (failed if recovery[0] == FAILED else degraded).append(recovery[1])
     if s.ecc_dbe_volatile:
         failed.append(f"{s.ecc_dbe_volatile} uncorrectable ECC errors since the driver loaded")
     elif rise := _rise(previous, s, "ecc_dbe_aggregate"):
@@ -156,10 +194,6 @@ def assess(previous: GpuSample | None, sample: GpuSample,
         slow = [name for bit, name in SLOWDOWN_REASONS.items() if s.clock_event_reasons & bit]
         if slow:
             degraded.append("clocks slowed: " + ", ".join(slow))
-    if (s.power_limit_w and s.default_power_limit_w
-            and s.power_limit_w < t.power_cap_fraction * s.default_power_limit_w):
-        degraded.append(f"power limit {s.power_limit_w:.0f} W below the default "
-                        f"{s.default_power_limit_w:.0f} W")
     if s.pcie_width and s.pcie_width_max and s.pcie_width < s.pcie_width_max:
         degraded.append(f"PCIe link x{s.pcie_width} below x{s.pcie_width_max}")
     if (s.pcie_gen and s.pcie_gen_max and s.pcie_gen < s.pcie_gen_max
@@ -181,54 +215,120 @@ class GpuBackend(Protocol):
     def close(self) -> None: ...
 
 
+# nvmlInit's errors that mean "no NVIDIA GPU here". Any other (a driver/library mismatch after an
+# upgrade, no permission, ...) is a GPU node whose NVML is broken: never simulated as healthy.
+_NO_NVML = (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded)
+# Queries a GPU or driver may not offer: no data, and nothing wrong with the GPU.
+_UNSUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+_XID = pynvml.nvmlEventTypeXidCriticalError
+
+
 class NvmlBackend:
     """Real NVML. The constructor raises pynvml.NVMLError when NVML does not initialise (no
-    driver, no library): `open_backend` turns that into a fallback or a UserError."""
+    driver, no library, a broken driver) or cannot count its GPUs: `open_backend` turns that
+    into a fallback or a UserError. Past that, what fails is reported, not raised: a GPU NVML
+    cannot open is judged on every sample (lost, or an error that degrades it), and Xid events
+    that cannot be registered are missing from `detail` and the log, not the backend."""
 
     name = "nvml"
 
     def __init__(self):
         pynvml.nvmlInit()
         try:
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                             for i in range(pynvml.nvmlDeviceGetCount())]
-            self.detail = (f"NVML, driver {pynvml.nvmlSystemGetDriverVersion()}, "
-                           f"{len(self._handles)} GPUs")
-            self._events = pynvml.nvmlEventSetCreate()
-            for handle in self._handles:
-                try:
-                    if (pynvml.nvmlDeviceGetSupportedEventTypes(handle)
-                            & pynvml.nvmlEventTypeXidCriticalError):
-                        pynvml.nvmlDeviceRegisterEvents(
-                            handle, pynvml.nvmlEventTypeXidCriticalError, self._events)
-                except pynvml.NVMLError_NotSupported:
-                    pass
+            count = pynvml.nvmlDeviceGetCount()
+            driver = pynvml.nvmlSystemGetDriverVersion()
         except pynvml.NVMLError:
             pynvml.nvmlShutdown()
             raise
+        self._handles: list = [self._open(i) for i in range(count)]
+        self._events, missing = self._register_xid_events()
+        self._wait_error = ""
+        self.detail = f"NVML, driver {driver}, {count} GPUs"
+        if missing:
+            self.detail += f"; no Xid events ({missing})"
+            log.warning("NVML: no Xid events (%s); the GPUs' other queries are watched",
+                        missing)
+
+    @staticmethod
+    def _open(index: int):
+        """The GPU's handle, or the NVMLError that refused it (tried again at each sample)."""
+        try:
+            return pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:
+            return e
+
+    def _handle(self, index: int):
+        handle = self._handles[index]
+        if isinstance(handle, pynvml.NVMLError):
+            handle = self._handles[index] = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return handle
+
+    def _register_xid_events(self) -> tuple[object | None, str]:
+        """An event set with the Xid errors of every GPU that offers them, and what could not
+        be registered ("" when nothing)."""
+        try:
+            events = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as e:
+            return None, f"event set: {e}"
+        missing = []
+        for index, handle in enumerate(self._handles):
+            if isinstance(handle, pynvml.NVMLError):
+                missing.append(f"GPU {index}: {handle}")
+                continue
+            try:
+                if pynvml.nvmlDeviceGetSupportedEventTypes(handle) & _XID:
+                    pynvml.nvmlDeviceRegisterEvents(handle, _XID, events)
+            except pynvml.NVMLError_NotSupported:
+                pass  # a GPU without Xid events (a vGPU, a GeForce): its other queries tell
+            except pynvml.NVMLError as e:
+                missing.append(f"GPU {index}: {e}")
+        return events, "; ".join(missing)
 
     def device_count(self) -> int:
         return len(self._handles)
 
     def xid_events(self) -> list[tuple[int, int]]:
-        """Drain the event set without blocking: (gpu index, Xid) pairs."""
-        out = []
-        while True:
+        """Drain the event set without blocking: (gpu index, Xid) pairs. Any NVML error ends
+        the drain: TIMEOUT is NVML's "no event", and after another (a lost GPU, UNKNOWN) the
+        samples judge the GPUs; said in the log when it changes."""
+        out: list[tuple[int, int]] = []
+        while self._events is not None:
             try:
                 data = pynvml.nvmlEventSetWait_v2(self._events, 0)
-                if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+            except pynvml.NVMLError_Timeout:
+                self._wait_error = ""
+                break
+            except pynvml.NVMLError as e:
+                if str(e) != self._wait_error:
+                    log.warning("NVML: reading Xid events failed (%s); the GPUs' samples "
+                                "still judge them", e)
+                self._wait_error = str(e)
+                break
+            if data.eventType & _XID:
+                try:
                     out.append((pynvml.nvmlDeviceGetIndex(data.device), int(data.eventData)))
-            except (pynvml.NVMLError_Timeout, pynvml.NVMLError_GpuIsLost):
-                return out  # a lost GPU shows in its next sample
+                except pynvml.NVMLError as e:  # a GPU gone since: its sample says it is lost
+                    log.warning("NVML: Xid %d from a GPU NVML cannot name (%s)",
+                                data.eventData, e)
+        return out
+
+    def recovery_action(self, index: int) -> int | None:
+        """What the driver says the GPU needs (NVML_GPU_RECOVERY_ACTION_*); None when this
+        driver does not say, or the GPU cannot be read (its sample says why)."""
+        try:
+            (field,) = pynvml.nvmlDeviceGetFieldValues(self._handle(index),
+                                                       [RECOVERY_ACTION_FIELD])
+        except pynvml.NVMLError:
+            return None
+        return field.value.uiVal if field.nvmlReturn == pynvml.NVML_SUCCESS else None
 
     def sample(self, index: int) -> GpuSample:
-        handle = self._handles[index]
         errors: list[str] = []
 
         def query(what: str, fn, *args):
             try:
                 return fn(handle, *args)
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            except _UNSUPPORTED:
                 return None
             except pynvml.NVMLError_GpuIsLost:
                 raise
@@ -236,6 +336,12 @@ class NvmlBackend:
                 errors.append(f"{what}: {e}")
                 return None
 
+        try:
+            handle = self._handle(index)
+        except pynvml.NVMLError_GpuIsLost:
+            return GpuSample(index=index, lost=True)
+        except pynvml.NVMLError as e:
+            return GpuSample(index=index, errors=(f"open: {e}",))
         try:
             uuid = query("uuid", pynvml.nvmlDeviceGetUUID) or ""
             ecc = {}
@@ -264,7 +370,7 @@ class NvmlBackend:
                 reasons = query("clock throttle reasons",
                                 pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
             util = query("utilization", pynvml.nvmlDeviceGetUtilizationRates)
-            nvlink_active, nvlink_errors = self._nvlink(handle)
+            nvlink_active, nvlink_errors = self._nvlink(handle, errors)
             milliwatts = [query(what, fn) for what, fn in (
                 ("power", pynvml.nvmlDeviceGetPowerUsage),
                 ("power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit),
@@ -296,40 +402,54 @@ class NvmlBackend:
             return GpuSample(index=index, lost=True)
 
     @staticmethod
-    def _nvlink(handle) -> tuple[int | None, int | None]:
-        """(active links, summed error counters); (None, None) without NVLink."""
-        active = errors = 0
+    def _nvlink(handle, errors: list[str]) -> tuple[int | None, int | None]:
+        """(active links, summed error counters); (None, None) without NVLink, and when a
+        query failed (said in `errors`): a link whose state was not read must not count as
+        down. GPU_IS_LOST goes up to the sample."""
+        active = total = 0
         seen = False
-        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-            try:
-                if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                    seen = True
-                    continue
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
-                continue
-            seen = True
-            active += 1
-            for counter in (pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
-                            pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
-                            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                            pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA):
+        try:
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
                 try:
-                    errors += pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter)
-                except pynvml.NVMLError_NotSupported:
-                    pass
-        return (active, errors) if seen else (None, None)
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        seen = True
+                        continue
+                except (*_UNSUPPORTED, pynvml.NVMLError_InvalidArgument):
+                    continue  # past the GPU's last link
+                seen = True
+                active += 1
+                for counter in (pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+                                pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+                                pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+                                pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA):
+                    try:
+                        total += pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter)
+                    except _UNSUPPORTED:
+                        pass
+        except pynvml.NVMLError_GpuIsLost:
+            raise
+        except pynvml.NVMLError as e:
+            errors.append(f"nvlink: {e}")
+            return None, None
+        return (active, total) if seen else (None, None)
 
     def close(self) -> None:
-        pynvml.nvmlEventSetFree(self._events)
+        try:
+            if self._events is not None:
+                pynvml.nvmlEventSetFree(self._events)
+        except pynvml.NVMLError as e:  # the agent is stopping: said, not raised
+            log.warning("NVML: freeing the event set failed: %s", e)
         pynvml.nvmlShutdown()
 
 
 def open_backend(kind: str = "auto", *, gpus: int = 1,
                  fault_script: Path | None = None) -> GpuBackend:
     """The backend the agent runs: "nvml", "sim", or "auto" (NVML when it initialises and
-    sees a GPU, else the simulated one with `gpus` devices). `fault_script` drives the
-    simulated backend (lazarus.agent.gpu_sim); real GPUs ignore it. The backend's `name` and
-    `detail` say what was chosen and why.
+    sees a GPU; the simulated one with `gpus` devices when the node has no NVIDIA library or
+    driver, or NVML sees no GPU). An NVML that is there but fails to initialise is a
+    UserError even for "auto": a GPU node must not pass for a simulated, healthy one.
+    `fault_script` drives the simulated backend (lazarus.agent.gpu_sim); real GPUs ignore it.
+    The backend's `name` and `detail` say what was chosen and why.
     """
 
     if kind not in ("auto", "nvml", "sim"):
@@ -341,6 +461,9 @@ def open_backend(kind: str = "auto", *, gpus: int = 1,
     except pynvml.NVMLError as e:
         if kind == "nvml":
             raise UserError(f"GPU backend nvml: NVML did not initialise ({e})") from None
+        if not isinstance(e, _NO_NVML):
+            raise UserError(f"GPU backend auto: NVML is installed but did not initialise "
+                            f"({e}): fix the driver, or pass --gpu-backend sim") from None
         return SimulatedBackend(gpus=gpus, script=fault_script,
                                 detail=f"simulated: NVML did not initialise ({e})")
     if backend.device_count() == 0 and kind == "auto":
@@ -370,6 +493,8 @@ class GpuMonitor:
     def __init__(self, backend: GpuBackend, thresholds: GpuThresholds | None = None):
         self.backend = backend
         self.thresholds = thresholds or GpuThresholds()
+        # NVML's alone: the simulated backend has no recovery action to read
+        self._recovery_action = getattr(backend, "recovery_action", lambda index: None)
         self._gpus: dict[int, _GpuState] = {}
         self.verdicts: list[GpuVerdict] = []
 
@@ -383,7 +508,8 @@ class GpuMonitor:
             sample = self.backend.sample(index)
             if index in xids:
                 sample = dataclasses.replace(sample, xids=sample.xids + tuple(xids[index]))
-            verdict = assess(st.previous, sample, self.thresholds)
+            action = None if sample.lost else self._recovery_action(index)
+            verdict = assess(st.previous, sample, self.thresholds, recovery_action=action)
             if verdict.state == FAILED and not st.failed_reasons:
                 st.failed_reasons = verdict.reasons
             elif st.failed_reasons:

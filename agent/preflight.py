@@ -11,9 +11,10 @@ may raise to a failure with its reason, and measures its cost:
                  (the trainer's path to storage) in the checkpoint dir, compared, removed
     clock        this host's wall clock against the etcd leader's (lazarus.agent.clockskew)
     collective   an all-reduce, checked, with its bus bandwidth (lazarus.agent.collective_check):
-                 in the agent, gloo with one member of the current round when there is one
-                 and the node is not in it, else two ranks over the node's own address
-                 (NCCL with two GPUs); by hand, also between nodes (`--peers`)
+                 gloo with one member of the current round when there is one and the node
+                 is not in it, else two ranks over the node's own address (NCCL with two
+                 GPUs); by hand, also between nodes (`--peers`). In a child process, killed
+                 when it overruns: the agent holds no CUDA context and outlives a hung NCCL
 
 The agent runs them in a thread of its own (`Runner`): at its first pass with no ranks to
 run, then every `every_s` while its node runs none, and publishes one compact verdict in its node status

@@ -136,6 +136,15 @@ def _file_entry(directory: Path, name: str) -> dict:
 # RNG
 
 
+def _shard_files(directory: Path, metadata: dcp_metadata.Metadata | None) -> set[str]:
+    """The shard files of a save DCP just finished. torch 2.11's save returns metadata
+    without its storage layout (seen on CUDA); the .metadata file it wrote has it."""
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    return {s.relative_path for s in storage.values()}
+
+
 def _rng_state() -> dict:
     state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     # Only a process that uses CUDA has a CUDA generator worth keeping: asking would make a
@@ -650,8 +659,11 @@ class Checkpointer:
             if why is None:
                 raise
             return self._abandon(directory, commit["step"], why, on_fail)
-        shards = {s.relative_path for s in metadata.storage_data.values()}
         problem, entries = refused, []
+        try:
+            shards = _shard_files(directory, metadata)
+        except (OSError, ValueError) as e:
+            shards, problem = set(), problem or f"rank {self._rank}: {e}"
         try:
             if problem is None:
                 _write_durable(directory / _rng_file(self._rank), json.dumps(rng).encode())

@@ -44,7 +44,8 @@ from lazarus.trainer.hooks import PhaseHooks, StepContext
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import ScheduleConfig, build_optimizer, lr_at, set_lr
 from lazarus.trainer.device import device_type
-from lazarus.trainer.parallelize import build_mesh, build_model
+from lazarus.trainer.parallelize import (activation_budget, build_mesh, build_model,
+                                         gradient_sync_for)
 from lazarus.trainer.session import Session
 from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
@@ -87,10 +88,13 @@ def forward_backward(model: Transformer, micro_batches: list[tuple[torch.Tensor,
     """
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
-        # Reduce-scatter gradients once per step, after the last micro-batch, not after each.
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        # Reduce-scatter gradients after the last micro-batch only, or after each on GPUs
+        # (lazarus.trainer.parallelize.sync_every_micro_batch: memory).
+        model.set_requires_gradient_sync(gradient_sync_for(i, len(micro_batches),
+                                                           every=model.sync_every_micro_batch))
         logits = model(inputs.to(device))
         loss = model.loss(logits, targets.to(device)) / len(micro_batches)
+        del logits  # not held through the backward: [B, T, vocab] is the largest activation
         loss.backward()
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum, group=loss_group)  # gloo has no AVG
@@ -153,7 +157,11 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels,
                         init=restore is None and snapshot is None)
     optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
-    plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
+    # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
+    plan = plan_batches(data.global_batch, par.dp, data.micro_batch,
+                        memory=activation_budget(model, par, seq_len=data.seq_len))
+    if plan.warning and rank == 0:
+        print(f"warning: {plan.warning}", flush=True)
     dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
     check_model_vocab(dataset, model_cfg.vocab_size, cfg.model.name)
     loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,

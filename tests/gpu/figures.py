@@ -82,8 +82,14 @@ def trainer_run(out: Path, *, fused: bool, steps: int, seq_len: int, batch: int)
            "--warmup-steps", "2", "--metrics", str(metrics),
            *(["--fused-kernels"] if fused else [])]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "LAZARUS_DEVICE": "cuda"},
-                          capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, "LAZARUS_DEVICE": "cuda"},
+                              capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as e:
+        row(f"trainer 1b {'fused' if fused else 'eager'}", "FAILED: over 150 s")
+        (out / f"train-1b-{'fused' if fused else 'eager'}.log").write_text(
+            (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))
+        return {}
     (out / f"train-1b-{'fused' if fused else 'eager'}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         row(f"trainer 1b {'fused' if fused else 'eager'}",

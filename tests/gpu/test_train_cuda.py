@@ -101,17 +101,21 @@ dist.destroy_process_group()
 
 def test_ncclS_flight_record_shows_a_collective_stalled_behind_the_gpu(tmp_path):
     out = _run_script(ONE_RANK_NCCL + """
+import time
 from pathlib import Path
 from lazarus.agent.stacks import describe_flight
 from lazarus.trainer.flightrec import write_record
 x = torch.ones(1 << 20, device="cuda")
 dist.all_reduce(x)
 torch.cuda.synchronize()
-torch.cuda._sleep(2_000_000_000)        # about a second of the GPU busy before the next one
+time.sleep(2)                           # NCCL's watchdog marks completions as it polls
+torch.cuda._sleep(12_000_000_000)       # some 6 s of the GPU busy before the next one
 dist.all_reduce(x)                      # enqueued, not started: stalled behind the GPU
+time.sleep(2)
 write_record(Path("record.json"))
 print("STALLED", describe_flight(Path("record.json").read_bytes()))
 torch.cuda.synchronize()
+time.sleep(2)
 write_record(Path("record.json"))
 print("DONE", describe_flight(Path("record.json").read_bytes()))
 dist.destroy_process_group()

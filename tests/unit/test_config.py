@@ -19,7 +19,7 @@ def test_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"stepz": 3}, r"unknown train setting 'stepz' \(known: steps, seed, metrics, and the tables "
+    ({"stepz": 3}, r"unknown train setting 'stepz' \(known: steps, seed, metrics, deterministic, peak_tflops, and the tables "
                    r"\[train.model\], \[train.parallelism\]"),
     ({"lr": 0.1}, r"unknown train setting 'lr': it belongs in \[train.optimizer\] \(optimizer.lr\)"),
     ({"optimizer": {"lrr": 0.1}}, r"unknown train setting 'optimizer.lrr' \(known in \[train.optimizer\]: lr, "),

@@ -7,8 +7,9 @@ import json
 import pynvml
 import pytest
 
-from lazarus.agent.gpu import (DEGRADED, FAILED, HEALTHY, GpuMonitor, GpuSample, GpuThresholds,
-                               NvmlBackend, assess, open_backend, worst)
+from lazarus.agent.gpu import (DEGRADED, FAILED, HEALTHY, RECOVERY_ACTION_FIELD,
+                               RECOVERY_ACTIONS, RECOVERY_NONE, GpuMonitor, GpuSample,
+                               GpuThresholds, NvmlBackend, assess, open_backend, worst)
 from lazarus.agent.gpu_sim import SimulatedBackend, add_fault, parse_faults
 from lazarus.core.errors import UserError
 
@@ -31,6 +32,9 @@ CASES = [
     ("old lifetime errors are not news", None, BASE, HEALTHY, ""),
     ("critical Xid 79", BASE, s(xids=(79,)), FAILED, "Xid 79"),
     ("Xid 48 double-bit", BASE, s(xids=(48,)), FAILED, "double-bit"),
+    ("Xid 119 GSP RPC timeout", BASE, s(xids=(119,)), FAILED,
+     "Xid 119: GSP RPC timeout (the GPU is unusable until it is reset)"),
+    ("Xid 120 GSP error", BASE, s(xids=(120,)), FAILED, "Xid 120: GSP error"),
     ("application Xid 13 is the program's", BASE, s(xids=(13,)), HEALTHY, ""),
     ("GPU lost", BASE, GpuSample(index=0, lost=True), FAILED, "lost"),
     ("volatile double-bit ECC", BASE, s(ecc_dbe_volatile=1), FAILED, "uncorrectable"),
@@ -52,7 +56,16 @@ CASES = [
      "hardware thermal"),
     ("power brake", BASE, s(clock_event_reasons=pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown),
      DEGRADED, "power brake"),
-    ("power capped by someone", BASE, s(power_limit_w=400.0), DEGRADED, "power limit 400"),
+    ("an admin's power cap is no fault", BASE, s(power_limit_w=400.0), HEALTHY, ""),
+    ("capped and held at the cap", BASE,
+     s(power_limit_w=400.0, clock_event_reasons=pynvml.nvmlClocksEventReasonSwPowerCap),
+     HEALTHY, ""),
+    ("hardware slowdown", BASE, s(clock_event_reasons=pynvml.nvmlClocksEventReasonHwSlowdown),
+     DEGRADED, "clocks slowed: hardware slowdown"),
+    ("thermal slowdown under a power cap", BASE,
+     s(power_limit_w=400.0, clock_event_reasons=pynvml.nvmlClocksEventReasonSwPowerCap
+       | pynvml.nvmlClocksEventReasonSwThermalSlowdown), DEGRADED,
+     "clocks slowed: software thermal slowdown"),
     ("PCIe width below max", BASE, s(pcie_width=8), DEGRADED, "x8 below x16"),
     ("PCIe gen below max under load", BASE, s(pcie_gen=3), DEGRADED, "gen 3 below gen 5"),
     ("PCIe gen below max when idle", BASE, s(pcie_gen=1, utilization=0), HEALTHY, ""),
@@ -67,6 +80,48 @@ def test_assess(name, prev, sample, state, words):
     assert verdict.state == state, verdict.reasons
     assert bool(verdict.reasons) == (state != HEALTHY)
     assert words in " | ".join(verdict.reasons)
+
+
+A = pynvml  # the recovery actions' names are long
+RECOVERY = [
+    # (Xids in the sample, the driver's recovery action, state, the reasons)
+    ((), None, HEALTHY, ()),
+    ((), A.NVML_GPU_RECOVERY_ACTION_NONE, HEALTHY, ()),
+    ((154,), A.NVML_GPU_RECOVERY_ACTION_NONE, HEALTHY, ()),   # changed back: recovered
+    ((154,), A.NVML_GPU_RECOVERY_ACTION_GPU_RESET, FAILED,
+     ("Xid 154: the driver's recovery action: reset the GPU",)),
+    ((154,), A.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, FAILED,
+     ("Xid 154: the driver's recovery action: reboot the node",)),
+    ((154,), A.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, FAILED,
+     ("Xid 154: the driver's recovery action: drain peer-to-peer traffic",)),
+    ((154,), A.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET, DEGRADED,
+     ("Xid 154: the driver's recovery action: drain, then reset the GPU",)),
+    ((154,), None, FAILED,
+     ("Xid 154: the driver asks for a recovery action that NVML does not name",)),
+    ((154,), 99, FAILED, ("Xid 154: the driver's recovery action: unknown action 99",)),
+    # the action stands without its event (an agent restarted after it): judged the same
+    ((), A.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT, FAILED,
+     ("the driver's recovery action: reboot the system",)),
+    ((), A.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET, DEGRADED,
+     ("the driver's recovery action: drain, then reset the GPU",)),
+]
+
+
+def test_the_recovery_actions_are_nvmls():
+    assert RECOVERY_ACTION_FIELD == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+    assert RECOVERY_NONE == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    names = {n[len("NVML_GPU_RECOVERY_ACTION_"):]: getattr(pynvml, n) for n in dir(pynvml)
+             if n.startswith("NVML_GPU_RECOVERY_ACTION_") and n != "NVML_GPU_RECOVERY_ACTION_NONE"}
+    assert sorted(names.values()) == sorted(RECOVERY_ACTIONS)   # none left out
+    assert [RECOVERY_ACTIONS[names[n]][0] for n in ("GPU_RESET", "NODE_REBOOT", "DRAIN_P2P",
+            "DRAIN_AND_RESET", "RECOVER_IMEX_DOMAIN", "BUS_RESET", "SYSTEM_REBOOT")] == [
+        FAILED, FAILED, FAILED, DEGRADED, FAILED, FAILED, FAILED]
+
+
+@pytest.mark.parametrize("xids,action,state,reasons", RECOVERY)
+def test_xid_154_and_the_recovery_action(xids, action, state, reasons):
+    verdict = assess(BASE, s(xids=xids), GpuThresholds(), recovery_action=action)
+    assert (verdict.state, verdict.reasons) == (state, reasons)
 
 
 def test_thresholds_are_configurable():
@@ -220,11 +275,19 @@ def test_open_backend_names():
 
 class ScriptedNvml:
     """NVML's answers for one GPU, installed over pynvml's functions: this machine has no
-    driver, so this is how NvmlBackend's reading of real NVML answers gets checked."""
+    driver, so this is how NvmlBackend's reading of real NVML answers gets checked.
 
-    def __init__(self, monkeypatch, *, events=()):
+    `raises[name] = pynvml.NVMLError(code)` makes that function fail as NVML does; an
+    NVMLError among `events` is what one wait for events answers; `overrides` replace
+    answers."""
+
+    def __init__(self, monkeypatch, *, events=(), **overrides):
         self.lost = False
         self.events = list(events)
+        self.raises: dict[str, pynvml.NVMLError] = {}
+        self.registered = False
+        self.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+        self.recovery_return = pynvml.NVML_SUCCESS
         ecc = {(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 5,
                (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC): 0,
                (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC): 50,
@@ -240,12 +303,27 @@ class ScriptedNvml:
                 raise pynvml.NVMLError_InvalidArgument()
             return int(link < 3)                      # links 0-2 active, 3 down
 
+        def register(_h, types, _set):
+            assert types == pynvml.nvmlEventTypeXidCriticalError
+            self.registered = True
+
         def wait(_set, timeout_ms):
             assert timeout_ms == 0                     # draining must never block the agent
-            if not self.events:
+            if not self.events or not self.registered:
                 raise pynvml.NVMLError_Timeout()
+            event = self.events.pop(0)
+            if isinstance(event, pynvml.NVMLError):
+                raise event
             return type("Event", (), {"eventType": pynvml.nvmlEventTypeXidCriticalError,
-                                      "eventData": self.events.pop(0), "device": "h0"})()
+                                      "eventData": event, "device": "h0"})()
+
+        def field_values(_h, fields):
+            assert fields == [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+            values = (pynvml.c_nvmlFieldValue_t * 1)()
+            values[0].fieldId = fields[0]
+            values[0].nvmlReturn = self.recovery_return
+            values[0].value.uiVal = self.recovery_action
+            return values
 
         answers = {
             "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
@@ -254,7 +332,7 @@ class ScriptedNvml:
             "nvmlEventSetCreate": lambda: "set", "nvmlEventSetFree": lambda s: None,
             "nvmlDeviceGetSupportedEventTypes":
                 lambda h: pynvml.nvmlEventTypeXidCriticalError | 1,
-            "nvmlDeviceRegisterEvents": lambda h, types, s: None,
+            "nvmlDeviceRegisterEvents": register,
             "nvmlEventSetWait_v2": wait, "nvmlDeviceGetIndex": lambda h: 0,
             "nvmlDeviceGetUUID": lambda h: "GPU-1234",
             "nvmlDeviceGetTotalEccErrors": lambda h, err, counter: ecc[err, counter],
@@ -275,17 +353,33 @@ class ScriptedNvml:
             "nvmlDeviceGetMaxPcieLinkGeneration": lambda h: 5,
             "nvmlDeviceGetCurrPcieLinkWidth": lambda h: 8,
             "nvmlDeviceGetMaxPcieLinkWidth": lambda h: 16,
+            "nvmlDeviceGetFieldValues": field_values,
         }
+        for name, answer in overrides.items():
+            assert name in answers, name
+            answers[name] = answer
         for name, fn in answers.items():
-            assert hasattr(pynvml, name), name
-            monkeypatch.setattr(pynvml, name, self._maybe_lost(fn))
+            assert hasattr(pynvml, name), name             # the installed pynvml has it
+            monkeypatch.setattr(pynvml, name, self._scripted(name, fn))
 
-    def _maybe_lost(self, fn):
+    def _scripted(self, name, fn):
         def call(*args):
+            if name in self.raises:
+                raise self.raises[name]
             if self.lost and args and args[0] == "h0":
                 raise pynvml.NVMLError_GpuIsLost()
             return fn(*args)
         return call
+
+
+def nvml_error(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+# A GPU whose every answer is healthy (ScriptedNvml's default has a row remap pending and a
+# PCIe link at half width).
+HEALTHY_NVML = {"nvmlDeviceGetRemappedRows": lambda h: (2, 1, 0, 0),
+                "nvmlDeviceGetCurrPcieLinkWidth": lambda h: 16}
 
 
 def test_nvml_backend_reads_nvml_answers(monkeypatch):
@@ -312,3 +406,162 @@ def test_nvml_backend_reads_nvml_answers(monkeypatch):
     nvml.lost = True
     assert backend.sample(0) == GpuSample(index=0, lost=True)
     monitor.close()
+
+
+@pytest.mark.parametrize("where,code", [
+    ("nvmlEventSetCreate", pynvml.NVML_ERROR_UNKNOWN),
+    ("nvmlDeviceRegisterEvents", pynvml.NVML_ERROR_UNKNOWN),
+    ("nvmlDeviceRegisterEvents", pynvml.NVML_ERROR_NO_PERMISSION),
+    ("nvmlDeviceGetSupportedEventTypes", pynvml.NVML_ERROR_GPU_IS_LOST),
+])
+def test_xid_events_that_cannot_be_registered_keep_the_real_backend(monkeypatch, caplog,
+                                                                     where, code):
+    nvml = ScriptedNvml(monkeypatch, events=[79], **HEALTHY_NVML)
+    nvml.raises[where] = nvml_error(code)
+    backend = open_backend("auto", gpus=3)
+    assert backend.name == "nvml" and backend.device_count() == 1
+    assert backend.detail.startswith("NVML, driver 550.54, 1 GPUs; no Xid events (")
+    assert str(nvml_error(code)) in backend.detail
+    assert "NVML: no Xid events" in caplog.text
+    del nvml.raises[where]                      # watched all the same, without Xid events
+    monitor = GpuMonitor(backend)
+    assert [v.state for v in monitor.poll()] == [HEALTHY]
+    assert monitor.status()["backend"] == "nvml"
+    assert "no Xid events" in monitor.status()["detail"]
+    nvml.lost = True
+    assert [v.state for v in monitor.poll()] == [FAILED]
+    monitor.close()
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+                                  pynvml.NVML_ERROR_DRIVER_NOT_LOADED])
+def test_auto_simulates_a_node_without_an_nvidia_driver(monkeypatch, code):
+    nvml = ScriptedNvml(monkeypatch)
+    nvml.raises["nvmlInit"] = nvml_error(code)
+    backend = open_backend("auto", gpus=2)
+    assert backend.name == "sim" and backend.device_count() == 2
+    assert backend.detail == f"simulated: NVML did not initialise ({nvml_error(code)})"
+    with pytest.raises(UserError, match=r"GPU backend nvml: NVML did not initialise \("):
+        open_backend("nvml")
+
+
+@pytest.mark.parametrize("where,code", [
+    ("nvmlInit", pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH),
+    ("nvmlInit", pynvml.NVML_ERROR_NO_PERMISSION),
+    ("nvmlInit", pynvml.NVML_ERROR_UNKNOWN),
+    ("nvmlDeviceGetCount", pynvml.NVML_ERROR_UNKNOWN),
+])
+def test_a_broken_nvml_is_never_a_simulated_healthy_node(monkeypatch, where, code):
+    nvml = ScriptedNvml(monkeypatch)
+    nvml.raises[where] = nvml_error(code)
+    with pytest.raises(UserError) as e:
+        open_backend("auto", gpus=2)
+    assert str(e.value) == (f"GPU backend auto: NVML is installed but did not initialise "
+                            f"({nvml_error(code)}): fix the driver, or pass --gpu-backend sim")
+    with pytest.raises(UserError, match=r"GPU backend nvml: NVML did not initialise \("):
+        open_backend("nvml")
+
+
+def test_auto_simulates_a_node_where_nvml_sees_no_gpu(monkeypatch):
+    ScriptedNvml(monkeypatch, nvmlDeviceGetCount=lambda: 0)
+    backend = open_backend("auto", gpus=2)
+    assert (backend.name, backend.detail) == ("sim", "simulated: NVML sees no GPU")
+
+
+def test_a_gpu_nvml_cannot_open_is_judged_and_opened_again(monkeypatch):
+    nvml = ScriptedNvml(monkeypatch, **HEALTHY_NVML)
+    nvml.raises["nvmlDeviceGetHandleByIndex"] = nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+    backend = open_backend("auto", gpus=4)
+    assert backend.name == "nvml" and backend.device_count() == 1
+    assert backend.detail.endswith("; no Xid events (GPU 0: GPU is lost)")
+    monitor = GpuMonitor(backend)
+    (verdict,) = monitor.poll()
+    assert (verdict.state, verdict.reasons) == (FAILED, ("GPU is lost (fell off the bus)",))
+
+    nvml.raises["nvmlDeviceGetHandleByIndex"] = nvml_error(pynvml.NVML_ERROR_UNKNOWN)
+    assert NvmlBackend().sample(0) == GpuSample(index=0, errors=("open: Unknown Error",))
+    again = GpuMonitor(NvmlBackend())
+    assert [(v.state, v.reasons) for v in again.poll()] == [
+        (DEGRADED, ("NVML query failed: open: Unknown Error",))]
+    del nvml.raises["nvmlDeviceGetHandleByIndex"]   # opened at the next sample
+    assert [v.state for v in again.poll()] == [HEALTHY]
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_TIMEOUT, pynvml.NVML_ERROR_GPU_IS_LOST,
+                                  pynvml.NVML_ERROR_UNKNOWN])
+def test_an_error_reading_events_is_no_event(monkeypatch, caplog, code):
+    nvml = ScriptedNvml(monkeypatch, events=[79, nvml_error(code), 48, nvml_error(code)])
+    backend = NvmlBackend()
+    assert backend.xid_events() == [(0, 79)]
+    assert backend.xid_events() == [(0, 48)]
+    assert backend.xid_events() == []
+    warned = [r.message for r in caplog.records if "reading Xid events failed" in r.message]
+    # said once while it lasts, never for NVML's "no event"
+    assert warned == ([] if code == pynvml.NVML_ERROR_TIMEOUT else
+                      [f"NVML: reading Xid events failed ({nvml_error(code)}); the GPUs' "
+                       f"samples still judge them"])
+    nvml.events = [94]
+    nvml.raises["nvmlDeviceGetIndex"] = nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+    assert backend.xid_events() == []               # its GPU's sample says it is lost
+    assert "Xid 94 from a GPU NVML cannot name (GPU is lost)" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["nvmlDeviceGetNvLinkState",
+                                   "nvmlDeviceGetNvLinkErrorCounter"])
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_TIMEOUT,
+                                  pynvml.NVML_ERROR_NO_PERMISSION])
+def test_an_nvlink_query_error_is_no_data_not_a_link_down(monkeypatch, where, code):
+    nvml = ScriptedNvml(monkeypatch, **HEALTHY_NVML)
+    monitor = GpuMonitor(NvmlBackend())
+    assert [v.state for v in monitor.poll()] == [HEALTHY]
+    nvml.raises[where] = nvml_error(code)
+    sample = monitor.backend.sample(0)
+    assert (sample.nvlink_active, sample.nvlink_errors) == (None, None)
+    assert sample.errors == (f"nvlink: {nvml_error(code)}",)
+    (verdict,) = monitor.poll()
+    assert (verdict.state, verdict.reasons) == (
+        DEGRADED, (f"NVML query failed: nvlink: {nvml_error(code)}",))
+    del nvml.raises[where]
+    assert [v.state for v in monitor.poll()] == [HEALTHY]
+
+
+def test_a_gpu_lost_under_an_nvlink_query_is_failed(monkeypatch):
+    nvml = ScriptedNvml(monkeypatch, **HEALTHY_NVML)
+    nvml.raises["nvmlDeviceGetNvLinkErrorCounter"] = nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+    (verdict,) = GpuMonitor(NvmlBackend()).poll()
+    assert (verdict.state, verdict.reasons) == (FAILED, ("GPU is lost (fell off the bus)",))
+
+
+def test_xid_154_is_judged_by_the_recovery_action_nvml_reads(monkeypatch):
+    nvml = ScriptedNvml(monkeypatch, **HEALTHY_NVML)
+    monitor = GpuMonitor(NvmlBackend())
+    assert [v.state for v in monitor.poll()] == [HEALTHY]
+    nvml.recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
+    assert [(v.state, v.reasons) for v in monitor.poll()] == [
+        (DEGRADED, ("the driver's recovery action: drain, then reset the GPU",))]
+    nvml.events, nvml.recovery_action = [154], pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT
+    assert [(v.state, v.reasons) for v in monitor.poll()] == [
+        (FAILED, ("Xid 154: the driver's recovery action: reboot the node",))]
+
+    # a driver that announces the change but whose NVML does not offer the field
+    nvml.recovery_return = pynvml.NVML_ERROR_NOT_SUPPORTED
+    backend = NvmlBackend()
+    assert backend.recovery_action(0) is None
+    nvml.events = [154]
+    assert [(v.state, v.reasons) for v in GpuMonitor(backend).poll()] == [
+        (FAILED, ("Xid 154: the driver asks for a recovery action that NVML does not name",))]
+    nvml.raises["nvmlDeviceGetFieldValues"] = nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    assert backend.recovery_action(0) is None
+
+
+def test_a_power_capped_gpu_at_work_passes_preflight(monkeypatch):
+    from lazarus.agent import preflight as P
+
+    ScriptedNvml(monkeypatch, **HEALTHY_NVML,
+                 nvmlDeviceGetEnforcedPowerLimit=lambda h: 400_000,
+                 nvmlDeviceGetPowerUsage=lambda h: 399_000)
+    monitor = GpuMonitor(NvmlBackend())
+    verdicts = monitor.poll()
+    assert monitor.backend.sample(0).clock_event_reasons == (
+        pynvml.nvmlClocksEventReasonSwPowerCap)
+    assert P.gpus(verdicts, 1, "nvml") == (True, "1 GPU healthy (nvml)")

@@ -1,11 +1,14 @@
 """The Llama-style model: shapes, sizes, deterministic init, causality, reference math."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from lazarus.core.batching import layer_bytes_per_token
 from lazarus.core.errors import UserError
+from lazarus.core.modelconfig import ModelConfig
 from lazarus.trainer.models import (
     MODEL_SIZES,
     Transformer,
@@ -97,3 +100,49 @@ def test_rope_rotates_pairs_and_keeps_relative_positions():
     dots = (rq[0, :, 0, None, :] * rk[0, None, :, 0, :]).sum(-1)
     assert torch.allclose(dots[1, 0], dots[4, 3], atol=1e-5)
     assert torch.allclose(dots[0, 2], dots[3, 5], atol=1e-5)
+
+
+def _ungrouped(model: Transformer) -> Transformer:
+    """The same model with each key/value head copied for every query head it serves (what the
+    attention computed before SDPA's enable_gqa): multi-head attention, nothing grouped."""
+    cfg = model.cfg
+    n_rep = cfg.n_heads // cfg.n_kv_heads
+    state = {name: (p.view(cfg.n_kv_heads, cfg.head_dim, cfg.dim).repeat_interleave(n_rep, 0).flatten(0, 1)
+                    if name.endswith(("wk.weight", "wv.weight")) else p)
+             for name, p in model.state_dict().items()}
+    mha = Transformer(dataclasses.replace(cfg, n_kv_heads=cfg.n_heads))
+    mha.load_state_dict(state)
+    return mha
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+def test_grouped_query_attention_equals_copied_key_value_heads(n_kv_heads):
+    cfg = dataclasses.replace(get_model_config("tiny"), n_heads=8, n_kv_heads=n_kv_heads)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model(tokens), _ungrouped(model)(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_activation_estimate_counts_what_a_block_keeps():
+    # The tensors one bf16 block saves for its backward (the eager ops), against the count
+    # plan_batches sizes micro-batches by. Weights are saved too; they are not activations.
+    cfg = ModelConfig(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=256,
+                      ffn_hidden=896, max_seq_len=64)  # 8b's ratios, small
+    model = Transformer(cfg).to(torch.bfloat16)
+    model.init_weights(0)
+    b, t = 2, 64
+    x = torch.randn(b, t, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(saved: torch.Tensor) -> torch.Tensor:
+        storage = saved.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+        model.layers[0](x, model.rope_cos[:t], model.rope_sin[:t])
+    estimate = layer_bytes_per_token(cfg) * b * t
+    assert sum(kept.values()) == pytest.approx(estimate, rel=0.05)

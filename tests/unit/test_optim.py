@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazarus.trainer.models import Transformer, get_model_config
-from lazarus.trainer.optim import ScheduleConfig, build_optimizer, lr_at
+from lazarus.trainer.optim import ScheduleConfig, adamw_implementation, build_optimizer, lr_at
 
 
 def sched(kind: str, **kw) -> ScheduleConfig:
@@ -66,3 +66,11 @@ def test_optimizer_step_changes_weights():
     model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     opt.step()
     assert not torch.equal(before, model.layers[0].feed_forward.w1.weight)
+
+
+def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
+    assert adamw_implementation("cuda") == {"fused": True}
+    assert adamw_implementation("cpu") == {"foreach": True}
+    # CPU keeps the foreach AdamW its runs have always used: their numbers do not move.
+    opt = build_optimizer(Transformer(get_model_config("tiny")), lr=1e-3)
+    assert all(g["foreach"] is True and not g["fused"] for g in opt.param_groups)

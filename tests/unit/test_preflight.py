@@ -1,10 +1,15 @@
 """Each preflight check's verdict, from the real thing: the simulated GPU backend with a
 fault script, files on a real (and a really full, a really read-only) filesystem, DCP, a real
-etcd's clock, gloo over loopback."""
+etcd's clock, gloo over loopback in the child process that would run NCCL (and one that hangs
+or dies as NCCL can)."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -150,6 +155,71 @@ def test_a_collective_whose_peer_never_comes_fails_with_the_reason():
     ok, reason = coll.collective([f"127.0.0.1:{port}", "127.0.0.1:1"], 0, nbytes=P.MiB,
                               min_bus_gbps=0.0, timeout_s=2.0)
     assert not ok and reason.startswith("gloo rank 0"), reason
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_collective_test_that_hangs_is_killed_and_the_caller_lives(tmp_path, monkeypatch):
+    # a child stuck as a hung NCCL would be: deaf to its own timeouts
+    pidfile = tmp_path / "pid"
+    monkeypatch.setattr(coll, "child_command", lambda: [
+        sys.executable, "-c", "import os, sys, time; "
+        "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)", str(pidfile)])
+    monkeypatch.setattr(coll, "CHILD_START_S", 1.0)
+    start = time.monotonic()
+    ok, reason = coll.collective(coll.loopback_peers("127.0.0.1"), 0, nbytes=P.MiB,
+                                 min_bus_gbps=0.0, timeout_s=1.0)
+    assert (ok, reason) == (False, "no result within 2 s (the test's process was killed)")
+    assert time.monotonic() - start < 10
+    assert _gone(int(pidfile.read_text()))
+
+
+def test_a_collective_test_whose_process_dies_fails_with_its_last_words(monkeypatch):
+    # NCCL's watchdog aborts its process on a timeout: this one is the test's, not the agent's
+    monkeypatch.setattr(coll, "child_command", lambda: [
+        sys.executable, "-c", "import os, sys; print('NCCL INFO Bootstrap'); "
+        "print('watchdog caught collective timeout', file=sys.stderr, flush=True); os.abort()"])
+    ok, reason = coll.with_peer("n0", "127.0.0.1", 1, host="127.0.0.1", nbytes=P.MiB,
+                                min_bus_gbps=0.0)
+    assert (ok, reason) == (False, "the test's process died (killed by SIGABRT): watchdog "
+                                   "caught collective timeout")
+
+
+def test_the_verdict_is_found_among_nccls_own_lines(monkeypatch):
+    monkeypatch.setattr(coll, "child_command", lambda: [
+        sys.executable, "-c", "print('NCCL INFO Bootstrap'); "
+        "print('lazarus-collective-result [true, \"all good\"]'); print('NCCL INFO comm 0x1')"])
+    assert coll.in_child("collective", {}, 30.0) == (True, "all good")
+
+
+def test_the_test_process_goes_with_the_agent():
+    """Its stdin is its lifeline: an agent that dies (or gives up) closes it."""
+    port = coll.free_port("127.0.0.1")
+    request = {"test": "collective", "peers": [f"127.0.0.1:{port}", "127.0.0.1:1"],
+               "rank": 0, "nbytes": P.MiB, "min_bus_gbps": 0.0, "timeout_s": 120.0}
+    child = subprocess.Popen([*coll.child_command(), json.dumps(request)],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        # rank 0 hosts the store and waits for rank 1, which never comes
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and child.poll() is None
+                time.sleep(0.1)
+        child.stdin.close()
+        assert child.wait(10) == 3
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_summary_is_small_and_names_what_failed():

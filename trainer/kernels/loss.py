@@ -104,7 +104,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         )
     if isinstance(logits, dtensor.DTensor):
         # Only a fully replicated DTensor: every rank then holds all tokens and the whole vocab,
-        # computes the same mean, and the gradient stays Replicate.
+        # computes the same mean, and the gradient stays Replicate. Logits split on the vocab
+        # (the TP plan's) go to torch's loss parallelism instead (Transformer.loss).
         dtensor.reject_sharded("cross_entropy", logits, tuple(range(logits.ndim)))
         logits = logits.to_local()
     if isinstance(targets, dtensor.DTensor):

@@ -2,7 +2,8 @@
 
 Architecture only: no parallelism and no training loop live here. The module works the same on
 plain tensors and on the tensor-parallel DTensors parallelize.py gives it, because every shape it
-needs is read from the tensors (a TP rank sees n_heads / tp heads).
+needs is read from the tensors (a TP rank sees n_heads / tp heads), and its loss takes logits
+whose vocabulary TP splits as they are (`vocab_parallel_cross_entropy`).
 
 The four eager functions `rms_norm_ref`, `swiglu_ref`, `apply_rope_ref` and `cross_entropy_ref`
 are the reference math the fused Triton kernels in lazarus.trainer.kernels must match.
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lazarus.core.errors import UserError
 from lazarus.core.modelconfig import ModelConfig
@@ -99,7 +101,6 @@ class Attention(nn.Module):
         super().__init__()
         self.ops = ops
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -112,10 +113,11 @@ class Attention(nn.Module):
         k = self.ops.apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Query head i reads key/value head i // (q heads / kv heads), without K and V copied
+        # that many times. A TP rank holds a contiguous block of each, so the grouping holds
+        # on its share too. Only when the counts differ: GQA rules out some kernels.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -148,7 +150,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, fused_kernels: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.fused_kernels = fused_kernels
         self.ops = select_ops(fused_kernels)
+        # Whether gradient accumulation reduces the gradients after every micro-batch, not
+        # only after the last (set by lazarus.trainer.parallelize, which knows the device).
+        self.sync_every_micro_batch = False
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ops) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
@@ -167,6 +173,11 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy, a plain 0-dim tensor (the same on every TP rank)."""
+        if _vocab_sharded(logits):
+            # The fused kernel needs whole rows: it would have to gather the very [B, T, vocab]
+            # per rank that splitting the vocabulary saves.
+            return vocab_parallel_cross_entropy(logits, targets)
         return self.ops.cross_entropy(logits, targets)
 
     def num_params(self) -> int:
@@ -207,6 +218,41 @@ class Transformer(nn.Module):
                 std = 0.02
             _fill(param, name, seed, lambda shape, gen, std=std: nn.init.trunc_normal_(
                 torch.empty(shape), std=std, a=-3 * std, b=3 * std, generator=gen))
+
+
+def _vocab_sharded(logits: torch.Tensor) -> bool:
+    return isinstance(logits, DTensor) and any(
+        isinstance(p, Shard) and p.dim % logits.ndim == logits.ndim - 1 for p in logits.placements)
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_ref of logits[B, T, V] split over TP on V (a DTensor on a 1-D mesh), by
+    torch's loss parallelism: each rank keeps [B, T, V / tp], and the ranks exchange a few
+    numbers per token (the max, the sum of exponentials, the target's logit). Returns a plain
+    0-dim tensor, the whole loss on every rank; its backward needs nothing of the caller."""
+    return _LossParallel.apply(logits, targets)
+
+
+class _LossParallel(torch.autograd.Function):
+    # loss_parallel() must be on during the backward too (without it the backward fails on
+    # the sharded log-probabilities), and the loop's loss.backward() is none of the model's
+    # business: the loss is built on a graph of its own, whose backward this node runs under
+    # loss_parallel() when the gradient arrives.
+
+    @staticmethod
+    def forward(ctx, logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad(), loss_parallel():
+            leaf = logits.detach().requires_grad_(logits.requires_grad)
+            loss = F.cross_entropy(leaf.flatten(0, 1).float(), targets.flatten())
+        ctx.leaf, ctx.loss = leaf, loss
+        return loss.to_local().clone()  # Replicate: each rank's copy is the whole loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        seed = DTensor.from_local(grad, ctx.loss.device_mesh, ctx.loss.placements, run_check=False)
+        with loss_parallel():
+            (dlogits,) = torch.autograd.grad(ctx.loss, ctx.leaf, seed)
+        return dlogits, None
 
 
 def _canonical(name: str) -> str:
