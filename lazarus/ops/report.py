@@ -365,6 +365,13 @@ def summary(story: Story) -> list[tuple[str, str]]:
         tokens = next((r["tokens"] for r in trained if r.get("tokens")), 0)
         out.append(("median step time", f"{median * 1000:.0f} ms"
                     + (f" ({tokens / median:,.0f} tokens/s)" if tokens and median > 0 else "")))
+    # On GPUs each step line carries its MFU and peak memory (lazarus.trainer.devstats).
+    mfus = sorted(r["mfu"] for r in trained if _finite(r.get("mfu")))
+    if mfus:
+        out.append(("median MFU", f"{mfus[len(mfus) // 2]:.1%}"))
+    peaks = [r["peak_mem_gib"] for r in trained if _finite(r.get("peak_mem_gib"))]
+    if peaks:
+        out.append(("peak memory", f"{max(peaks):.1f} GiB per GPU (rank 0)"))
     accepted = next((ev for ev in story.events if ev.kind == "job_accepted"), None)
     if accepted is not None and final is not None:
         g, wall, productive = goodput(story.events, str(accepted.fields.get("id")), final.time)

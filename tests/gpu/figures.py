@@ -75,24 +75,27 @@ def kernels_speed() -> None:
         row(f"kernel fwd+bwd {name}", parts + ratio)
 
 
-def trainer_run(out: Path, *, fused: bool, steps: int, seq_len: int, batch: int) -> dict:
-    metrics = out / f"metrics-1b-{'fused' if fused else 'eager'}.jsonl"
+def trainer_run(out: Path, *, fused: bool, steps: int, seq_len: int, batch: int,
+                deterministic: bool = False) -> dict:
+    label = ("fused" if fused else "eager") + (" deterministic" if deterministic else "")
+    metrics = out / f"metrics-1b-{label.replace(' ', '-')}.jsonl"
     cmd = [sys.executable, "-m", "lazarus.cli", "train", "--nproc", "1", "--model", "1b",
            "--seq-len", str(seq_len), "--global-batch", str(batch), "--steps", str(steps),
            "--warmup-steps", "2", "--metrics", str(metrics),
-           *(["--fused-kernels"] if fused else [])]
+           *(["--fused-kernels"] if fused else []),
+           *(["--deterministic"] if deterministic else [])]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env={**os.environ, "LAZARUS_DEVICE": "cuda"},
                               capture_output=True, text=True, timeout=150)
     except subprocess.TimeoutExpired as e:
-        row(f"trainer 1b {'fused' if fused else 'eager'}", "FAILED: over 150 s")
-        (out / f"train-1b-{'fused' if fused else 'eager'}.log").write_text(
+        row(f"trainer 1b {label}", "FAILED: over 150 s")
+        (out / f"train-1b-{label.replace(' ', '-')}.log").write_text(
             (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))
         return {}
-    (out / f"train-1b-{'fused' if fused else 'eager'}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"train-1b-{label.replace(' ', '-')}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        row(f"trainer 1b {'fused' if fused else 'eager'}",
+        row(f"trainer 1b {label}",
             f"FAILED exit {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
         return {}
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -100,7 +103,7 @@ def trainer_run(out: Path, *, fused: bool, steps: int, seq_len: int, batch: int)
     tps = statistics.median(r["tokens"] / r["step_time_s"] for r in steady)
     mfu = statistics.median(r.get("mfu", float("nan")) for r in steady)
     peak = max(r.get("peak_mem_gib", float("nan")) for r in steady)
-    row(f"trainer 1b seq {seq_len} batch {batch} {'fused' if fused else 'eager'}",
+    row(f"trainer 1b seq {seq_len} batch {batch} {label}",
         f"{tps:,.0f} tok/s | MFU {100 * mfu:.1f}% | peak mem {peak:.1f} GiB "
         f"| run {time.perf_counter() - t0:.0f} s")
     return {"tokens_per_s": tps, "mfu": mfu, "peak_gib": peak}
@@ -170,7 +173,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--skip", default="", help="comma-separated: kernels,trainer,plain")
+    p.add_argument("--skip", default="",
+                   help="comma-separated: kernels,trainer,deterministic,plain")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -183,6 +187,13 @@ def main() -> int:
         for fused in (True, False):
             results["fused" if fused else "eager"] = trainer_run(
                 args.out, fused=fused, steps=args.steps, seq_len=args.seq_len, batch=args.batch)
+    if "deterministic" not in skip:
+        results["fused deterministic"] = det = trainer_run(
+            args.out, fused=True, deterministic=True, steps=args.steps, seq_len=args.seq_len,
+            batch=args.batch)
+        if det and results.get("fused"):
+            row("deterministic mode's cost (fused)",
+                f"{results['fused']['tokens_per_s'] / det['tokens_per_s']:.2f}x the step time")
     if "plain" not in skip:
         plain = plain_loop(steps=args.steps, seq_len=args.seq_len, batch=args.batch)
         for label, r in results.items():

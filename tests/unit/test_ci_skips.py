@@ -87,5 +87,22 @@ def test_outside_ci_skips_are_only_reported(session):
 def test_every_expected_skip_names_a_test_that_exists():
     root = Path(__file__).resolve().parents[2]
     for nodeid in EXPECTED_SKIPS:
+        if nodeid.endswith("/"):  # a directory: it must hold tests
+            assert list((root / nodeid).glob("test_*.py")), f"stale entry {nodeid}"
+            continue
         path, name = nodeid.split("::")
         assert f"def {name}(" in (root / path).read_text(), f"stale entry {nodeid}"
+
+
+def test_a_directory_entry_expects_the_skips_under_it_alone(pytester, monkeypatch):
+    pytester.makeconftest('from tests.conftest import check_skips_in_ci\n\n'
+                          'def pytest_configure(config):\n'
+                          '    check_skips_in_ci(config, {"gpu/": "needs a CUDA device"})\n')
+    skip = 'import pytest\n\ndef test_x():\n    pytest.skip("needs a CUDA device here")\n'
+    pytester.makepyfile(**{"gpu/test_g": skip, "cpu/test_c": skip})
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest("-rs")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*= 1 unexpected skip(s) in CI =*",
+                                 "cpu/test_c.py::test_x: needs a CUDA device here"])
+    assert "gpu/test_g.py::test_x:" not in result.stdout.str()

@@ -207,3 +207,18 @@ def test_deterministic_and_peak_settings():
         TrainConfig.from_dict({"peak_tflops": 0})
     with pytest.raises(UserError, match="deterministic"):
         TrainConfig.from_dict({"deterministic": "yes"})
+
+
+def test_the_report_gives_the_runs_mfu_and_peak_memory():
+    from lazarus.ops import report
+
+    rows = [{"step": s, "loss": 3.0, "grad_norm": 1.0, "lr": 1e-4, "tokens": 16384,
+             "step_time_s": 0.25, "mfu": m, "peak_mem_gib": p}
+            for s, m, p in ((1, 0.05, 40.0), (2, 0.548, 44.8), (3, 0.55, 44.1))]
+    lines = dict(report.summary(report.build(rows, [], [], "t")))
+    assert lines["median MFU"] == "54.8%"
+    assert lines["peak memory"] == "44.8 GiB per GPU (rank 0)"
+    cpu = dict(report.summary(report.build([{k: v for k, v in r.items()
+                                             if k not in ("mfu", "peak_mem_gib")} for r in rows],
+                                           [], [], "t")))
+    assert "median MFU" not in cpu and "peak memory" not in cpu
