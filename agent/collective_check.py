@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 
 from lazarus.core import etcd as E
+from lazarus.core.contract import DEVICE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,8 @@ def _collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: f
     world = len(peers)
     host0, port0 = E.parse_endpoint(peers[0])
     local = [r for r in range(world) if peers[r] == peers[rank]]
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= len(local) \
-        else "gloo"
+    backend = "nccl" if (torch.cuda.is_available() and torch.cuda.device_count() >= len(local)
+                         and os.environ.get(DEVICE_ENV, "").lower() != "cpu") else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     # rank 0's side hosts the store; every rank, here or there, has a connection of its own
     master = (dist.TCPStore(host0, port0, world_size=world, is_master=True, timeout=timeout,

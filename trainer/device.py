@@ -11,9 +11,8 @@ import os
 
 import torch
 
+from lazarus.core.contract import DEVICE_ENV
 from lazarus.core.errors import UserError
-
-DEVICE_ENV = "LAZARUS_DEVICE"
 
 
 def device_type() -> str:

@@ -150,6 +150,10 @@ def round_port_key(round_: int) -> str:
     return f"lazarus/round/{round_}/port"
 
 
+# cpu: ranks (and the agent's collective check) stay on the CPU on a GPU machine; cuda: they
+# must have a GPU (lazarus.trainer.device).
+DEVICE_ENV = "LAZARUS_DEVICE"
+
 # Set for every rank unless the job or the node says otherwise. NCCL's default error handling
 # (3, SkipCleanUp) makes its watchdog abort the whole process on a collective's timeout or a
 # peer's error: the rank dies by SIGABRT and cannot say that a peer went away. 2 (CleanUpOnly)
