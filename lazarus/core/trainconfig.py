@@ -167,8 +167,9 @@ class GuardConfig:
     window: accepted steps the trends of the loss and the gradient norm are fitted over; their
         noise is taken over the forecast errors of 10 x window accepted steps (>= 3).
     threshold: how many robust standard deviations of its forecast errors the loss must rise
-        above its trend to be a spike on its own (> 1; the gradient norm alone needs 4x as
-        many, both together 0.6x each; `inf` turns spike detection off and keeps only the
+        above its trend to be a spike on its own (> 1; the gradient norm alone needs 3x as
+        many, both together 0.7x each: lazarus.trainer.guard's GRAD_Z_FACTOR and JOINT_SHARE;
+        `inf` turns spike detection off and keeps only the
         NaN/Inf check).
     min_history: accepted steps needed before any spike verdict (4 <= min_history <= window:
         the spread needs forecast errors, and the first comes with the fourth step).

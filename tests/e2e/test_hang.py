@@ -1,7 +1,7 @@
 """A hung rank end to end: no collective progress -> the agents capture every rank's stacks,
 the daemon names the rank the others wait for (or the one that is frozen), restarts from the
 last checkpoint, and the run finishes on the reference curve. Nothing waits for a collective
-timeout (600 s by default)."""
+timeout (the built-in trainer's process groups time out after 300 s: trainer/worker.py)."""
 
 from __future__ import annotations
 

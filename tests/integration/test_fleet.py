@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from lazarus.agent.service import REREAD_S
 from lazarus.core.records import (
     ROLE_SPARE,
@@ -22,6 +24,9 @@ from lazarus.core.records import (
 )
 from lazarus.sim.fleetrun import FleetRun, fleet_config
 from tests.integration.polling import until
+
+# A whole local cluster (etcd, daemon, agents, ranks): `-m "not e2e"` leaves it out.
+pytestmark = pytest.mark.e2e
 
 NODES, SPARES, NPROC = 64, 2, 8
 
