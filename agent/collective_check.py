@@ -53,6 +53,10 @@ REQUESTS = "lazarus/preflight/requests"
 ACK_S = 5.0
 # A requester asks for at most this much: it costs the serving node's CPU and network.
 MAX_PEER_BYTES = 64 * MiB
+# Peer tests an agent serves at once, and the newest request numbers it looks at: the store is
+# open to anyone, and each test holds a thread (and a gloo group) for up to its timeout.
+SERVING = 2
+PENDING = 4
 # The child's time to start on top of the test's own timeout: a cold torch import on a busy
 # node takes seconds (5-12 s seen for four agents starting together).
 CHILD_START_S = 30.0
@@ -199,30 +203,79 @@ def _with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes
 
 class PeerTests:
     """Serves other nodes' `with_peer` tests on this agent's store: `poll` (the agent's loop,
-    twice a second) starts a thread for each new request."""
+    twice a second) hands each new request to a thread of its own, at most SERVING at once.
+
+    The store takes anyone's writes (docs/security.md), so a request is judged before it
+    costs anything: of the numbers new since the last poll only the PENDING newest are
+    looked at (a requester takes the newest), one is served only once its record is there
+    and valid, and one whose record has not come within ACK_S (the requester has given up)
+    is forgotten. What cannot be served is dropped with one log line per poll; the
+    requester's test is then skipped, never failed."""
 
     def __init__(self, store, *, host: str, port: int, timeout_s: float = 30.0):
         self.store, self.host, self.port, self.timeout_s = store, host, port, timeout_s
         self._seen = 0
+        self._pending: dict[int, float] = {}   # request number -> when it was first seen
+        self._slots = threading.Semaphore(SERVING)
 
-    def poll(self) -> None:
-        requested = self.store.add(REQUESTS, 0)
-        while self._seen < requested:
-            self._seen += 1
-            threading.Thread(target=self._serve, args=(self._seen,), daemon=True,
-                             name=f"peer-test-{self._seen}").start()
+    def poll(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        try:
+            self._poll(now)
+        except RuntimeError as e:  # torch's DistError: tried again next poll
+            log.warning("collective tests: store unreadable: %s", _first_line(e))
 
-    def _serve(self, n: int) -> None:
+    def _poll(self, now: float) -> None:
+        raw = self._read(REQUESTS)
+        requested = _counter(raw) if raw is not None else 0
+        if requested is None:
+            # Only someone else's `set` makes this; requesters' `add` would fail on it.
+            log.warning("collective tests: ignoring a malformed request counter %r", raw[:32])
+            self.store.set(REQUESTS, str(self._seen))
+            return
+        if requested < self._seen:
+            self._seen = requested   # set back by someone: followed from where it is now
+        dropped = max(0, requested - self._seen - PENDING)
+        self._pending.update(dict.fromkeys(range(self._seen + 1 + dropped, requested + 1), now))
+        self._seen = requested
+        for n in sorted(self._pending)[:-PENDING]:
+            del self._pending[n]
+            dropped += 1
+        for n, since in sorted(self._pending.items()):
+            record = self._read(f"lazarus/preflight/request/{n}")
+            if record is None:
+                if now - since > ACK_S:
+                    del self._pending[n]   # its requester has given up
+                continue
+            del self._pending[n]
+            nbytes = _requested_bytes(record)
+            if nbytes is None:
+                log.info("collective test %d ignored: malformed request %r", n, record[:64])
+            elif not self._slots.acquire(blocking=False):
+                dropped += 1
+            else:
+                try:
+                    threading.Thread(target=self._serve, args=(n, nbytes), daemon=True,
+                                     name=f"peer-test-{n}").start()
+                except RuntimeError:   # no thread to be had: the slot is not taken
+                    self._slots.release()
+                    raise
+        if dropped:
+            log.warning("collective tests: dropped %d requests (at most %d served at once)",
+                        dropped, SERVING)
+
+    def _read(self, key: str) -> bytes | None:
+        """`key`'s value, None when there is none, without blocking. Never `add`: on a value
+        that is no number the store closes the connection it came on, here the agent's own."""
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def _serve(self, n: int, nbytes: int) -> None:
         import torch.distributed as dist
 
         started = time.monotonic()
         try:
             client = dist.TCPStore(self.host, self.port, is_master=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-            req = json.loads(client.get(f"lazarus/preflight/request/{n}"))
-            nbytes = min(int(req.get("bytes", 0)), MAX_PEER_BYTES)
-            if nbytes < 4:
-                raise ValueError(f"request of {nbytes} bytes")
             client.set(f"lazarus/preflight/{n}/ack", "1")
             allreduce(dist.PrefixStore(f"lazarus/preflight/{n}/", client), 0, 2,
                       backend="gloo", nbytes=nbytes, timeout_s=self.timeout_s, host=self.host,
@@ -232,6 +285,29 @@ class PeerTests:
                      time.monotonic() - started)
         except Exception as e:  # the requester's verdict, not this agent's business
             log.info("collective test %d not served: %s", n, _first_line(e))
+        finally:
+            self._slots.release()
+
+
+def _counter(raw: bytes) -> int | None:
+    """The request counter's value; None when it is no number (`add` writes decimal)."""
+    try:
+        return int(raw) if len(raw) <= 20 else None
+    except ValueError:
+        return None
+
+
+def _requested_bytes(record: bytes) -> int | None:
+    """The bytes a request record asks for (`{"bytes": N}`, as `_with_peer` writes it),
+    capped at MAX_PEER_BYTES; None for anything else."""
+    try:
+        req = json.loads(record) if len(record) <= 256 else None
+    except ValueError:
+        return None
+    nbytes = req.get("bytes") if isinstance(req, dict) else None
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 4:
+        return None
+    return min(nbytes, MAX_PEER_BYTES)
 
 
 def allreduce(store, rank: int, world: int, *, backend: str, nbytes: int, timeout_s: float,

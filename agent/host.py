@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,10 +78,12 @@ class HostVerdict:
 
 
 def _probe(directory: Path) -> str | None:
-    """Write, sync and remove a small file: what a checkpoint save will need."""
-    path = directory / f".lazarus-probe-{os.getpid()}"
+    """Write, sync and remove a small file: what a checkpoint save will need. The file is a
+    new one of an unguessable name: a checkpoint dir others may write to can hold a symlink
+    planted where a predictable name would be, and a write must not go through it."""
+    path = directory / f".lazarus-probe-{secrets.token_hex(8)}"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, b"lazarus probe\n" * 64)
             os.fsync(fd)

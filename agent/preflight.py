@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import shutil
 import ssl
 import tempfile
@@ -124,7 +125,7 @@ def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
             done.append(f"{d} not there yet")
             continue
         data = os.urandom(nbytes)
-        path = d / f".lazarus-preflight-{os.getpid()}-{threading.get_ident()}"
+        path = d / f".lazarus-preflight-{secrets.token_hex(8)}"
         try:
             back = _write_read(path, data)
         except OSError as e:
@@ -136,20 +137,23 @@ def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
 
 
 def _write_read(path: Path, data: bytes) -> bytes:
-    """Write `data` to a new file, fsync it, drop it from the cache, read it back, remove it."""
+    """Write `data` to a new file, fsync it, drop it from the cache, read it back, remove it.
+    The file is created here or not at all (O_EXCL, O_NOFOLLOW) and read back through the same
+    descriptor: the checkpoint dir may be writable by others, who must not get a write through
+    a symlink planted at its name, nor swap the file before the read."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        with open(path, "rb") as f:
-            return f.read()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        back = bytearray()
+        while chunk := os.pread(fd, len(data) + 1 - len(back), len(back)):
+            back += chunk
+        return bytes(back)
     finally:
+        os.close(fd)
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -13,6 +13,10 @@ their replicas here together with this node's own copies of the same step, and r
 the ranks by a step or more when the copies are big or the cores busy. Past `limit_bytes` the oldest
 copies go first, promised or not: the bound is hard, and a restore that misses a copy falls
 back to storage (tier 1).
+
+The directory is this user's alone (lazarus.core.privatedir), and every file in it is 0600:
+another local user must not read a shard, swap one in, or plant a symlink a write here follows
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ import logging
 import os
 import re
 import shutil
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from lazarus.core.privatedir import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +51,11 @@ def _name(job: str, rank: int, step: int) -> str:
 
 
 class Tier0Store:
+    """`root`: created 0700 when missing; UserError when it is a symlink, another user's, or
+    open to others (lazarus.core.privatedir)."""
+
     def __init__(self, root: Path, *, limit_bytes: int, keep: int = 2):
-        self.root = Path(root)
+        self.root = private_dir(Path(root), "tier-0 directory")
         self.limit_bytes = limit_bytes
         self.keep = keep
         self._lock = threading.Lock()
@@ -54,8 +65,7 @@ class Tier0Store:
         for sub in ("incoming", "local", "replica"):
             # Leftovers of an earlier agent of this node: of no known job now.
             shutil.rmtree(self.root / sub, ignore_errors=True)
-            (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+            (self.root / sub).mkdir(mode=0o700, exist_ok=True)
 
     @property
     def incoming(self) -> Path:
@@ -64,18 +74,29 @@ class Tier0Store:
     def add_local(self, job: str, rank: int, step: int, path: Path) -> Copy | None:
         """Take over a rank's snapshot file (it must be in `incoming/`)."""
         path = Path(path)
-        if path.parent != self.incoming or not path.is_file():
+        try:
+            regular = path.parent == self.incoming and stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
             log.warning("ignoring tier-0 snapshot %s: not a file in %s", path, self.incoming)
             return None
         dest = self.root / "local" / _name(job, rank, step)
         os.replace(path, dest)
+        os.chmod(dest, 0o600)   # a rank writes it under its umask (0644 seen)
         return self._add(Copy(job, rank, step, dest, dest.stat().st_size, True))
 
     def add_replica(self, job: str, rank: int, step: int, data: bytes) -> Copy:
         dest = self.root / "replica" / _name(job, rank, step)
-        tmp = dest.with_name(dest.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
+        # A new file of a unique name (O_EXCL, 0600): never one that was there before.
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return self._add(Copy(job, rank, step, dest, len(data), False))
 
     def _add(self, copy: Copy) -> Copy:

@@ -26,6 +26,7 @@ from lazarus.agent import replica
 from lazarus.agent.tier0 import Tier0Store
 from lazarus.core import sealed
 from lazarus.core.errors import UserError
+from lazarus.core.privatedir import private_dir
 from lazarus.core.records import NodeRecord, RoundRecord
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class Tier0Options:
     directory: Path
     limit_bytes: int
     key: bytes | None       # shared by the job's agents; None: no replication
+    # The directory's parent is this user's alone too (the default /dev/shm/lazarus-UID,
+    # a name anyone could take first); a --tier0-dir's parent may be /dev/shm itself.
+    private_parent: bool = False
 
 
 def default_dir(workdir: Path, node: str) -> Path:
@@ -69,7 +73,8 @@ def tier0_options(args: argparse.Namespace, workdir: Path) -> Tier0Options | Non
         raise UserError("--tier0-memory-mb must be positive")
     key = sealed.load_key(file=args.replica_key_file, env=KEY_ENV, what="--replica-key-file")
     return Tier0Options(directory=args.tier0_dir or default_dir(workdir, args.node),
-                        limit_bytes=int(args.tier0_memory_mb * (1 << 20)), key=key)
+                        limit_bytes=int(args.tier0_memory_mb * (1 << 20)), key=key,
+                        private_parent=args.tier0_dir is None)
 
 
 def ring_peer(members: list[str], node: str) -> str | None:
@@ -95,7 +100,8 @@ class Tier0:
         self.lookup = lookup
         self.on_kept = on_kept
         try:
-            options.directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if options.private_parent:
+                private_dir(options.directory.parent, "tier-0 directory")
             self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes)
         except OSError as e:
             raise UserError(f"--tier0-dir {options.directory}: {e.strerror or e} (give a "
