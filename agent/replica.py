@@ -8,18 +8,24 @@ One request per TCP connection, one answer:
     answer   = the same framing: {"ok", "error"} and, to a get, the snapshot file
 
 Every message is sealed with HMAC-SHA256 under the key the job's agents share
-(lazarus.core.sealed), over its header and the sha256 digest its payload (a snapshot file,
-or nothing: a get's request, a refusal) ends with -- not over the payload itself: the payload
-must then pass its own checksum against that digest, here, before anything reads it
-(lazarus.core.snapshotfile). The HMAC of a 2 GB shard would cost one of the agent's cores
-about 1.5 s on each side, for nothing the checksum does not already prove. So neither side
-takes a shard, nor a request for one, from anyone without the key; a header more than
-MAX_SKEW_S off this clock is refused, which bounds replays. A received shard must also be a
-snapshot of the rank and step its header names.
+(lazarus.core.sealed), over its header, its payload's length and the sha256 digest its payload
+(a snapshot file, or nothing: a get's request, a refusal) ends with -- not over the payload
+itself: the payload must then end with that digest and pass its own checksum against it,
+here, before anything reads it (lazarus.core.snapshotfile). The HMAC of a 2 GB shard would
+cost one of the agent's cores about 1.5 s on each side, for nothing the checksum does not
+already prove. So neither side takes a shard, nor a request for one, from anyone without the
+key; a header more than MAX_SKEW_S off this clock is refused, which bounds replays. A received
+shard must also be a snapshot of the rank and step its header names.
 
-    message = header length (4) | header (JSON) | payload length + 36 (8) | MAGIC + tag (36)
-              | payload
-    tag     = HMAC-SHA256(key, ... | CONTEXT | header | the payload's last 32 bytes)
+    message = header length (4) | header (JSON) | payload length (8) | digest (32)
+              | MAGIC + tag (36) | payload
+    tag     = HMAC-SHA256(key, ... | CONTEXT | header length | header | payload length | digest)
+    digest  = the payload's last 32 bytes (zeros for no payload)
+
+Everything before the payload is sealed, and checked before a byte of the payload is read or
+a byte of memory is set aside for it: someone without the key costs the agent a few hundred
+bytes and one of MAX_CONNECTIONS slots for at most HEADER_S (docs/security.md, "Tier-0
+snapshots"). Connections beyond the slots are closed at once.
 """
 
 from __future__ import annotations
@@ -40,7 +46,18 @@ log = logging.getLogger(__name__)
 
 MAX_SKEW_S = 120.0
 MAX_HEADER = 64 << 10
+# A client's wait for the answer: the peer writes a put into its store (or reads a get's file)
+# before it answers.
 TIMEOUT_S = 30.0
+# All of a request's sealed part, on the server: a few hundred bytes from a peer on the same
+# network arrive in milliseconds; a slower sender is a slot held by someone.
+HEADER_S = 5.0
+# A payload's own deadline: this floor plus its size at BODY_RATE (64 Mbit/s, a small fraction
+# of any link between training nodes). Sealed first, so only a key holder gets that long.
+BODY_FLOOR_S, BODY_RATE = 30.0, 8 << 20
+# Transfers at once. A node receives from one ring neighbour and is fetched from by the few
+# nodes that replace lost ones; each slot is a thread.
+MAX_CONNECTIONS = 8
 
 
 class ReplicaError(OSError):
@@ -52,65 +69,97 @@ class BadPayload(ReplicaError):
     sender. The sender is told (a forger is not)."""
 
 
-# Versions the sealing: an agent that sealed whole payloads is refused, not misread.
-CONTEXT = b"lazarus-replica-2\0"
+# Versions the sealing: an agent of another framing is refused, not misread.
+CONTEXT = b"lazarus-replica-3\0"
 _SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
 _DIGEST = 32  # sha256, at the end of every snapshot file
+_NO_DIGEST = bytes(_DIGEST)
 
 
-def _context(head: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-    return CONTEXT + head + bytes(memoryview(payload)[-_DIGEST:] if len(payload) else b"")
+def _context(head: bytes, length: int, digest: bytes) -> bytes:
+    return CONTEXT + len(head).to_bytes(4, "big") + head + length.to_bytes(8, "big") + digest
+
+
+def _digest(payload: bytes | bytearray | memoryview) -> bytes:
+    return bytes(memoryview(payload)[-_DIGEST:]) if len(payload) else _NO_DIGEST
 
 
 def _send(sock: socket.socket, key: bytes, header: dict,
           payload: bytes | bytearray | memoryview = b"") -> None:
     head = json.dumps(header, sort_keys=True).encode()
-    seal = sealed.tag(key, _context(head, payload))
-    sock.sendall(len(head).to_bytes(4, "big") + head
-                 + (len(seal) + len(payload)).to_bytes(8, "big") + seal)
+    digest = _digest(payload)
+    seal = sealed.tag(key, _context(head, len(payload), digest))
+    sock.sendall(len(head).to_bytes(4, "big") + head + len(payload).to_bytes(8, "big")
+                 + digest + seal)
     if len(payload):
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str) -> None:
+    """Fill `view` from `sock` by `deadline` (time.monotonic()), or ReplicaError: a deadline
+    for the whole, not per read, or a sender dripping a byte at a time holds on for ever."""
+    got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ReplicaError(f"{what} too slow: {got} of {n} bytes in time")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        except TimeoutError:
+            raise ReplicaError(f"{what} too slow: {got} of {n} bytes in time") from None
         if not k:
-            raise ReplicaError(f"connection closed after {got} of {n} bytes")
+            raise ReplicaError(f"connection closed after {got} of {n} bytes of {what}")
         got += k
-    return buf
 
 
-def _recv(sock: socket.socket, key: bytes, *, max_payload: int
+def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), deadline, what)
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float
           ) -> tuple[dict, bytearray, dict | None]:
     """(header, payload, the payload's snapshot header or None when it is empty): sealed
-    under `key`, and a payload that passes its checksum, or ReplicaError."""
-    size = int.from_bytes(_recv_exact(sock, 4), "big")
+    under `key`, fresh, and a payload that passes its checksum, or ReplicaError. The seal
+    is checked before the payload is read; `header_s`: the time the sealed part may take."""
+    deadline = time.monotonic() + header_s
+    size = int.from_bytes(_recv_exact(sock, 4, deadline, "the header"), "big")
     if size > MAX_HEADER:
         raise ReplicaError(f"a header of {size} bytes: not a replica message")
-    head = bytes(_recv_exact(sock, size))
-    length = int.from_bytes(_recv_exact(sock, 8), "big")
-    if length < _SEAL or length > max_payload + _SEAL:
-        raise ReplicaError(f"a payload of {length - _SEAL} bytes, not 0..{max_payload}")
-    seal = bytes(_recv_exact(sock, _SEAL))
-    payload = _recv_exact(sock, length - _SEAL)
+    head = _recv_exact(sock, size, deadline, "the header")
+    sealed_part = _recv_exact(sock, 8 + _DIGEST + _SEAL, deadline, "the header")
+    length = int.from_bytes(sealed_part[:8], "big")
+    digest, seal = sealed_part[8:8 + _DIGEST], sealed_part[8 + _DIGEST:]
     try:
-        sealed.check(key, _context(head, payload), seal)
-        header = json.loads(head)
+        sealed.check(key, _context(head, length, digest), seal)
     except sealed.Forged as e:
         raise ReplicaError(f"refused an unauthenticated message: {e}") from None
-    except ValueError as e:
+    # From here on the sender holds the key: its announced size is trusted up to the limit.
+    if length > max_payload:
+        raise ReplicaError(f"a payload of {length} bytes, not 0..{max_payload}")
+    try:
+        header = json.loads(head)
+    except (ValueError, RecursionError) as e:
         raise ReplicaError(f"a header that is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ReplicaError("a header that is not a JSON object")
+    _fresh(header)  # a replay is refused before its payload costs memory
+    payload = bytearray(length)
+    _recv_into(sock, memoryview(payload),
+               time.monotonic() + BODY_FLOOR_S + length / BODY_RATE, "the payload")
     snap = None
     if payload:
         try:  # the seal covers the digest: the payload is the sender's only if this holds
+            if _digest(payload) != digest:
+                raise SnapshotError("the snapshot received does not end with the digest "
+                                    "it was sealed with: damaged on the way")
             snap = snapshotfile.verify(payload, "the snapshot received")
         except SnapshotError as e:
             raise BadPayload(str(e)) from None
+    elif digest != _NO_DIGEST:
+        raise ReplicaError("an empty payload sealed with a digest")
     return header, payload, snap
 
 
@@ -128,10 +177,42 @@ def _address(header: dict) -> tuple[str, int, int]:
     return job, rank, step
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    """A thread per connection, MAX_CONNECTIONS at most: one more is closed at once, unread
+    (its sender sees the connection end and tries again later)."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+    request_queue_size = 64  # a burst of connections is answered (closed), not left to retry
+
+    def __init__(self, *args, **kwargs):
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.debug("tier-0 connection from %s closed: %d transfers at once already",
+                      client_address[0], MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started: nothing else will
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class ReplicaServer:
     """Serves puts into and gets from this agent's store. `accept(job, rank, step, data,
     round)` stores a verified copy (ReplicaError: refused); `find(job, rank, step)` is the path of one, or None.
-    `max_bytes`: the largest snapshot taken (the store's limit)."""
+    `max_bytes`: the largest snapshot taken (the store's limit). At most MAX_CONNECTIONS
+    transfers at once; each must deliver its sealed header within HEADER_S."""
 
     def __init__(self, host: str, *, key: bytes,
                  accept: Callable[[str, int, int, bytes, int], None],
@@ -141,26 +222,25 @@ class ReplicaServer:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                self.request.settimeout(TIMEOUT_S)
                 try:
                     server._serve(self.request)
                 except (OSError, ValueError) as e:
                     log.warning("tier-0 transfer from %s refused: %s", self.client_address[0], e)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._tcp = socketserver.ThreadingTCPServer((host, 0), Handler)
-        self._tcp.daemon_threads = True
+        self._tcp = _Server((host, 0), Handler)
         self.port = self._tcp.server_address[1]
         threading.Thread(target=self._tcp.serve_forever, daemon=True,
                          name="tier0-server").start()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes)
+            header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes,
+                                         header_s=HEADER_S)
         except BadPayload as e:
+            sock.settimeout(TIMEOUT_S)
             _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
             raise
-        _fresh(header)
+        sock.settimeout(TIMEOUT_S)  # for the answer: _recv left its deadline's remainder
         job, rank, step = _address(header)
         if header.get("op") == "put":
             if got is None:
@@ -198,10 +278,9 @@ def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
     try:
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
             _send(sock, key, {**header, "time": time.time()}, payload)
-            answer, data, _ = _recv(sock, key, max_payload=max_bytes)
+            answer, data, _ = _recv(sock, key, max_payload=max_bytes, header_s=TIMEOUT_S)
     except OSError as e:
         raise ReplicaError(f"{host}:{port}: {e}") from None
-    _fresh(answer)
     if answer.get("ok") is not True:
         raise ReplicaError(f"{host}:{port} refused: {str(answer.get('error'))[:300]}")
     return answer, data

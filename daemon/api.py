@@ -12,15 +12,17 @@ token, so an RPC added later is an admin's until someone decides otherwise.
 
 A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
 they are parsed, every field is checked (INVALID_ARGUMENT names it), at most MAX_STREAMS event
-streams run at once so unary calls always find a thread, and an error in a handler ends that
-call only (gRPC turns it into a status).
+streams run at once so unary calls always find a thread, a refused call ends without waiting
+for its request (a caller that never sends one holds no thread), a follow stream whose reader
+falls MAX_INBOX_EVENTS behind ends RESOURCE_EXHAUSTED instead of growing without bound, and
+an error in a handler ends that call only (gRPC turns it into a status). docs/security.md.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
-import queue
 import threading
 import time
 import tomllib
@@ -55,6 +57,10 @@ MAX_CHECKPOINT_LIMIT = 100_000
 READ_METHODS = frozenset({"GetRunHealth", "ListNodes", "ListCheckpoints", "WatchEvents"})
 # How often a quiet event stream looks whether its client is still there.
 STREAM_POLL_S = 1.0
+# Events a follow stream may hold for a reader that does not keep up; past them it ends
+# RESOURCE_EXHAUSTED, naming the revision to watch again from. Above what a re-list after a
+# compaction brings at once (retention keeps 1000 events by default).
+MAX_INBOX_EVENTS = 10_000
 # How long a read waits for the cache to catch up with etcd; a change outside our key root
 # moves etcd's revision without ever reaching our watch, and costs a read that much.
 CATCH_UP_S = 0.5
@@ -100,6 +106,50 @@ def _text(field: str, value: str, limit: int) -> str:
     if len(value) > limit or not value.isprintable():
         raise _invalid(f"{field}: at most {limit} printable characters")
     return value
+
+
+class _FellBehind(Exception):
+    """A follow stream's reader let more than its inbox's limit of events pile up."""
+
+
+class _Inbox:
+    """The batches of events a follow stream has yet to send, at most `limit` events: the
+    watch fills it from etcd's pace, the stream empties it at its reader's, and a reader that
+    never reads must not make the daemon hold every event of the run for it. Past the limit
+    the inbox drops what it holds and takes nothing more; `get` then raises _FellBehind."""
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._batches: collections.deque[list] = collections.deque()
+        self._pending = 0
+        self._behind = False
+        self._cond = threading.Condition()
+
+    def put(self, batch: list) -> None:
+        with self._cond:
+            if self._behind:
+                return
+            self._pending += len(batch)
+            if self._pending > self._limit:
+                self._behind = True
+                self._batches.clear()
+                self._pending = 0
+            else:
+                self._batches.append(batch)
+            self._cond.notify()
+
+    def get(self, timeout: float) -> list | None:
+        """The next batch, or None when none came within `timeout`."""
+        with self._cond:
+            if not self._batches and not self._behind:
+                self._cond.wait(timeout)
+            if self._behind:
+                raise _FellBehind()
+            if not self._batches:
+                return None
+            batch = self._batches.popleft()
+            self._pending -= len(batch)
+            return batch
 
 
 def _unary(method):
@@ -205,7 +255,7 @@ class LazarusServicer(pb_grpc.LazarusServicer):
         snap = self.etcd.get_prefix(self.keys.events)
         backlog = [kv for kv, _ in merged_events(self.history, snap, self.keys)]
         if request.follow:
-            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            inbox = _Inbox(MAX_INBOX_EVENTS)
 
             def resync() -> int:  # the watch fell behind a compaction: re-list what is left
                 again = E.retry(lambda: self.etcd.get_prefix(self.keys.events), deadline_s=30)
@@ -227,7 +277,12 @@ class LazarusServicer(pb_grpc.LazarusServicer):
             while context.is_active():
                 try:
                     batch = inbox.get(timeout=STREAM_POLL_S)
-                except queue.Empty:
+                except _FellBehind:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"this stream fell more than {MAX_INBOX_EVENTS} events behind "
+                                  "(its reader is too slow); watch again with start_revision "
+                                  f"{last + 1} to go on from where it stopped")
+                if batch is None:
                     continue
                 for ev in batch:
                     if "DELETE" in ev.kind:
@@ -371,17 +426,21 @@ class TokenAuth(grpc.ServerInterceptor):
 
 def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
           message: str) -> grpc.RpcMethodHandler:
-    def unary(_request, context):
+    # Handlers that take a request *stream*, whatever the method's shape: gRPC calls them at
+    # once, where a unary-request handler first waits in a pool thread for the whole request.
+    # A caller that sends headers and never its request would hold a thread each that way, and
+    # a score of them every thread the server has. The wire does not tell the two apart.
+    # No deserializer either: a refused call's bytes are never parsed.
+    def unary(_requests, context):
         context.abort(code, message)
 
-    def stream(_request, context):
+    def stream(_requests, context):
         context.abort(code, message)
         yield  # a generator, like the handler it stands in for
 
-    # No deserializer: a refused call's bytes are never parsed.
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.stream_unary_rpc_method_handler(unary)
 
 
 def _read(path: str, what: str) -> bytes:

@@ -451,7 +451,8 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})
     if alert is not None:
         return alert
-    swap = _planned_swap(view, job, st) or stragglers.respond(view, job, st)
+    swap = (_planned_swap(view, job, st) or stragglers.respond(view, job, st)
+            or stragglers.recovered(view, job, st))
     if swap is not None:
         return swap
     rolled_back = spikes.rollback(now, view, job, st)
@@ -463,7 +464,7 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
     if len(st.members) < job.nodes:
         current = set(st.members)
         spare = [n for n in usable(view, job) if n not in current]
-        ckpt = restore_point(view, job.id)
+        ckpt = restore_point(view, job)
         if spare and ckpt is not None and ckpt.round == st.round and ckpt.step > st.restore_step:
             members = choose(view, job, st.members)
             return start_round(now, view, job, st, members,

@@ -5,7 +5,9 @@ minutes (docs/architecture.md, "Keyspace and retention").
 What goes is chosen by `plan()`, a pure function of one snapshot and the clock: past a count
 (the newest N of each kind stay) or an age (records that carry a time: events and checkpoint
 records), never the round the run is in, the checkpoint it restores, or the newest good
-checkpoint of its job. The Pruner appends what goes to the daemon's history files
+checkpoint of its job that passes the daemon's check (lazarus.daemon.ckptcheck: agents write
+these records, and forged newer ones must not push the real one out). Retention deletes
+records only, never a directory: what is on disk is the trainer's (keep_last, by manifests). The Pruner appends what goes to the daemon's history files
 (lazarus.daemon.history) and only then deletes it, in transactions fenced on the leader's
 epoch and on each record's mod revision (a checkpoint re-marked since it was read stays).
 """
@@ -19,7 +21,9 @@ from dataclasses import dataclass
 
 from lazarus.core import etcd as E
 from lazarus.core.errors import UserError
+from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import CheckpointRecord, Keys, RecordError, RunStatus
+from lazarus.daemon import ckptcheck
 from lazarus.daemon.history import CHECKPOINTS, EVENTS, ROUNDS, History
 from lazarus.daemon.leader import Leadership
 
@@ -80,10 +84,17 @@ def plan(now: float, snap: E.Snapshot, keys: Keys,
             status = RunStatus.from_json(kv.value, keys.status)
         except RecordError:
             pass  # protect nothing by name; the counts still keep the newest
+    job = None
+    kv = snap.kvs.get(keys.accepted_job)
+    if kv is not None:
+        try:
+            job = JobSpec.from_json(kv.value, keys.accepted_job)
+        except RecordError:
+            pass  # no check of the records possible: the newest good one is protected
     return {EVENTS: _events(now, snap.prefix(keys.events), keys, retention),
             ROUNDS: _rounds(snap.prefix(keys.rounds), keys, retention, status),
             CHECKPOINTS: _checkpoints(now, snap.prefix(keys.checkpoints), keys, retention,
-                                      status)}
+                                      status, job)}
 
 
 def _events(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retention) -> list[E.KV]:
@@ -108,7 +119,7 @@ def _rounds(kvs: dict[str, E.KV], keys: Keys, retention: Retention,
 
 
 def _checkpoints(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retention,
-                 status: RunStatus | None) -> list[E.KV]:
+                 status: RunStatus | None, job: JobSpec | None = None) -> list[E.KV]:
     records = []
     for key, kv in kvs.items():
         if _NUMBERED.fullmatch(key[len(keys.checkpoints):]):
@@ -121,7 +132,8 @@ def _checkpoints(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retent
     protected = set()
     if status is not None:
         mine = [r for r in records if r[2] is not None and r[2].job_id == status.job_id]
-        good = [r for r in mine if r[2].good]
+        good = [r for r in mine if r[2].good and (
+            job is None or job.id != status.job_id or ckptcheck.why_not(r[2], job) is None)]
         protected = {r[0] for r in good[-1:]} | {r[0] for r in records
                                                  if r[2] is not None and status.restore
                                                  and r[2].path == status.restore}
@@ -152,8 +164,8 @@ class Pruner:
         if self.history is None or not leadership.is_leader or now < self._next:
             return 0
         self._next = now + self.every_s
-        snap = self.etcd.snapshot([self.keys.status, self.keys.events, self.keys.rounds,
-                                   self.keys.checkpoints])
+        snap = self.etcd.snapshot([self.keys.status, self.keys.accepted_job, self.keys.events,
+                                   self.keys.rounds, self.keys.checkpoints])
         todo = plan(time.time(), snap, self.keys, self.retention)
         pruned = 0
         for kind, kvs in todo.items():

@@ -8,7 +8,7 @@ import dataclasses
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (MAX_ROUND, RECOVERING, RENDEZVOUS, ROLE_ACTIVE, CheckpointRecord,
                                   RoundRecord, RunStatus)
-from lazarus.daemon import preflight
+from lazarus.daemon import ckptcheck, preflight
 from lazarus.daemon import tier0
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
 from lazarus.daemon.view import ClusterView
@@ -35,9 +35,25 @@ def choose(view: ClusterView, job: JobSpec, keep: list[str]) -> list[str]:
     return members
 
 
-def restore_point(view: ClusterView, job_id: str) -> CheckpointRecord | None:
-    good = [c for c in view.checkpoints if c.good and c.job_id == job_id]
-    return good[-1] if good else None
+def restore_point(view: ClusterView, job: JobSpec) -> CheckpointRecord | None:
+    return checked_restore_point(view, job)[0]
+
+
+def checked_restore_point(view: ClusterView,
+                          job: JobSpec) -> tuple[CheckpointRecord | None, list[Emit]]:
+    """The newest good record of `job` that passes lazarus.daemon.ckptcheck, and an event for
+    each newer one that did not (agents write these records; any agent may forge one)."""
+    refused = []
+    for c in reversed(view.checkpoints):
+        if not c.good or c.job_id != job.id:
+            continue
+        why = ckptcheck.why_not(c, job)
+        if why is None:
+            return c, refused
+        refused.append(Emit("checkpoint_refused",
+                            f"checkpoint record of step {c.step} not restored: {why}",
+                            {"step": c.step, "path": c.path[:256], "reason": why}))
+    return None, refused
 
 
 _LATEST = object()
@@ -64,7 +80,11 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                             "delete the round records that are not the run's")
     first = view.nodes[members[0]]
     world = job.world_size(len(members))
-    ckpt = restore_point(view, job.id) if restore is _LATEST else restore
+    refused: list[Emit] = []
+    if restore is _LATEST:
+        ckpt, refused = checked_restore_point(view, job)
+    else:
+        ckpt = restore
     memory = None
     if restore is _LATEST:
         waiting = _stale_holdings(now, view, st)
@@ -97,7 +117,7 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     fields = {"members": members, "restore_step": record.restore_step}
     if step:
         fields["restore_tier"] = 0 if memory else 1
-    return Decision([StartRound(record), SetStatus(status),
+    return Decision([*refused, StartRound(record), SetStatus(status),
                      Emit("round_started", msg, fields)], msg)
 
 

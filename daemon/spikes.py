@@ -15,6 +15,7 @@ import dataclasses
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.policy import SpikePolicy
 from lazarus.core.records import CheckpointRecord, RunStatus
+from lazarus.daemon import ckptcheck
 from lazarus.daemon.actions import Decision, Emit, MarkCheckpoint
 from lazarus.daemon.rounds import start_round
 from lazarus.daemon.view import ClusterView
@@ -46,6 +47,8 @@ def good_checkpoint(view: ClusterView, job: JobSpec, spike_steps: list[int],
     first = min(spike_steps)
     for c in reversed(view.checkpoints):
         if c.job_id != job.id or not c.good or c.step >= first:
+            continue
+        if ckptcheck.why_not(c, job) is not None:  # a forged record (rounds.checked_restore_point)
             continue
         if not any(c.step < s <= c.step + policy.good_after_steps for s in spike_steps):
             return c

@@ -47,14 +47,34 @@ def find(view: ClusterView, job: JobSpec, st: RunStatus) -> list[Straggler]:
     return found
 
 
-def swap_pays(gain_s_per_step: float, swap_cost_s: float,
-              remaining_steps: int) -> tuple[bool, str]:
-    """Whether replacing a straggler pays: the time it saves over the rest of the run against
-    what the swap costs (checkpoint, rendezvous, restore), with SWAP_MARGIN to spare."""
-    saved = gain_s_per_step * remaining_steps
+def swap_pays(gain_s_per_step: float, swap_cost_s: float, remaining_steps: int, *,
+              slow_steps: int, step_s: float) -> tuple[bool, str]:
+    """Whether replacing a straggler pays, on evidence proportional to what a swap costs
+    (docs/architecture.md, "Stragglers"): the node has been slow for at least as long as a
+    swap takes (`slow_steps` x `step_s` >= `swap_cost_s`), and what the swap saves, projected
+    over no more steps than it has been slow for (nor than the run has left), exceeds its
+    cost (checkpoint, rendezvous, restore) SWAP_MARGIN times over. A passing slowdown (a noisy
+    neighbour, a flush, a page-cache storm) is over before it has earned a swap."""
+    lasted = slow_steps * step_s
+    horizon = max(0, min(remaining_steps, slow_steps))
+    saved = gain_s_per_step * horizon
+    if lasted < swap_cost_s:
+        return False, (f"a swap does not pay yet: slow for {slow_steps} steps ({lasted:.0f} s), "
+                       f"less than the {swap_cost_s:g} s a swap costs")
     worth = saved > SWAP_MARGIN * swap_cost_s
-    return worth, (f"a swap {'pays' if worth else 'does not pay'}: it saves ~{saved:.0f} s over "
-                   f"{remaining_steps} steps against {swap_cost_s:g} s x{SWAP_MARGIN:g}")
+    return worth, (f"a swap {'pays' if worth else 'does not pay'}: slow for {slow_steps} steps "
+                   f"({lasted:.0f} s), it saves ~{saved:.0f} s over the next {horizon} steps "
+                   f"against {swap_cost_s:g} s x{SWAP_MARGIN:g}")
+
+
+def _since(seen: object, st: RunStatus, s: Straggler, step: int) -> int:
+    """The step from which `s` has been slow without a break in this round: from its record in
+    the run status (written when first reported), else from its window now."""
+    if isinstance(seen, dict) and seen.get("round") == st.round:
+        since = seen.get("since_step")
+        if isinstance(since, int) and not isinstance(since, bool) and 0 <= since <= step:
+            return since
+    return max(0, step - s.slow_steps)
 
 
 def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
@@ -73,20 +93,47 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
     for node, s in sorted(by_node.items()):
         if node in view.drains:
             continue
-        pays, why = swap_pays(s.gain_s_per_step, cost, remaining)
+        seen = st.stragglers.get(node)
+        since = _since(seen, st, s, step)
+        pays, why = swap_pays(s.gain_s_per_step, cost, remaining, slow_steps=step - since,
+                              step_s=s.step_s)
         if pays and spares:
             msg = f"straggler: {s.reason}; {why}: checkpoint, then swap in {spares[0]}"
             return Decision([RequestDrain(node, msg),
                              Emit("straggler", msg, _fields(s, node, step, swap=spares[0]))], msg)
-        seen = st.stragglers.get(node)
         if isinstance(seen, dict) and seen.get("round") == st.round:
             continue  # already reported in this round (anything else there: report again)
         msg = (f"straggler: {s.reason}; " + (f"{why}: kept" if spares else
                                                "no spare idle: kept"))
-        flagged = {**st.stragglers, node: {"round": st.round, "reason": s.reason}}
+        flagged = {**st.stragglers, node: {"round": st.round, "reason": s.reason,
+                                           "since_step": since}}
         return Decision([SetStatus(dataclasses.replace(st, stragglers=flagged)),
                          Emit("straggler", msg, _fields(s, node, step, swap=None))], msg)
     return None
+
+
+def recovered(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    """Forget a reported straggler of this round that is no longer slow: its slowness passed,
+    and if it comes back its evidence starts again. One write per change, none per pass."""
+    mine = {n for n, v in st.stragglers.items() if isinstance(v, dict) and v.get("round") == st.round}
+    if not mine:
+        return None
+    slow = {s.node for s in find(view, job, st)}
+    # A node is judged only while every member reports a full window: absence of evidence in
+    # a pass where nobody is judged is not recovery.
+    if not _judged(view, st):
+        return None
+    gone = sorted(mine - slow)
+    if not gone:
+        return None
+    kept = {n: v for n, v in st.stragglers.items() if n not in gone}
+    msg = f"straggler: {', '.join(gone)} no longer slow"
+    return Decision([SetStatus(dataclasses.replace(st, stragglers=kept))], msg)
+
+
+def _judged(view: ClusterView, st: RunStatus) -> bool:
+    summaries = view.memo.get("summaries", {})
+    return all(n in summaries and summaries[n][1] for n in st.members)
 
 
 def _fields(s: Straggler, node: str, step: int, *, swap: str | None) -> dict:

@@ -823,9 +823,21 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     load_tensors(path, state, no_dist=not distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    if manifest["world_size"] == world:
-        _set_rng_state(json.loads((path / _rng_file(rank)).read_text()))
-    else:
-        seed = reseed_value(manifest["step"], rank)
-        torch.manual_seed(seed)  # seeds CUDA generators too
-    return manifest["extra"]
+    # The manifest is checked for what listing needs (read_manifest); what only a restore
+    # reads is checked here. A KeyError would be a crash, retried on the same checkpoint,
+    # where a bad checkpoint is condemned and the restore falls back.
+    try:
+        saved_world, extra = manifest["world_size"], manifest["extra"]
+        step = int(manifest["step"])
+        if saved_world == world:
+            _set_rng_state(json.loads((path / _rng_file(rank)).read_text()))
+        else:
+            torch.manual_seed(reseed_value(step, rank))  # seeds CUDA generators too
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        problem = (f"checkpoint {path}: its manifest or RNG state is malformed "
+                   f"({type(e).__name__}: {str(e)[:80]})")
+        raise RestoreFailed(problem, kind=CORRUPT, own=problem) from None
+    except OSError as e:
+        problem = f"checkpoint {path}: {_rng_file(rank)} cannot be read ({e.strerror or e})"
+        raise RestoreFailed(problem, kind=UNREADABLE, own=problem) from None
+    return extra

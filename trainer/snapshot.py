@@ -210,8 +210,10 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
                             f"is rank {rank} of {world_size}")
     tensors = tensors_of(raw, what)
     values = header.get("values") if isinstance(header.get("values"), dict) else {}
+    saved = optimstate.from_snapshot(tensors, values)
+    _check_state_shapes(model, saved, what)
     # Read over below: allocated rather than made by a step (trainer/optimstate.py).
-    optimstate.allocate(model, optimizer, optimstate.from_snapshot(tensors, values), local=True)
+    optimstate.allocate(model, optimizer, saved, local=True)
     state = _state(model, optimizer)
     leaves = list(_leaves(state))
     want = {p for p, v in leaves if isinstance(v, torch.Tensor)}
@@ -228,11 +230,53 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
                                         f"the model has {tuple(local.shape)} {local.dtype}")
                 local.copy_(saved)
             else:
+                if not _same_kind(values[path], value):
+                    raise SnapshotError(f"{what}: {path} is {str(values[path])[:40]!r}, the "
+                                        f"optimizer has a {type(value).__name__}")
                 _set_leaf(state, path, values[path], value)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    _set_rng_state(header["rng"])
+    try:
+        _set_rng_state(header["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise SnapshotError(f"{what}: its RNG state is missing or garbled "
+                            f"({type(e).__name__}: {str(e)[:80]})") from None
     return header
+
+
+# Per-parameter state that torch's optimizers (Adam, AdamW, SGD) keep in the parameter's
+# shape. A fresh optimizer is given the snapshot's shapes as they are (optimstate.allocate),
+# so a wrong one would pass the restore and fail the first step: a crash, retried on the same
+# snapshot, instead of a bad snapshot the restore falls back from.
+_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def _check_state_shapes(model: torch.nn.Module, saved: dict, what: str) -> None:
+    params = dict(model.named_parameters())
+    for name, entries in saved.items():
+        param = params.get(name)
+        if param is None:
+            continue  # a parameter the model lacks: the fit check below names it
+        own = tuple(_local(param).shape)
+        for key, value in entries.items():
+            if not isinstance(value, optimstate.SavedTensor):
+                continue
+            want = own if key in _PARAM_SHAPED else () if key == "step" else None
+            if want is not None and tuple(value.shape) != want:
+                raise SnapshotError(f"{what}: optim/state/{name}/{key} is {tuple(value.shape)}, "
+                                    f"not {want} (the parameter is {own})")
+
+
+def _same_kind(saved, current) -> bool:
+    """Whether a value read back from JSON can stand for the optimizer's own (a number for
+    a number, a list for a tuple): an lr of "x" would fail the first step, not the restore."""
+    if isinstance(current, bool) or current is None:
+        return type(saved) is type(current)
+    if isinstance(current, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(current, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(current)
+    return isinstance(saved, type(current))
 
 
 def _set_leaf(state: dict, path: str, saved, current) -> None:

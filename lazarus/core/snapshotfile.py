@@ -45,6 +45,10 @@ _DIGEST = hashlib.sha256().digest_size
 MIN_SAVING = 0.10
 _SAMPLE, _SLICES = 256 << 10, 16
 CODECS = ("zstd", "none")
+# The most a body may expand by. Tensors compress by 8-22% (above); zstd's own format allows
+# 32000x (a run of zeros), and a few MB declaring 100 GB would be allocated before anything
+# else could refuse them. A shard 98% zeros is refused too: the restore falls back to storage.
+MAX_RATIO = 64
 
 
 class SnapshotError(CheckpointError):
@@ -146,6 +150,7 @@ def unpack(data: bytes | memoryview, what: str = "snapshot"
             raise SnapshotError(f"{what}: {len(body)} body bytes, its header says "
                                 f"{header['raw_bytes']}")
         return header, body  # a view: the caller copies what it needs, once
+    _check_frame(body, header["raw_bytes"], what)
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=header["raw_bytes"])
     except zstandard.ZstdError as e:
@@ -154,3 +159,20 @@ def unpack(data: bytes | memoryview, what: str = "snapshot"
         raise SnapshotError(f"{what}: {len(raw)} bytes decompressed, its header says "
                             f"{header['raw_bytes']}")
     return header, raw
+
+
+def _check_frame(body: memoryview, raw_bytes: int, what: str) -> None:
+    """SnapshotError unless the zstd body declares the size the header does, within MAX_RATIO
+    of its own: zstandard allocates what the frame declares (max_output_size or not), so this
+    is checked before a byte is decompressed."""
+    if raw_bytes > MAX_RATIO * max(len(body), 1):
+        raise SnapshotError(f"{what}: {raw_bytes} bytes from a body of {len(body)}, more than "
+                            f"{MAX_RATIO}x: not a snapshot this writer made")
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise SnapshotError(f"{what}: its body is not a zstd frame ({e})") from None
+    if declared != raw_bytes:
+        said = "no size" if declared < 0 else f"{declared} bytes"
+        raise SnapshotError(f"{what}: its zstd frame declares {said}, its header says "
+                            f"{raw_bytes}")

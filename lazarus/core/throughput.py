@@ -37,6 +37,20 @@ class ThroughputConfig:
     window: int = WINDOW     # M: the last steps judged
     margin: float = 1.2      # slower than the median of its peers by this factor ...
     min_slow: int = 14       # ... in at least N of the last M steps: a straggler
+    # Peers whose current pace is this much slower than their own best of the round were hit
+    # by the same event (machine-wide contention, a checkpoint flush, another node's
+    # preflight): nobody is judged against them until they are back.
+    contention: float = 1.15
+
+
+# A rank is warm, and its steps count, once its pace has stopped falling: WARM_RUN steps in a
+# row within WARM_SPREAD of their median, or WARM_RUN steps whose median is no faster than
+# the WARM_RUN before them by more than WARM_SPREAD (a rank that is uneven but no longer
+# speeding up). Its first steps after a (re)start pay for first use (DTensor, FSDP, the
+# allocator, compilation; on shared CPUs, a restored peer's start), and how long that lasts
+# differs by model and machine, so it is measured per rank and round, not assumed.
+WARM_RUN = 5
+WARM_SPREAD = 1.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +79,8 @@ class RankSummary:
     node: str
     work_s: tuple[float, ...]
     p50_s: float             # median wall step time: what a step costs the run now
+    base_s: float | None = None  # its best median work time of the round (None: unknown)
+    warmup: int = 0          # steps of the round it took to warm up (held out of work_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +91,7 @@ class Straggler:
     slow_steps: int
     of_steps: int
     gain_s_per_step: float   # step time saved if the rank ran at its peers' pace
+    step_s: float = 0.0      # its median wall step time: what a step of the run takes now
 
     @property
     def reason(self) -> str:
@@ -119,11 +136,14 @@ def judge(ranks: Iterable[RankSummary], config: ThroughputConfig) -> list[Stragg
     least = config.margin * _median_without(medians, len(medians) - 1)
     k = config.min_slow
     out = []
+    bases = sorted(r.base_s for r in ranks if r.base_s is not None and r.base_s > 0)
     for r in ranks:
         if len(r.work_s) < k or not r.work_s[-k] > least:
             continue
         peers = _median_without(medians, bisect.bisect_left(medians, _median(r.work_s)))
         if not peers > 0:
+            continue
+        if _contended(peers, bases, r, config):
             continue
         slow = r.work_s[bisect.bisect_right(r.work_s, config.margin * peers):]
         # ... and slow in most of its window, not only in its heaviest steps: rank 0's
@@ -133,8 +153,22 @@ def judge(ranks: Iterable[RankSummary], config: ThroughputConfig) -> list[Stragg
             ratio = _median(slow) / peers
             out.append(Straggler(rank=r.rank, node=r.node, ratio=ratio, slow_steps=len(slow),
                                  of_steps=len(r.work_s),
-                                 gain_s_per_step=r.p50_s * (1 - 1 / ratio)))
+                                 gain_s_per_step=r.p50_s * (1 - 1 / ratio),
+                                 step_s=r.p50_s))
     return out
+
+
+def _contended(peers: float, bases: list[float], r: RankSummary,
+               config: ThroughputConfig) -> bool:
+    """Whether the peers of `r` are themselves slowed, against their own best pace of the
+    round: then whatever slowed `r` hit them too, and `r` is not judged. `bases`: every
+    rank's best, sorted (ranks of agents that publish none are left out of it)."""
+    if len(bases) < 2:
+        return False
+    own = r.base_s if r.base_s is not None and r.base_s > 0 else None
+    peer_base = (_median_without(bases, bisect.bisect_left(bases, own)) if own is not None
+                 else _median(bases))
+    return peers > config.contention * peer_base
 
 
 def read_summary(node: str, doc: object, *, window: int = WINDOW) -> list[RankSummary]:
@@ -151,22 +185,37 @@ def read_summary(node: str, doc: object, *, window: int = WINDOW) -> list[RankSu
             # makes it non-finite, a string raises): the exact check only for the rare bad one.
             if not math.isfinite(math.fsum(work)):
                 work = [x for x in work if math.isfinite(x)]
+            base = entry.get("base_s")
+            base = float(base) if base is not None else None
+            warmup = entry.get("warmup", 0)
             out.append(RankSummary(rank=int(rank), node=node, work_s=tuple(sorted(work)),
-                                   p50_s=p50 if math.isfinite(p50) else 0.0))
+                                   p50_s=p50 if math.isfinite(p50) else 0.0,
+                                   base_s=base if base is not None and math.isfinite(base)
+                                   and base > 0 else None,
+                                   warmup=warmup if isinstance(warmup, int) else 0))
         except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return out
 
 
 class ThroughputTracker:
+    """A node's ranks' recent steps, per round (`reset` at each). A rank's steps count from
+    the first run of WARM_RUN steady ones (see WARM_RUN); before that they are its warm-up."""
+
     def __init__(self, config: ThroughputConfig | None = None):
         self.config = config or ThroughputConfig()
         self._ranks: dict[int, deque[_Step]] = {}
         self._node: dict[int, str] = {}
+        self._warming: dict[int, deque[_Step]] = {}
+        self._warmup: dict[int, int] = {}      # steps held out before the rank was warm
+        self._base: dict[int, float] = {}      # best median work time of a half-full window
 
     def reset(self) -> None:
         self._ranks.clear()
         self._node.clear()
+        self._warming.clear()
+        self._warmup.clear()
+        self._base.clear()
 
     def observe(self, *, rank: int, step: int, step_time_s: float, tokens: int,
                 node: str = "", compute_s: float | None = None) -> None:
@@ -174,8 +223,24 @@ class ThroughputTracker:
             return  # a report without timing (the first step of a local session)
         rec = _Step(step_time_s=step_time_s, tokens=tokens,
                     work_s=compute_s if compute_s is not None else step_time_s)
-        self._ranks.setdefault(rank, deque(maxlen=self.config.window)).append(rec)
         self._node[rank] = node
+        window = self._ranks.get(rank)
+        if window is None:
+            warming = self._warming.setdefault(rank, deque(maxlen=2 * WARM_RUN))
+            warming.append(rec)
+            self._warmup[rank] = self._warmup.get(rank, 0) + 1
+            if not _warm(warming):
+                return
+            # Warm: its last WARM_RUN steps start the window; the steps before were warm-up.
+            last = list(warming)[-WARM_RUN:]
+            self._warmup[rank] -= len(last)
+            window = self._ranks[rank] = deque(last, maxlen=self.config.window)
+            del self._warming[rank]
+        else:
+            window.append(rec)
+        if len(window) >= self.config.window // 2:
+            median = statistics.median(r.work_s for r in window)
+            self._base[rank] = min(median, self._base.get(rank, median))
 
     def rank_stats(self, rank: int) -> RankStats:
         recs = self._ranks[rank]
@@ -188,7 +253,8 @@ class ThroughputTracker:
     def node_stats(self) -> dict[str, NodeStats]:
         by_node: dict[str, list[int]] = {}
         for rank, node in sorted(self._node.items()):
-            by_node.setdefault(node, []).append(rank)
+            if rank in self._ranks:  # a rank still warming up has no window yet
+                by_node.setdefault(node, []).append(rank)
         out = {}
         for node, ranks in by_node.items():
             stats = [self.rank_stats(r) for r in ranks]
@@ -201,7 +267,9 @@ class ThroughputTracker:
     def rank_summaries(self) -> list[RankSummary]:
         return [RankSummary(rank=rank, node=self._node[rank],
                             work_s=tuple(sorted(_short(r.work_s) for r in recs)),
-                            p50_s=statistics.median(r.step_time_s for r in recs))
+                            p50_s=statistics.median(r.step_time_s for r in recs),
+                            base_s=_short(self._base[rank]) if rank in self._base else None,
+                            warmup=self._warmup.get(rank, 0))
                 for rank, recs in sorted(self._ranks.items())]
 
     def summary(self) -> dict:
@@ -209,7 +277,9 @@ class ThroughputTracker:
         step time, which is all the daemon judges with (read_summary); the node's tokens/s
         and median step time. It is most of a node status's bytes, and etcd keeps each
         rewrite until a compaction."""
-        ranks = {str(s.rank): {"work_s": list(s.work_s), "p50_s": _short(s.p50_s)}
+        ranks = {str(s.rank): {"work_s": list(s.work_s), "p50_s": _short(s.p50_s),
+                               "warmup": s.warmup,
+                               **({"base_s": s.base_s} if s.base_s is not None else {})}
                  for s in self.rank_summaries()}
         nodes = list(self.node_stats().values())
         return {"ranks": ranks,
@@ -218,6 +288,20 @@ class ThroughputTracker:
 
     def stragglers(self) -> list[Straggler]:
         return judge(self.rank_summaries(), self.config)
+
+
+def _warm(steps: deque[_Step]) -> bool:
+    """Whether a rank's pace has stopped falling, from its last 2 x WARM_RUN steps (WARM_RUN)."""
+    if len(steps) < WARM_RUN:
+        return False
+    times = [r.work_s for r in steps]
+    last = sorted(times[-WARM_RUN:])
+    median = _median(last)
+    if median > 0 and last[-1] <= WARM_SPREAD * median and last[0] * WARM_SPREAD >= median:
+        return True
+    if len(times) < 2 * WARM_RUN:
+        return False
+    return median * WARM_SPREAD >= _median(sorted(times[:WARM_RUN]))
 
 
 def _short(x: float) -> float:

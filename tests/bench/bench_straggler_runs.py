@@ -12,13 +12,25 @@ default 60 steps of the tiny model), on this shared 2-core machine.
    machine would): how many steps after the slowdown the daemon names it (the target:
    within 20).
 
-LAZARUS_BENCH_STRAGGLER_RUNS=N changes the number of fault-free runs (default 10).
+3. Issue 25's two false alarms replayed, and the slow node again, for the evidence a swap needs
+   (docs/architecture.md, "Failure classes": straggler):
+   - a long job (100,000 steps, stopped after LONG_S) while another process loads the whole
+     machine for LOAD_S (two busy processes, one per core): no report, no swap;
+   - a run with a recovery every 20 steps (worker and node kills): no report after a
+     recovery (ranks warm up first);
+   - a node 1.5x slower with a cheap swap (`swap_cost_s` 2): named within 20 steps, and
+     swapped once its slowness has lasted as long as a swap costs and the swap pays.
+
+LAZARUS_BENCH_STRAGGLER_RUNS=N changes the number of fault-free runs (default 10);
+LAZARUS_BENCH_STRAGGLER_REPLAYS=N the number of runs of each situation of 3 (default 5).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -34,10 +46,16 @@ SLOW_AT = 10
 CATCH_WITHIN = 20
 
 
-def _run(workdir, chaos_spec: str) -> tuple[dict, list[dict], float]:
+REPLAYS = int(os.environ.get("LAZARUS_BENCH_STRAGGLER_REPLAYS", "5"))
+LONG_S, LOAD_AT_S, LOAD_S = 110.0, 30.0, 40.0
+RECOVERY_CHAOS = ",".join(f"{'kill-node' if i % 3 == 2 else 'kill-worker'}@{20 * (i + 1)}"
+                          for i in range(6))
+
+
+def _run(workdir, chaos_spec: str, *extra: str) -> tuple[dict, list[dict], float]:
     t0 = time.perf_counter()
     args = up._parse(["--workdir", str(workdir), "--quiet", "--nodes", "2", "--spares", "1",
-                      "--chaos", chaos_spec])
+                      "--chaos", chaos_spec, *extra])
     summary = up.run(args)
     events = [json.loads(line) for line in (workdir / "events.jsonl").open()]
     return summary, [e for e in events if e["kind"] == "straggler"], time.perf_counter() - t0
@@ -81,3 +99,85 @@ def test_a_node_1_5x_slower_is_named_within_20_steps(tmp_path, monkeypatch):
     print(f"named within {CATCH_WITHIN} steps, and nobody else named: "
           f"{SLOW_RUNS - len(late)} of {SLOW_RUNS} runs")
     assert not late
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _load_machine(after_s: float, seconds: float) -> threading.Thread:
+    """Two busy processes (one per core) from `after_s` on, for `seconds`: a noisy neighbour
+    that slows every rank of the local cluster, some more than others."""
+    def go():
+        time.sleep(after_s)
+        procs = [multiprocessing.Process(target=_burn, args=(seconds,)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _swaps(events: list[dict]) -> int:
+    return sum(1 for e in events if e["kind"] == "straggler" and e["fields"].get("swap_to"))
+
+
+@pytest.mark.timeout(3600)
+def test_a_passing_load_on_the_machine_swaps_and_reports_nothing(tmp_path):
+    print(f"\n== {REPLAYS} long runs (100,000 steps, stopped after {LONG_S:.0f} s), the machine "
+          f"loaded for {LOAD_S:.0f} s from {LOAD_AT_S:.0f} s ==")
+    print(f"{'run':>3} {'s':>5} {'steps':>6} reports")
+    reports = swaps = 0
+    for i in range(REPLAYS):
+        load = _load_machine(LOAD_AT_S, LOAD_S)
+        summary, flagged, took = _run(tmp_path / f"load-{i}", "none", "--steps", "100000",
+                                      "--timeout", str(LONG_S))
+        load.join()
+        reports += len(flagged)
+        swaps += _swaps(flagged)
+        print(f"{i + 1:>3} {took:>5.0f} {summary['steps_completed']:>6} {_flags(flagged)}",
+              flush=True)
+    print(f"straggler reports: {reports}, swaps: {swaps} in {REPLAYS} runs (target: 0, 0)")
+    assert swaps == 0 and reports == 0
+
+
+@pytest.mark.timeout(3600)
+def test_frequent_recoveries_report_no_straggler(tmp_path):
+    print(f"\n== {REPLAYS} runs of 140 steps with a recovery every 20 ({RECOVERY_CHAOS}) ==")
+    print(f"{'run':>3} {'s':>5} {'state':<10} {'recoveries':>10} reports")
+    reports = 0
+    for i in range(REPLAYS):
+        summary, flagged, took = _run(tmp_path / f"chaos-{i}", RECOVERY_CHAOS, "--steps", "140")
+        reports += len(flagged)
+        print(f"{i + 1:>3} {took:>5.0f} {summary['final_state']:<10} "
+              f"{len(summary['recoveries']):>10} {_flags(flagged)}", flush=True)
+        assert summary["final_state"] == "SUCCEEDED", summary
+    print(f"straggler reports: {reports} in {REPLAYS} runs (target: 0)")
+    assert reports == 0
+
+
+@pytest.mark.timeout(3600)
+def test_a_slow_node_is_named_then_swapped_once_the_swap_pays(tmp_path, monkeypatch):
+    monkeypatch.setattr(chaos, "SLOW_FACTOR", SLOW_FACTOR)
+    print(f"\n== a node {SLOW_FACTOR}x slower from step {SLOW_AT}, swap_cost_s 2, "
+          f"{min(REPLAYS, SLOW_RUNS)} runs ==")
+    print(f"{'run':>3} {'s':>5} {'named after':>11} {'swapped after':>13} reports")
+    bad = []
+    for i in range(min(REPLAYS, SLOW_RUNS)):
+        summary, flagged, took = _run(tmp_path / f"swap-{i}", f"slow-rank@{SLOW_AT}:n1",
+                                      "--steps", "200", "--policy", "swap_cost_s=2")
+        named = next((e for e in flagged if e["fields"]["node"] == "n1"), None)
+        swapped = next((e for e in flagged if e["fields"].get("swap_to")), None)
+        after = None if named is None else named["fields"]["step"] - SLOW_AT
+        swap_after = None if swapped is None else swapped["fields"]["step"] - SLOW_AT
+        print(f"{i + 1:>3} {took:>5.0f} {after if after is not None else 'missed':>11} "
+              f"{swap_after if swap_after is not None else 'no swap':>13} {_flags(flagged)}",
+              flush=True)
+        if (after is None or after > CATCH_WITHIN or swapped is None
+                or swapped["fields"]["node"] != "n1"):
+            bad.append(i + 1)
+    assert not bad

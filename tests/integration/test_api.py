@@ -319,6 +319,73 @@ def test_missing_or_wrong_token_is_unauthenticated_for_calls_and_streams(etcd, k
     assert stub.GetRunHealth(pb.GetRunHealthRequest(), metadata=AUTH) is not None
 
 
+def test_half_open_calls_without_a_token_hold_no_thread_of_the_server(etcd, keys, roles):
+    """An attacker opens calls without a token and never sends their request (HTTP/2 allows
+    it: headers, then nothing): refused at once, they must not tie up the server's threads."""
+    never = threading.Event()
+
+    def nothing():  # a request stream that never yields, like a peer that never sends
+        never.wait()
+        return
+        yield
+
+    raw = dict(request_serializer=lambda m: m, response_deserializer=lambda b: b)
+    with grpc.insecure_channel(roles) as attacker:
+        calls = []
+        for i in range(40):
+            method = ["GetRunHealth", "CordonNode", "WatchEvents"][i % 3]
+            path = f"/lazarus.v1.Lazarus/{method}"
+            # the read-only token on a command is refused the same way
+            metadata = READ if method == "CordonNode" and i % 2 else []
+            if method == "WatchEvents":
+                calls.append(attacker.stream_stream(path, **raw)(nothing(), metadata=metadata,
+                                                                 timeout=30))
+            else:
+                calls.append(attacker.stream_unary(path, **raw).future(
+                    nothing(), metadata=metadata, timeout=30))
+        try:
+            with grpc.insecure_channel(roles) as channel:
+                stub = pb_grpc.LazarusStub(channel)
+                t = time.monotonic()
+                assert stub.GetRunHealth(pb.GetRunHealthRequest(), metadata=AUTH,
+                                         timeout=5) is not None
+                assert time.monotonic() - t < 5
+            for call in calls:
+                assert call.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.PERMISSION_DENIED)
+        finally:
+            never.set()
+
+
+def test_a_follow_stream_that_is_not_read_ends_once_its_inbox_is_full(etcd, keys, stub,
+                                                                       monkeypatch):
+    """A watcher that follows and never reads: the events pile up on the daemon for it only
+    until MAX_INBOX_EVENTS, then its stream ends RESOURCE_EXHAUSTED naming where to resume."""
+    monkeypatch.setattr(api, "MAX_INBOX_EVENTS", 20, raising=False)  # before: none
+    etcd.put(keys.event_key("test"), EventRecord(time=0, kind="first", message="x").to_json())
+    stream = stub.WatchEvents(pb.WatchEventsRequest(follow=True), metadata=AUTH, timeout=60)
+    first = next(stream)
+    assert first.kind == "first"
+    # Large events fill the transport's flow-control windows, so the server's stream blocks
+    # on its send and the watch keeps filling its inbox.
+    big = "y" * 200_000
+    for i in range(200):
+        etcd.put(keys.event_key("test"), EventRecord(time=i, kind="big", message=big).to_json())
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for ev in stream:
+            got.append(ev)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "start_revision" in e.value.details()
+    resume = int(e.value.details().split("start_revision ")[1].split()[0])
+    assert resume == (got[-1].revision if got else first.revision) + 1
+    assert len(got) < 200
+    # where it says, the rest comes
+    rest = list(stub.WatchEvents(pb.WatchEventsRequest(start_revision=resume), metadata=AUTH,
+                                 timeout=30))
+    assert len(got) + len(rest) == 200
+
+
 def test_a_read_only_token_reads_everything_and_changes_nothing(etcd, keys, roles):
     _populate(etcd, keys, t0=time.time())
     before = etcd.get_prefix(keys.root).kvs

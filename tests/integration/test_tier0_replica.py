@@ -130,10 +130,11 @@ def test_a_shard_altered_on_the_way_is_refused_whatever_digest_it_carries(peer):
     for body in (bytes(altered) + good[-32:],                                  # digest kept
                  bytes(altered) + hashlib.sha256(bytes(altered)).digest()):    # redone
         head = json.dumps({**header, "time": time.time()}, sort_keys=True).encode()
-        seal = replica.sealed.tag(KEY, replica._context(head, good))  # sealed for the original
+        # sealed for the original
+        seal = replica.sealed.tag(KEY, replica._context(head, len(good), good[-32:]))
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(len(head).to_bytes(4, "big") + head
-                         + (len(seal) + len(body)).to_bytes(8, "big") + seal + body)
+            sock.sendall(len(head).to_bytes(4, "big") + head + len(body).to_bytes(8, "big")
+                         + good[-32:] + seal + body)
             sock.shutdown(socket.SHUT_WR)
             sock.recv(1 << 16)
     assert taken == [] and store.used_bytes() == 0

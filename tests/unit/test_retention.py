@@ -72,6 +72,27 @@ def test_checkpoints_keep_the_restore_point_and_the_newest_good_of_the_job():
     assert pruned(todo, CHECKPOINTS) == [K.checkpoint_key(s) for s in (1, 4, 5, 7)]
 
 
+def test_forged_newer_records_do_not_push_the_verified_one_out(tmp_path):
+    """An agent's credentials may write checkpoint records: a flood of forged good ones with
+    higher steps must not leave the job's real newest good checkpoint to the count."""
+    from lazarus.core import jobspec
+    ckdir = tmp_path / "ck"
+    real = ckdir / "step-00000003"
+    real.mkdir(parents=True)
+    (real / "manifest.json").write_text(json.dumps({"job_id": "J", "step": 3}))
+    job = jobspec.from_dict({"job": {"name": "t", "nodes": 1, "id": "J"},
+                             "train": {"steps": 9, "model": {"name": "tiny"},
+                                       "data": {"global_batch": 8},
+                                       "checkpoint": {"dir": str(ckdir)}}}, source="test")
+    mine = kv(K.checkpoint_key(3), CheckpointRecord(step=3, path=str(real), round=1,
+                                                    job_id="J", committed_at=NOW).to_json())
+    forged = [ckpt(s) for s in range(10, 20)]  # /c/<step>: outside the job's dir
+    status = RunStatus(job_id="J", state=RUNNING, round=1)
+    todo = plan(NOW, snap(mine, *forged, kv(K.accepted_job, job.to_json()), status=status), K,
+                Retention(checkpoints=2))
+    assert mine.key not in pruned(todo, CHECKPOINTS)
+
+
 def test_keys_not_of_our_making_are_left_alone_and_garbage_goes_by_count():
     foreign = [kv(K.rounds + "notes", b"x"), kv(K.checkpoints + "README", b"x"),
                kv(K.events + "by-hand", b"x")]

@@ -41,14 +41,15 @@ def test_rank_and_node_stats():
 
 
 @pytest.mark.parametrize("slow_steps,factor,expected", [
-    (range(1, 21), 1.5, [3]),          # always slow
-    (range(1, 21, 2), 1.5, [3]),       # slow in 10 of 20: persistent
-    ({3, 9, 15}, 1.5, []),             # 3 hiccups are not a straggler
-    (range(1, 21), 1.1, []),           # within the margin
+    (range(1, 31), 1.5, [3]),          # always slow
+    (range(1, 31, 2), 1.5, [3]),       # slow in every other step: persistent
+    ({13, 19, 25}, 1.5, []),           # 3 hiccups are not a straggler
+    (range(1, 31), 1.1, []),           # within the margin
 ])
 def test_straggler_needs_n_of_m_steps_beyond_the_margin(slow_steps, factor, expected):
+    # 30 steps: an uneven rank is warm after 10 (its pace no longer falls), then 20 count
     tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=8))
-    feed(tr, 20, slow={3: set(slow_steps)}, factor=factor)
+    feed(tr, 30, slow={3: set(slow_steps)}, factor=factor)
     found = tr.stragglers()
     assert [s.rank for s in found] == expected
     if expected:
@@ -84,7 +85,8 @@ def test_summary_carries_each_ranks_window_sorted_and_reads_back():
     doc = json.loads(json.dumps(tr.summary()))    # as it travels in a node status
     assert sorted(doc["ranks"]) == ["0", "1", "2", "3"]
     assert doc["ranks"]["3"]["work_s"] == [1.0, 1.0, 1.0, 1.0, 1.5]
-    assert sorted(doc["ranks"]["3"]) == ["p50_s", "work_s"]  # nothing the daemon does not read
+    # nothing the daemon does not read
+    assert sorted(doc["ranks"]["3"]) == ["base_s", "p50_s", "warmup", "work_s"]
     assert doc["tokens_per_s"] == pytest.approx(4 * 1000 / 1.5, rel=1e-3)
     back = read_summary("b", doc)
     assert {r.rank: r.work_s for r in back} == {r.rank: r.work_s for r in tr.rank_summaries()}
@@ -132,3 +134,50 @@ def test_judge_agrees_with_the_definition(windows, min_slow):
              for i, w in enumerate(windows)]
     got = [(s.rank, s.slow_steps, pytest.approx(s.ratio)) for s in judge(ranks, config)]
     assert got == _brute_force(ranks, config)
+
+
+def test_a_rank_warming_up_after_a_restart_is_not_judged_and_its_warmup_is_measured():
+    # The restarted rank's first steps pay for first use, falling to its peers' pace; a peer
+    # slowed by that start (shared cores) warms up too. Neither is a straggler afterwards.
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    warmup = {3: [3.0, 2.2, 1.8, 1.6, 1.5, 1.4, 1.35, 1.3], 2: [1.5, 1.4, 1.3]}
+    for step in range(1, 26):
+        for rank, node in NODES.items():
+            times = warmup.get(rank, [])
+            t = times[step - 1] if step <= len(times) else 1.0
+            tr.observe(rank=rank, step=step, step_time_s=t, tokens=1, node=node, compute_s=t)
+    assert tr.stragglers() == []
+    by_rank = {r.rank: r.warmup for r in tr.rank_summaries()}
+    assert by_rank[0] == 0 and by_rank[3] >= 5   # measured: held out until its pace settled
+    doc = json.loads(json.dumps(tr.summary()))
+    assert {r.rank: r.warmup for r in read_summary("b", doc)} == by_rank
+
+
+def test_a_machine_wide_slowdown_judges_nobody():
+    # Every rank slowed 1.4x by the same event (contention on the host, a checkpoint flush),
+    # one of them 1.6x: its peers are not at their own pace, so it is not judged against them.
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    for step in range(1, 61):
+        for rank, node in NODES.items():
+            t = 1.0 if step <= 30 else (1.6 * 1.4 if rank == 3 else 1.4)
+            tr.observe(rank=rank, step=step, step_time_s=t, tokens=1, node=node, compute_s=t)
+    assert tr.stragglers() == []
+    # ... while the same rank 1.6x slower than peers at their own pace is one
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    for step in range(1, 61):
+        for rank, node in NODES.items():
+            t = 1.6 if step > 30 and rank == 3 else 1.0
+            tr.observe(rank=rank, step=step, step_time_s=t, tokens=1, node=node, compute_s=t)
+    assert [s.rank for s in tr.stragglers()] == [3]
+
+
+def test_a_summary_while_ranks_warm_up_holds_only_the_warm_ones():
+    tr = ThroughputTracker()
+    for step in range(1, 8):
+        tr.observe(rank=0, step=step, step_time_s=1.0, tokens=1, node="a")
+        tr.observe(rank=1, step=step, step_time_s=3.0 / step, tokens=1, node="a")  # warming
+    doc = tr.summary()
+    assert sorted(doc["ranks"]) == ["0"] and doc["ranks"]["0"]["warmup"] == 0
+    tr.reset()
+    tr.observe(rank=2, step=1, step_time_s=2.0, tokens=1, node="a")
+    assert tr.summary()["ranks"] == {} and tr.stragglers() == []
