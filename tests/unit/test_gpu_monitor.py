@@ -3,6 +3,7 @@ absence on a machine without a GPU."""
 
 import dataclasses
 import json
+import logging
 
 import pynvml
 import pytest
@@ -12,6 +13,14 @@ from lazarus.agent.gpu import (DEGRADED, FAILED, HEALTHY, RECOVERY_ACTION_FIELD,
                                GpuThresholds, NvmlBackend, assess, open_backend, worst)
 from lazarus.agent.gpu_sim import SimulatedBackend, add_fault, parse_faults
 from lazarus.core.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def _gpu_warnings_heard(caplog):
+    # The simulated fleet quiets lazarus.agent.gpu to ERROR for the whole process (thousands
+    # of agents' lines), and a test that ran it earlier leaves it so: these tests read its
+    # warnings.
+    caplog.set_level(logging.WARNING, logger="lazarus.agent.gpu")
 
 BASE = GpuSample(index=0, ecc_sbe_volatile=3, ecc_dbe_volatile=0, ecc_sbe_aggregate=40,
                  ecc_dbe_aggregate=2, remapped_rows=1, remap_pending=False,
