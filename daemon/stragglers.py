@@ -113,16 +113,25 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
 
 
 def recovered(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
-    """Forget a reported straggler of this round that is no longer slow: its slowness passed,
-    and if it comes back its evidence starts again. One write per change, none per pass."""
+    """Forget a reported straggler of this round that is clearly no longer slow: its slowness
+    passed, and if it comes back its evidence starts again. "Clearly": not even half as slow,
+    in half as many steps, as a report needs, whatever its peers do -- a node hovering at the
+    bar must not lose its record, and with it the time it has been slow, at every dip. One
+    write per change, none per pass."""
     mine = {n for n, v in st.stragglers.items() if isinstance(v, dict) and v.get("round") == st.round}
     if not mine:
         return None
-    slow = {s.node for s in find(view, job, st)}
+    find(view, job, st)  # reads the members' summaries into the view's memo
     # A node is judged only while every member reports a full window: absence of evidence in
     # a pass where nobody is judged is not recovery.
     if not _judged(view, st):
         return None
+    pol = job.straggler_policy
+    relaxed = ThroughputConfig(margin=1 + (pol.straggler_margin - 1) / 2,
+                               min_slow=max(1, pol.straggler_steps // 2),
+                               contention=float("inf"))
+    summaries = view.memo["summaries"]
+    slow = {s.node for s in judge([r for n in st.members for r in summaries[n][1]], relaxed)}
     gone = sorted(mine - slow)
     if not gone:
         return None

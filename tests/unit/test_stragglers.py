@@ -75,6 +75,15 @@ def test_a_passing_burst_in_a_long_job_never_earns_a_swap():
     assert "does not pay yet" in only(d.actions, Emit).message
 
 
+def test_a_straggler_hovering_at_the_bar_keeps_its_record():
+    # 1.15x: under the 1.2 bar of a report, over the 1.1 of "clearly back": the node keeps
+    # the step its slowness began, so the time it has been slow keeps counting.
+    st, statuses = running(0.575)
+    st = dataclasses.replace(st, stragglers={"b": {"round": 1, "reason": "x", "since_step": 3}})
+    d = decide(NOW, view(status=st, spares=("s",), node_status=statuses, j=with_policy()))
+    assert not any(isinstance(a, SetStatus) for a in d.actions)
+
+
 def test_a_straggler_no_longer_slow_is_forgotten_so_its_evidence_starts_again():
     st, statuses = running(0.5)   # b back at its peers' pace
     st = dataclasses.replace(st, stragglers={"b": {"round": 1, "reason": "x", "since_step": 3}})
