@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 
 from lazarus.core.jobspec import JobSpec
@@ -60,9 +61,31 @@ def _read_manifest(path: str) -> dict | str | None:
     return doc if isinstance(doc, dict) else "its manifest is not a JSON object"
 
 
+# Verdicts on records already checked against the storage. A record is written once its
+# step's manifest is durable and rewritten (a new committed_at) when the step is saved again,
+# so its verdict holds: the decision passes and retention that ask again and again read no
+# manifest twice. Bounded: the oldest go first.
+_VERDICTS: OrderedDict[tuple, str | None] = OrderedDict()
+MAX_VERDICTS = 4096
+
+
 def why_not(rec: CheckpointRecord, job: JobSpec,
             read_manifest: Callable[[str], dict | str | None] = _read_manifest) -> str | None:
     """Why `rec` must not be restored for `job`; None when it may."""
+    if read_manifest is not _read_manifest:
+        return _why_not(rec, job, read_manifest)
+    key = (job.id, job.cwd, checkpoint_dir(job), rec.path, rec.step, rec.committed_at)
+    if key in _VERDICTS:
+        _VERDICTS.move_to_end(key)
+        return _VERDICTS[key]
+    verdict = _VERDICTS[key] = _why_not(rec, job, read_manifest)
+    while len(_VERDICTS) > MAX_VERDICTS:
+        _VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _why_not(rec: CheckpointRecord, job: JobSpec,
+             read_manifest: Callable[[str], dict | str | None]) -> str | None:
     root = checkpoint_dir(job)
     if root is None:
         # A job of its own script (no built-in trainer) names no dir the daemon could hold

@@ -77,24 +77,24 @@ def plan(now: float, snap: E.Snapshot, keys: Keys,
          retention: Retention) -> dict[str, list[E.KV]]:
     """kind -> the records to prune, oldest first. Keys not of our making (no number where
     ours have one) are left alone: nothing of ours adds to them."""
-    status = None
-    kv = snap.kvs.get(keys.status)
-    if kv is not None:
-        try:
-            status = RunStatus.from_json(kv.value, keys.status)
-        except RecordError:
-            pass  # protect nothing by name; the counts still keep the newest
-    job = None
-    kv = snap.kvs.get(keys.accepted_job)
-    if kv is not None:
-        try:
-            job = JobSpec.from_json(kv.value, keys.accepted_job)
-        except RecordError:
-            pass  # no check of the records possible: the newest good one is protected
+    # Unreadable: the status protects nothing by name (the counts still keep the newest);
+    # without the job no record is checked (the newest good one is protected).
+    status = _record(snap, keys.status, RunStatus)
+    job = _record(snap, keys.accepted_job, JobSpec)
     return {EVENTS: _events(now, snap.prefix(keys.events), keys, retention),
             ROUNDS: _rounds(snap.prefix(keys.rounds), keys, retention, status),
             CHECKPOINTS: _checkpoints(now, snap.prefix(keys.checkpoints), keys, retention,
                                       status, job)}
+
+
+def _record(snap: E.Snapshot, key: str, cls):
+    kv = snap.kvs.get(key)
+    if kv is None:
+        return None
+    try:
+        return cls.from_json(kv.value, key)
+    except RecordError:
+        return None
 
 
 def _events(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retention) -> list[E.KV]:
@@ -131,10 +131,12 @@ def _checkpoints(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retent
     records.sort(key=lambda r: r[0])
     protected = set()
     if status is not None:
-        mine = [r for r in records if r[2] is not None and r[2].job_id == status.job_id]
-        good = [r for r in mine if r[2].good and (
-            job is None or job.id != status.job_id or ckptcheck.why_not(r[2], job) is None)]
-        protected = {r[0] for r in good[-1:]} | {r[0] for r in records
+        checked = job is not None and job.id == status.job_id
+        # the newest good record of the run that passes the check: checked newest first
+        newest = next((r for r in reversed(records)
+                       if r[2] is not None and r[2].job_id == status.job_id and r[2].good
+                       and (not checked or ckptcheck.why_not(r[2], job) is None)), None)
+        protected = {r[0] for r in [newest] if r is not None} | {r[0] for r in records
                                                  if r[2] is not None and status.restore
                                                  and r[2].path == status.restore}
     cut = max(0, len(records) - retention.checkpoints)

@@ -25,9 +25,17 @@ import torch.distributed as dist
 MAX_PENDING = 256
 
 
+def uses_nccl() -> bool:
+    """Whether this process's default process group is NCCL's."""
+    try:
+        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):
+        return False
+
+
 def collective_device() -> torch.device:
     """The device the default group's collectives take tensors on: NCCL takes no CPU ones."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+    if uses_nccl():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch._C._distributed_c10d as c10d
 
 from lazarus.core.contract import flight_pipe_path, flight_record_path
+from lazarus.trainer.collprogress import uses_nccl
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,9 @@ def _dumper():
     a recorder of its own, which the generic dump does not show (it would list none of the
     training's collectives on GPUs)."""
     nccl = getattr(c10d, "_dump_nccl_trace_json", None)  # CUDA builds only
-    if nccl is not None and _uses_nccl():
+    if nccl is not None and uses_nccl():
         return nccl
     return getattr(c10d, "_dump_fr_trace_json", None)  # torch >= 2.8
-
-
-def _uses_nccl() -> bool:
-    import torch.distributed as dist
-
-    try:
-        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
-    except (RuntimeError, ValueError):
-        return False
 
 
 def write_record(out: Path) -> None:
