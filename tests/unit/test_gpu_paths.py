@@ -222,3 +222,17 @@ def test_the_report_gives_the_runs_mfu_and_peak_memory():
                                              if k not in ("mfu", "peak_mem_gib")} for r in rows],
                                            [], [], "t")))
     assert "median MFU" not in cpu and "peak memory" not in cpu
+
+
+def test_a_bad_lazarus_device_is_one_clear_error(monkeypatch):
+    from lazarus.trainer.device import device_type
+
+    monkeypatch.setenv("LAZARUS_DEVICE", "tpu")
+    with pytest.raises(UserError, match="LAZARUS_DEVICE='tpu': must be cpu or cuda"):
+        device_type()
+    monkeypatch.setenv("LAZARUS_DEVICE", "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="torch sees no CUDA device here"):
+            device_type()
+    monkeypatch.setenv("LAZARUS_DEVICE", "cpu")
+    assert device_type() == "cpu"
