@@ -9,8 +9,11 @@ a note left by an earlier process that had the same pid is never taken for its o
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
+import traceback
 from typing import NoReturn
 
 import psutil
@@ -39,3 +42,17 @@ def exit_now(code: int) -> NoReturn:
     """os._exit (no teardown of a process group whose peer may be gone) with a note."""
     record(code)
     os._exit(code)
+
+
+def finish(code: int) -> NoReturn:
+    """Exit as the interpreter would after a rank's work, less its teardown of torch: the
+    atexit handlers run and the output is flushed, then the process ends without destroying
+    the C++ threads a process group or store left unjoined -- destroying one aborts the
+    process after its work is done (torch's abort at exit, docs/constraints.md)."""
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit_now(code)

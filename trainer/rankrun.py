@@ -10,12 +10,12 @@ its assignment and runs the job's command in torchrun's environment:
     inside this process, so a restart pays neither a process start nor `import torch`; any
     other program replaces this process (exec).
 A rank of a script that reports nothing itself (level 0) is watched from a thread here
-(lazarus.trainer.collwatch): whether it joined its process group, and its collectives.
+(lazarus.trainer.collwatch): whether it joined its process group, and its collectives. Its
+final destroy_process_group() is bounded in time (lazarus.trainer.teardown).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import runpy
 import sys
@@ -112,7 +112,9 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
         collective_timeout()
         from lazarus.trainer.collwatch import watch
         watch()
-    _finish(_run_python(a.command))
+    from lazarus.trainer.teardown import bound_destroy
+    bound_destroy()
+    exitnote.finish(_run_python(a.command))
 
 
 def _refuse(a: WorkerAssignment, reason: str) -> NoReturn:
@@ -170,16 +172,3 @@ def _run_python(command: list[str]) -> int:
             return exitcodes.PEER_LOST
         return 1
     return 0
-
-
-def _finish(code: int) -> NoReturn:
-    """Exit as the interpreter would after the script, less its teardown of torch: the
-    script's atexit handlers run, then the process ends without destroying C++ threads that
-    a process group left unjoined (torch's abort at exit, docs/constraints.md)."""
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    exitnote.exit_now(code)

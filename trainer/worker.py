@@ -194,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # the built-in trainer's command (lazarus.core.jobcommand.BUILTIN)
-    sys.exit(main())
+    exitnote.finish(main())
