@@ -409,6 +409,8 @@ class Agent:
             return False
 
     def _register_checkpoint(self, msg: dict) -> None:
+        """Claim the commit (ckptclaims/): the leader checks the claim and makes it the
+        checkpoint record, which agents' etcd role may not write (docs/security.md)."""
         try:
             rec = CheckpointRecord(step=int(msg["step"]), path=str(msg["path"]),
                                    round=int(msg["round"]), job_id=self._job_id,
@@ -418,11 +420,12 @@ class Agent:
             return
         try:
             ok = self.etcd.txn([E.value_is(self.keys.round, str(rec.round).encode())],
-                               [E.put_op(self.keys.checkpoint_key(rec.step), rec.to_json())])
+                               [E.put_op(self.keys.claim_key(rec.step), rec.to_json())])
         except E.EtcdUnavailable:
             ok = False
         if ok:
-            log.info("checkpoint step %d committed (round %d)", rec.step, rec.round)
+            log.info("checkpoint step %d committed (round %d); claimed for the daemon to record",
+                     rec.step, rec.round)
         else:
             log.warning("checkpoint step %d of round %d not registered: round is stale or "
                         "etcd is away", rec.step, rec.round)

@@ -76,6 +76,25 @@ class MarkCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class AdoptClaim:
+    """Make a checkpoint claim the step's record, and delete the claim."""
+    key: str
+    record: CheckpointRecord
+
+
+@dataclass(frozen=True, slots=True)
+class DropClaim:
+    """Delete a checkpoint claim that is not adopted (an Emit says why)."""
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropClaimsBelow:
+    """Delete every checkpoint claim whose key sorts before `key`: the surplus of a flood."""
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     actions: list
     reason: str

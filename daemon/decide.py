@@ -16,6 +16,7 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   preflight failed-> the node is cordoned with the reason, whatever the run does (preflight)
   restore failed  -> the checkpoint condemned for what is wrong with it, or the node that
                      alone cannot read it cordoned (restorefail)
+  commit claimed  -> checked and made the step's record, or refused, in any state (ckptcheck)
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import commands, hostalert, preflight, restorefail, spikes, stragglers, tier0
+from lazarus.daemon import (ckptcheck, commands, hostalert, preflight, restorefail, spikes,
+                            stragglers, tier0)
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -41,13 +43,18 @@ from lazarus.daemon.view import ClusterView
 
 
 def decide(now: float, view: ClusterView) -> Decision:
+    # Agents' claims of a commit first: the rest decides from the view with the adopted ones
+    # among its records, so a recovery in this pass restores the newest checkpoint.
+    claims, view = ckptcheck.adopt_claims(view)
     decision = _decide(now, view)
     # Whatever the run does, a node that failed its preflight is cordoned (and lifted when it
     # passes again) in the same transaction: it is never chosen meanwhile (rounds.usable).
     gate = preflight.respond(view)
-    if gate is None:
+    parts = [p for p in (claims, gate) if p is not None]
+    if not parts:
         return decision
-    return Decision([*gate.actions, *decision.actions], f"{gate.reason}; {decision.reason}")
+    return Decision([a for p in (*parts, decision) for a in p.actions],
+                    "; ".join(p.reason for p in (*parts, decision)))
 
 
 def _decide(now: float, view: ClusterView) -> Decision:

@@ -3,15 +3,21 @@
 - on the leader's epoch (create_revision of the leader key): a deposed leader writes nothing;
 - on run/status's mod revision as read in the view: a decision taken on a stale view
   (or the same decision applied twice) fails instead of acting again.
+
+Checkpoint claims are deleted without a compare on their own revision: agents write them,
+and a compare that an agent could break at will would fail every transaction of the leader.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from aetcd import transactions
+
 from lazarus.core import etcd as E
-from lazarus.core.records import EventRecord, Keys, dumps
-from lazarus.daemon.actions import (AcceptJob, ClearCommand, Cordon, Decision, Emit, Uncordon,
+from lazarus.core.records import CheckpointRecord, EventRecord, Keys, dumps
+from lazarus.daemon.actions import (AcceptJob, AdoptClaim, ClearCommand, Cordon, Decision,
+                                    DropClaim, DropClaimsBelow, Emit, Uncordon,
                                     MarkCheckpoint, RejectJob, RequestCheckpoint, RequestDrain,
                                     SetStatus,
                                     StartRound)
@@ -23,6 +29,18 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
                writer: str) -> list:
     ops = []
     status = view.status
+    # A claim adopted and its record marked bad in one pass (a rollback past it) are two
+    # writes of one key, which etcd refuses in a transaction: the later one stands.
+    record_op: dict[int, int] = {}
+
+    def put_record(rec: CheckpointRecord) -> None:
+        op = E.put_op(keys.checkpoint_key(rec.step), rec.to_json())
+        if rec.step in record_op:
+            ops[record_op[rec.step]] = op
+        else:
+            record_op[rec.step] = len(ops)
+            ops.append(op)
+
     for i, action in enumerate(decision.actions):
         if isinstance(action, AcceptJob):
             ops.append(E.put_op(keys.accepted_job, action.job.to_json()))
@@ -43,8 +61,14 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
         elif isinstance(action, RejectJob):
             ops.append(E.delete_op(keys.job))
         elif isinstance(action, MarkCheckpoint):
-            rec = dataclasses.replace(action.checkpoint, good=action.good)
-            ops.append(E.put_op(keys.checkpoint_key(rec.step), rec.to_json()))
+            put_record(dataclasses.replace(action.checkpoint, good=action.good))
+        elif isinstance(action, AdoptClaim):
+            put_record(action.record)
+            ops.append(E.delete_op(action.key))
+        elif isinstance(action, DropClaim):
+            ops.append(E.delete_op(action.key))
+        elif isinstance(action, DropClaimsBelow):
+            ops.append(transactions.Delete(keys.claims.encode(), range_end=action.key.encode()))
         elif isinstance(action, RequestDrain):
             ops.append(E.put_op(keys.drain_key(action.node),
                                 dumps({"requested_at": now, "reason": action.reason})))

@@ -5,8 +5,9 @@ minutes (docs/architecture.md, "Keyspace and retention").
 What goes is chosen by `plan()`, a pure function of one snapshot and the clock: past a count
 (the newest N of each kind stay) or an age (records that carry a time: events and checkpoint
 records), never the round the run is in, the checkpoint it restores, or the newest good
-checkpoint of its job that passes the daemon's check (lazarus.daemon.ckptcheck: agents write
-these records, and forged newer ones must not push the real one out). Retention deletes
+checkpoint of its job that passes the daemon's check (lazarus.daemon.ckptcheck: records of an
+older version were agents' to write, and forged newer ones must not push the real one out).
+Checkpoint claims need no retention: the leader deletes each as it judges it. Retention deletes
 records only, never a directory: what is on disk is the trainer's (keep_last, by manifests). The Pruner appends what goes to the daemon's history files
 (lazarus.daemon.history) and only then deletes it, in transactions fenced on the leader's
 epoch and on each record's mod revision (a checkpoint re-marked since it was read stays).

@@ -15,10 +15,16 @@ agent can write every key, but only the node's own agent holds that lease, so a 
 another lease (another agent's, or none while the registration has one) or of an unregistered
 node is not the node's, and is ignored like garbage. (An expired lease deletes both keys in
 one revision, so the two never disagree for a moment.)
+
+Checkpoint claims (ckptclaims/) are the agents' to write, so there may be any number of them,
+of any value: a view holds the newest MAX_CLAIMS by key (step order) with their values parsed,
+garbage included (the leader deletes it like a claim it refuses), and counts the rest, which
+the leader deletes unread (lazarus.daemon.ckptcheck.adopt_claims).
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,6 +34,18 @@ from lazarus.core.etcd import KV, Etcd, Snapshot
 from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeRecord, NodeStatus,
                                   RecordError, RoundRecord, RunStatus, load_json)
 from lazarus.daemon.cache import Informer
+
+# Claims a view holds, the newest by key: what one pass of the leader looks at.
+MAX_CLAIMS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A key under ckptclaims/: an agent's report of a commit, or garbage there."""
+    key: str
+    record: CheckpointRecord | None  # None: unreadable (see `problem`)
+    mod_revision: int = 0
+    problem: str = ""
 
 
 @dataclass(slots=True)
@@ -48,6 +66,9 @@ class ClusterView:
     departed_ttl: dict[str, int] = field(default_factory=dict, compare=False)
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
+    # The newest MAX_CLAIMS checkpoint claims, by key; and how many older ones there are.
+    claims: list[Claim] = field(default_factory=list)
+    older_claims: int = 0
     cordoned: set[str] = field(default_factory=set)
     # Who cordoned each of those when it was not an operator: "preflight" (the leader, for a
     # failed preflight: lazarus.daemon.preflight lifts it when one passes again).
@@ -81,8 +102,8 @@ class ClusterView:
 def prefixes(keys: Keys) -> list[str]:
     """Every prefix a view is parsed from (not torchrun's keys, which can be many)."""
     return [keys.leader, keys.job, keys.root + "run/", keys.rounds, keys.nodes,
-            keys.nodestatus, keys.checkpoints, keys.cordon, keys.root + "commands/",
-            keys.events]
+            keys.nodestatus, keys.checkpoints, keys.claims, keys.cordon,
+            keys.root + "commands/", keys.events]
 
 
 def parse(snap: Snapshot, keys: Keys) -> ClusterView:
@@ -118,6 +139,7 @@ class ViewBuilder:
         # Kept by key, assembled in key order at build time (as a snapshot lists them): few.
         self._rounds: dict[str, RoundRecord] = {}
         self._checkpoints: dict[str, tuple[CheckpointRecord, int]] = {}
+        self._claims: dict[str, Claim] = {}
         self._events: dict[str, tuple[KV, EventRecord]] = {}
         self._derived: dict[str, object] = {}  # what build() assembled from those, until they change
         self._last: ClusterView | None = None
@@ -166,6 +188,8 @@ class ViewBuilder:
                                              k.nodestatus), kv.lease)
             if key.startswith(k.checkpoints):
                 return "checkpoint", (CheckpointRecord.from_json(kv.value, key), kv.mod_revision)
+            if key.startswith(k.claims):
+                return "claim", _claim(key, kv, k)
             if key.startswith(k.events):
                 try:
                     return "event", (kv, EventRecord.from_json(kv.value, key))
@@ -214,6 +238,9 @@ class ViewBuilder:
         elif kind == "checkpoint":
             self._checkpoints[key] = payload
             self._derived.pop("checkpoints", None)
+        elif kind == "claim":
+            self._claims[key] = payload
+            self._derived.pop("claims", None)
         elif kind == "drain":
             self._drains[self._name(key, kind)] = payload
         elif kind == "cordon":
@@ -252,6 +279,9 @@ class ViewBuilder:
         elif kind == "checkpoint":
             del self._checkpoints[key]
             self._derived.pop("checkpoints", None)
+        elif kind == "claim":
+            del self._claims[key]
+            self._derived.pop("claims", None)
         elif kind == "drain":
             del self._drains[self._name(key, kind)]
         elif kind == "cordon":
@@ -291,6 +321,9 @@ class ViewBuilder:
         checkpoints, checkpoint_revision = self._assembled("checkpoints", self._checkpoint_list)
         events = self._assembled("events", lambda: [self._events[k]
                                                     for k in sorted(self._events)])
+        # The newest few without sorting them all: a flood of claims costs O(claims) a build.
+        claims = self._assembled("claims", lambda: [
+            self._claims[k] for k in sorted(heapq.nlargest(MAX_CLAIMS, self._claims))])
         last_round = max(rounds, default=0)
         view = ClusterView(
             revision=revision, submitted=one.get("submitted"), job=one.get("job"),
@@ -300,6 +333,7 @@ class ViewBuilder:
             nodes=dict(self._nodes), departed_ttl=dict(self._departed_ttl),
             node_status=dict(self._node_status),
             checkpoints=list(checkpoints), cordoned=set(self._cordoned),
+            claims=list(claims), older_claims=len(self._claims) - len(claims),
             cordon_by=dict(self._cordon_by), cordon_reason=dict(self._cordon_reason),
             checkpoint_revision=dict(checkpoint_revision), drains=dict(self._drains),
             pause_revision=one.get("pause"), cancel_requested="cancel" in one,
@@ -323,6 +357,17 @@ class ViewBuilder:
         ordered = sorted(self._checkpoints.items())
         revisions = {rec.step: rev for _, (rec, rev) in ordered}
         return sorted((rec for _, (rec, _) in ordered), key=lambda c: c.step), revisions
+
+
+def _claim(key: str, kv: KV, keys: Keys) -> Claim:
+    """A claim's value parsed, or why it is garbage (kept: the leader deletes it)."""
+    try:
+        rec = CheckpointRecord.from_json(kv.value, key)
+    except RecordError as e:
+        return Claim(key, None, kv.mod_revision, str(e))
+    if key != keys.claim_key(rec.step):
+        return Claim(key, None, kv.mod_revision, f"{key}: claims step {rec.step}")
+    return Claim(key, rec, kv.mod_revision)
 
 
 def _named(rec, key: str, prefix: str):

@@ -16,8 +16,13 @@ different roots).
     nodestatus/<node>         NodeStatus: what the agent's workers are doing, bound to the
                               same lease (a status under any other lease is not the
                               node's agent's: the daemon ignores it)
-    checkpoints/<step:012d>   CheckpointRecord: a committed checkpoint, written by the agent
-                              of global rank 0, fenced on run/round
+    ckptclaims/<step:012d>    a CheckpointRecord as a claim: the agent of global rank 0
+                              reports a commit here, fenced on run/round; the leader checks it
+                              (lazarus.daemon.ckptcheck), makes it a record or refuses it, and
+                              deletes it either way
+    checkpoints/<step:012d>   CheckpointRecord: a committed checkpoint the leader adopted from
+                              a claim; only the leader writes it (and rewrites `good`), so an
+                              agent's credentials can neither lose one nor choose a restore
     events/<time_ns:020d>-<writer>   Event: a state change with its reason
     cordon/<node>             present = the node takes no new work (operator's choice)
     commands/checkpoint       a request for a checkpoint now: {"id", "requested_at"}; agents
@@ -112,6 +117,8 @@ class Keys:
     @property
     def checkpoints(self) -> str: return self.root + "checkpoints/"
     @property
+    def claims(self) -> str: return self.root + "ckptclaims/"
+    @property
     def events(self) -> str: return self.root + "events/"
     @property
     def cordon(self) -> str: return self.root + "cordon/"
@@ -130,6 +137,7 @@ class Keys:
     def node_key(self, node: str) -> str: return self.nodes + node
     def nodestatus_key(self, node: str) -> str: return self.nodestatus + node
     def checkpoint_key(self, step: int) -> str: return f"{self.checkpoints}{step:012d}"
+    def claim_key(self, step: int) -> str: return f"{self.claims}{step:012d}"
     def cordon_key(self, node: str) -> str: return self.cordon + node
 
     def event_key(self, writer: str) -> str:
@@ -486,12 +494,17 @@ class NodeStatus(_Record):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRecord(_Record):
+    """A committed checkpoint (checkpoints/), or an agent's claim of one (ckptclaims/), whose
+    `good` and `manifest_sha256` mean nothing: the leader sets both when it adopts it."""
     step: int
     path: str
     round: int
     job_id: str = ""
     committed_at: float = 0.0
     good: bool = True
+    # The manifest the leader read when it adopted the record ("" where it saw no storage): a
+    # claim of the same step replaces the record only with another manifest, a new save.
+    manifest_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
-"""A checkpoint record forged with an agent's etcd credentials (the `lazarus-agent` role may
-write checkpoints/, as every agent commits there): the daemon, reading etcd as it does, does
-not restore it (lazarus.daemon.ckptcheck; docs/security.md, "A compromised agent")."""
+"""A forged checkpoint record, as an agent's etcd credentials could write one before agents
+claimed commits instead (ckptclaims/; test_checkpoint_claims): the daemon, reading etcd as it
+does, does not restore it (lazarus.daemon.ckptcheck; docs/security.md, "A compromised
+agent")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.core.embedded_etcd import EmbeddedEtcd
-from lazarus.core.etcd_rbac import AGENT_USER, DAEMON_USER
+from lazarus.core.etcd_rbac import DAEMON_USER
 from lazarus.core.records import PENDING, CheckpointRecord, Keys, NodeRecord, RunStatus
 from lazarus.daemon import rounds
 from lazarus.daemon.actions import Emit, StartRound
@@ -44,7 +45,8 @@ def test_a_record_forged_by_an_agent_is_not_restored(server, tmp_path):
     real = _commit(ckdir, 20, "J")
     evil = _commit(tmp_path / "evil", 99, "J")  # the forger's weights, manifest and all
     daemon = E.Etcd(server.endpoint, auth=server.auth(DAEMON_USER))
-    agent = E.Etcd(server.endpoint, auth=server.auth(AGENT_USER))
+    # What an older version's agent could write; today only the daemon's role can.
+    agent = E.Etcd(server.endpoint, auth=server.auth(DAEMON_USER))
     views = LiveView(daemon, KEYS)
     try:
         E.retry(lambda: daemon.put(KEYS.job, job.to_json()), deadline_s=30)

@@ -48,9 +48,10 @@ def losses(out: str) -> dict[int, str]:
 
 
 def registered(client: E.Etcd, keys: Keys, step: int) -> CheckpointRecord:
-    """The agent's record of a commit; the script's report of it may still be on its way."""
+    """The agent's claim of a commit (no daemon here to make it a record); the script's
+    report of it may still be on its way."""
     deadline = time.monotonic() + 30
-    while (kv := client.get(keys.checkpoint_key(step))) is None:
+    while (kv := client.get(keys.claim_key(step))) is None:
         assert time.monotonic() < deadline, f"checkpoint {step} never registered"
         time.sleep(0.05)
     return CheckpointRecord.from_json(kv.value)

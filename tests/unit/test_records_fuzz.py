@@ -207,6 +207,8 @@ def base(variant: str) -> dict[str, bytes]:
             "b", variant, **(crashed if variant == "crash" else {})).to_json(),
         KEYS.checkpoint_key(4): CheckpointRecord(step=4, path="/c/4", round=1, job_id="J",
                                                  committed_at=NOW - 50).to_json(),
+        KEYS.claim_key(6): CheckpointRecord(step=6, path="/c/step-00000006", round=2,
+                                            job_id="J", committed_at=NOW - 1).to_json(),
         KEYS.events + f"{1:020d}-w": EventRecord(
             time=NOW - 29, kind="fault_detected", message="m", round=1, state="RECOVERING",
             fields=_INCIDENT).to_json(),
