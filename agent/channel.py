@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 # Refused processes already logged; forgotten past this many (each one is logged once anyway).
 MAX_REFUSED_REMEMBERED = 1024
 
+# The longest line a worker may send. Ranks send a few hundred bytes (a step report with its
+# spike window, a path, a reason cut at 500 characters; stacks and flight records go to
+# files): 1 MiB leaves room for a script's own report fields, and keeps a process that
+# sends without a newline from growing the agent's memory without end.
+MAX_LINE_BYTES = 1 << 20
+_RECV_BYTES = 1 << 16
+
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process at the other end of a unix socket, as the kernel saw it
@@ -106,25 +113,43 @@ class Channel:
     def _serve(self, conn: socket.socket) -> None:
         send_lock = self._conns[conn]
         try:
-            with conn.makefile("r", encoding="utf-8") as rfile:
-                for line in rfile:
-                    try:
-                        msg = json.loads(line)
-                        if not isinstance(msg, dict):
-                            raise ValueError("not an object")
-                    except ValueError:
-                        log.warning("dropping malformed worker message %r", line[:120])
-                        continue
-                    reply = self._on_message(msg)
-                    if reply is not None:
-                        with send_lock:
-                            conn.sendall((json.dumps(reply) + "\n").encode())
+            for line in self._lines(conn):
+                try:
+                    msg = json.loads(line)
+                    if not isinstance(msg, dict):
+                        raise ValueError("not an object")
+                except (ValueError, RecursionError):
+                    log.warning("dropping malformed worker message %r", line[:120])
+                    continue
+                reply = self._on_message(msg)
+                if reply is not None:
+                    with send_lock:
+                        conn.sendall((json.dumps(reply) + "\n").encode())
         except OSError:
             pass
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _lines(self, conn: socket.socket):
+        """The lines `conn` sends (without their newline; a last one cut off by the close
+        included), until it closes or sends a line longer than MAX_LINE_BYTES, which ends the
+        connection: never more than that held for it."""
+        pending = b""
+        while chunk := conn.recv(_RECV_BYTES):
+            *lines, pending = (pending + chunk).split(b"\n")
+            yield from lines
+            if len(pending) > MAX_LINE_BYTES:
+                try:
+                    pid = peer_credentials(conn)[0]
+                except OSError:
+                    pid = 0
+                log.warning("hung up on pid %d at %s: it sent a line of over %d bytes (a "
+                            "worker's message is a few hundred)", pid, self.path, MAX_LINE_BYTES)
+                return
+        if pending:
+            yield pending
 
     def broadcast(self, msg: dict) -> None:
         data = (json.dumps(msg) + "\n").encode()

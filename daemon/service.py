@@ -175,6 +175,11 @@ class Daemon:
         self.leadership.resign()
 
 
+def _env_token(name: str) -> str | None:
+    value = os.environ.get(name)
+    return endpoint_file.check_token(value, f"${name}") if value else None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lazarus daemon", description=__doc__.splitlines()[0])
     settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT, several members "
@@ -236,9 +241,9 @@ def main(argv: list[str]) -> int:
     job = jobspec.load(args.job) if args.job else None
     keys = Keys(args.root)
     token = (endpoint_file.load_token(args.token_file) if args.token_file
-             else os.environ.get("LAZARUS_TOKEN") or None)
+             else _env_token("LAZARUS_TOKEN"))
     read_token = (endpoint_file.load_token(args.read_token_file) if args.read_token_file
-                  else os.environ.get("LAZARUS_READ_TOKEN") or None)
+                  else _env_token("LAZARUS_READ_TOKEN"))
     ep_path = endpoint_file.default_path() if args.endpoint_file is None else (
         Path(args.endpoint_file) if args.endpoint_file else None)
     if args.api != "off" and token is None:

@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 from lazarus.core.contract import ABSENT, CORRUPT, UNREADABLE
 from lazarus.core.errors import CheckpointError, RestoreFailed
 from lazarus.core.stall import CheckpointStall
-from lazarus.trainer import optimstate
+from lazarus.trainer import exchange, optimstate
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointError:
+                raise
+            except Exception as e:  # whatever crafted bytes make the unpickler raise
+                raise CheckpointError(f"{path} is malformed ({type(e).__name__}: "
+                                      f"{str(e)[:80]})") from None
+        if not isinstance(metadata, dcp_metadata.Metadata) \
+                or not isinstance(metadata.state_dict_metadata, dict):
+            raise CheckpointError(f"{path} is not DCP metadata (a {type(metadata).__name__})")
         if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -223,6 +233,36 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# Per-parameter state that torch's optimizers (Adam, AdamW, SGD) keep in the parameter's
+# shape. A restore allocates the saved shapes as they are (optimstate.allocate), so a wrong
+# one would pass the restore and fail the first step: a crash, retried on the same
+# checkpoint, instead of a bad checkpoint the restore falls back from.
+PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def optim_state_problem(model: torch.nn.Module, saved: dict, *, local: bool) -> str | None:
+    """What in `saved` (optimstate's parameter name -> {key: SavedTensor or value}) cannot
+    be `model`'s optimizer state: a per-parameter entry not of its parameter's shape (its
+    local shard's with `local`, else its global one) or not floating point, a step that is
+    not a scalar. None when nothing; a name the model lacks is left to the load to name."""
+    params = dict(model.named_parameters())
+    for name, entries in saved.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        own = tuple((param.to_local() if local and isinstance(param, DTensor) else param).shape)
+        for key, value in entries.items():
+            if not isinstance(value, optimstate.SavedTensor):
+                continue
+            want = own if key in PARAM_SHAPED else () if key == "step" else None
+            if want is not None and tuple(value.shape) != want:
+                return (f"optimizer state {key} of {name} is {tuple(value.shape)}, not {want} "
+                        f"(the parameter is {own})")
+            if key in PARAM_SHAPED and not value.dtype.is_floating_point:
+                return f"optimizer state {key} of {name} is {value.dtype}, not floating point"
+    return None
 
 
 def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
@@ -247,7 +287,8 @@ def load_tensors(path: Path, state_dict: dict, *, no_dist: bool = False) -> None
 
 
 def read_manifest(path: Path) -> dict:
-    """The manifest of checkpoint directory `path`; CheckpointError if it has none."""
+    """The manifest of checkpoint directory `path`; CheckpointError if it has none, or one
+    that is malformed (naming what is wrong)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -257,11 +298,54 @@ def read_manifest(path: Path) -> dict:
                               f"committed)")
     try:
         manifest = json.loads(mpath.read_text())
-        assert manifest["format_version"] == FORMAT_VERSION
-        int(manifest["step"]), int(manifest["commit_seq"]), list(manifest["files"])
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise CheckpointError(f"{mpath} is malformed ({type(e).__name__}: {e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{mpath} is malformed (not JSON: {str(e)[:80]})") from None
+    if problem := _manifest_problem(manifest):
+        raise CheckpointError(f"{mpath} is malformed: {problem}")
     return manifest
+
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _manifest_problem(manifest) -> str | None:
+    """What in a manifest the listing and the checks read is not as a save writes it. Anyone
+    who can write the checkpoint dir can write a manifest: a file name in it is joined to the
+    checkpoint's path, so it must name a file in that directory, never "../../etc/passwd" or
+    "/etc/shadow"; and a field of the wrong type must be a bad checkpoint here, not a
+    TypeError later that the worker would take for a crash."""
+    if not isinstance(manifest, dict):
+        return f"not a JSON object but a {type(manifest).__name__}"
+    if (version := manifest.get("format_version")) != FORMAT_VERSION:
+        return f"format_version is {str(version)[:20]!r}, not {FORMAT_VERSION}"
+    for field in ("step", "commit_seq"):
+        if not _whole(manifest.get(field)):
+            return f"{field} is {str(manifest.get(field))[:20]!r}, not a whole number"
+    if not isinstance(manifest.get("job_id", ""), str):
+        return "job_id is not a string"
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return "files is not a list"
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict):
+            return f"files[{i}] is not an object"
+        if missing := [k for k in ("name", "bytes", "sha256") if k not in entry]:
+            return f"files[{i}] has no {missing[0]!r}"
+        name = entry["name"]
+        if not isinstance(name, str):
+            return f"files[{i}].name is a {type(name).__name__}, not a file name"
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            return (f"files[{i}].name {name[:80]!r} is not the name of a file in the "
+                    "checkpoint directory")
+        if not _whole(entry["bytes"]):
+            return f"files[{i}].bytes is {str(entry['bytes'])[:20]!r}, not a size"
+        if not isinstance(entry["sha256"], str) or not _SHA256_RE.fullmatch(entry["sha256"]):
+            return f"files[{i}].sha256 is not a sha256 digest"
+    return None
 
 
 def committed_checkpoints(root: Path) -> list[tuple[Path, dict]]:
@@ -394,8 +478,7 @@ def _verify_collectively(path: Path) -> dict:
     abandoned), each with its own finding: the daemon compares the nodes' findings."""
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest, problem = _inspect(Path(path), rank, world)
-    problems = [None] * world
-    dist.all_gather_object(problems, problem)
+    problems = exchange.all_gather(problem)  # (kind, reason) pairs come back as lists
     # The checkpoint's own fault first: it names what to condemn.
     found = sorted((p for p in problems if p), key=lambda p: p[0] != CORRUPT)
     if found:
@@ -410,14 +493,15 @@ def check_shared(root: Path) -> str | None:
     not, or None. The first rank of each (host, mount namespace) leaves a marker in ROOT and
     rank 0 looks for them all, so node-local checkpoint dirs fail the job at its start with
     one line, not at a restore that no node but the writer's can do."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    token = [secrets.token_hex(6) if rank == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    rank = dist.get_rank()
+    token = exchange.broadcast(secrets.token_hex(6) if rank == 0 else None, src=0)
+    if not isinstance(token, str) or not re.fullmatch(r"[0-9a-f]{12}", token):
+        # it names the files every rank writes: never a path
+        raise exchange.ExchangeError(f"rank 0 sent {str(token)[:40]!r} for a marker's name")
     here = (socket.gethostname(), _mount_namespace())
-    places = [None] * world
-    dist.all_gather_object(places, here)
+    places = [tuple(p) for p in exchange.all_gather(here)]
     writers = sorted({places.index(p) for p in places})
-    marker = root / f".lazarus-shared-{token[0]}-{rank}"
+    marker = root / f".lazarus-shared-{token}-{rank}"
     wrote = False
     if rank in writers:
         try:
@@ -428,24 +512,23 @@ def check_shared(root: Path) -> str | None:
             # A full or read-only disk at the start is the host monitor's and the saves'
             # business (a refused save costs that checkpoint), not a reason to refuse the job.
             log.warning("cannot check that checkpoint dir %s is shared: %s", root, e)
-    written = [False] * world
-    dist.all_gather_object(written, wrote)  # also: every marker is written by now
-    verdict = [None]
+    written = exchange.all_gather(wrote)  # also: every marker is written by now
+    verdict = None
     if rank == 0:
         unseen = [r for r in writers if written[r]
-                  and not (root / f".lazarus-shared-{token[0]}-{r}").is_file()]
+                  and not (root / f".lazarus-shared-{token}-{r}").is_file()]
         if unseen:
-            verdict[0] = (f"checkpoint dir {root} is not shared: rank 0 ({places[0][0]}) does not "
-                          f"see what rank(s) {', '.join(map(str, unseen))} "
-                          f"({', '.join(sorted({places[r][0] for r in unseen}))}) wrote there; "
-                          "every node must see the same checkpoint dir (a shared filesystem)")
-    dist.broadcast_object_list(verdict, src=0)
+            verdict = (f"checkpoint dir {root} is not shared: rank 0 ({places[0][0]}) does not "
+                       f"see what rank(s) {', '.join(map(str, unseen))} "
+                       f"({', '.join(sorted({places[r][0] for r in unseen}))}) wrote there; "
+                       "every node must see the same checkpoint dir (a shared filesystem)")
+    verdict = exchange.broadcast(verdict, src=0)
     if wrote:
         try:
             marker.unlink(missing_ok=True)
         except OSError:
             pass  # a marker left behind is a few bytes nobody reads
-    return verdict[0]
+    return verdict
 
 
 def _mount_namespace() -> int:
@@ -675,9 +758,9 @@ class Checkpointer:
                 entries = [_file_entry(directory, n) for n in mine]
         except OSError as e:
             problem = f"rank {self._rank}: {e}"
-        gathered = [None] * self._world if self._rank == 0 else None
         if self._distributed:
-            dist.gather_object((problem, entries), gathered, dst=0, group=self._pg)
+            gathered = exchange.gather((problem, entries), dst=0, group=self._pg)
+            gathered = [tuple(g) for g in gathered] if gathered is not None else None
         else:
             gathered = [(problem, entries)]
         # (committed path, error, whether the storage refused it)
@@ -699,7 +782,7 @@ class Checkpointer:
                 outcome = [(None, str(e), False)]
         if self._distributed:
             # Also keeps every rank from starting the next save before rank 0 has cleaned up.
-            dist.broadcast_object_list(outcome, src=0, group=self._pg)
+            outcome = [exchange.broadcast(outcome[0], src=0, group=self._pg)]
         committed, error, refused_by_storage = outcome[0]
         if failure is not None:
             raise failure
@@ -815,9 +898,22 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     manifest = _verify_collectively(path) if distributed else verify_checkpoint(path)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    # The state is read over, so allocated rather than made by a step (trainer/optimstate.py).
-    optimstate.allocate(model, optimizer, optimstate.from_dcp_metadata(read_dcp_metadata(path)),
-                        local=False)
+    # Every rank reads the same .metadata against the same model, so all refuse alike.
+    try:
+        saved = optimstate.from_dcp_metadata(read_dcp_metadata(path))
+        if problem := optim_state_problem(model, saved, local=False):
+            problem = f"checkpoint {path}: {problem}"
+        else:
+            # The state is read over, so allocated rather than made by a step
+            # (trainer/optimstate.py); a size no memory holds is the checkpoint's fault.
+            optimstate.allocate(model, optimizer, saved, local=False)
+    except CheckpointError as e:
+        problem = str(e)
+    except (AttributeError, TypeError, RuntimeError) as e:
+        problem = (f"checkpoint {path}: its DCP metadata is malformed ({type(e).__name__}: "
+                   f"{str(e)[:120]})")
+    if problem:
+        raise RestoreFailed(problem, kind=CORRUPT, own=problem)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     load_tensors(path, state, no_dist=not distributed)
@@ -828,6 +924,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     # where a bad checkpoint is condemned and the restore falls back.
     try:
         saved_world, extra = manifest["world_size"], manifest["extra"]
+        if not isinstance(extra, dict):
+            raise TypeError("extra is not an object")
+        if not _whole(saved_world):
+            raise TypeError("world_size is not a number")
         step = int(manifest["step"])
         if saved_world == world:
             _set_rng_state(json.loads((path / _rng_file(rank)).read_text()))

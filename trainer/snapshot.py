@@ -20,6 +20,7 @@ import math
 import mmap
 import operator
 import os
+import secrets
 import statistics
 import time
 import warnings
@@ -38,7 +39,7 @@ from lazarus.core.snapshotfile import SnapshotError
 from lazarus.core.stall import CheckpointStall
 from lazarus.trainer import optimstate
 from lazarus.trainer.collprogress import collective_device
-from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
+from lazarus.trainer.checkpoint import _rng_state, _set_rng_state, optim_state_problem
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
 STALL_SHARE = 0.01
@@ -244,27 +245,9 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
     return header
 
 
-# Per-parameter state that torch's optimizers (Adam, AdamW, SGD) keep in the parameter's
-# shape. A fresh optimizer is given the snapshot's shapes as they are (optimstate.allocate),
-# so a wrong one would pass the restore and fail the first step: a crash, retried on the same
-# snapshot, instead of a bad snapshot the restore falls back from.
-_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
-
-
 def _check_state_shapes(model: torch.nn.Module, saved: dict, what: str) -> None:
-    params = dict(model.named_parameters())
-    for name, entries in saved.items():
-        param = params.get(name)
-        if param is None:
-            continue  # a parameter the model lacks: the fit check below names it
-        own = tuple(_local(param).shape)
-        for key, value in entries.items():
-            if not isinstance(value, optimstate.SavedTensor):
-                continue
-            want = own if key in _PARAM_SHAPED else () if key == "step" else None
-            if want is not None and tuple(value.shape) != want:
-                raise SnapshotError(f"{what}: optim/state/{name}/{key} is {tuple(value.shape)}, "
-                                    f"not {want} (the parameter is {own})")
+    if problem := optim_state_problem(model, saved, local=True):
+        raise SnapshotError(f"{what}: {problem}")
 
 
 def _same_kind(saved, current) -> bool:
@@ -352,11 +335,20 @@ def write_file(directory: Path, rank: int, step: int, parts: tuple[bytes, ...],
                on_written: Callable[[int, str], None]) -> None:
     """Write a snapshot's parts into `directory` whole or not at all, then hand it over."""
     final = Path(directory) / f"r{rank:05d}-s{step:010d}.t0"
-    tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-    os.replace(tmp, final)
+    # The rank's weights and optimizer state: readable by this user only, from the first
+    # byte. A fresh name, opened only if new and never through a symlink: nothing planted at
+    # it (or left by a crashed write of another process of this pid) is written into.
+    tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full tmpfs must not keep the half-written copy
+        raise
     on_written(step, str(final))
 
 

@@ -34,6 +34,7 @@ from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer import exchange
 from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
@@ -218,11 +219,11 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
 
     if ck.dir is not None:
         # Rank 0 claims the directory; every rank learns the verdict and stops together.
-        verdict = [ckpt.claim(Path(ck.dir), job_id, adopt=ck.resume is not None)
-                   if rank == 0 else None]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise JobRefused(verdict[0])
+        verdict = exchange.broadcast(
+            ckpt.claim(Path(ck.dir), job_id, adopt=ck.resume is not None) if rank == 0 else None,
+            src=0)
+        if verdict is not None:
+            raise JobRefused(verdict)
         # Later rounds learn of a node that cannot see the dir at their restore, and the
         # daemon cordons it (lazarus.daemon.restorefail); the job itself is wrong only here.
         if restore is None and (why := ckpt.check_shared(Path(ck.dir))):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,21 @@ class CertFiles:
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:
+    """`path` replaced by a new file holding `data`. Written under a fresh name (O_EXCL, 0600:
+    nothing planted there is opened, a key is never readable by others even for a moment) and
+    renamed over `path`: a symlink planted at `path` is replaced, not written through, and an
+    old key file's looser mode does not carry over."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if not private:
+                os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _name(cn: str) -> x509.Name:

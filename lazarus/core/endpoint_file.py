@@ -94,6 +94,19 @@ def remove_if_mine(path: Path, pid: int) -> None:
         path.unlink(missing_ok=True)
 
 
+# A bearer token is the whole of the API's authentication: one short enough to guess (a
+# placeholder like "t0ken" left in a file) would let anyone who reaches the port in.
+MIN_TOKEN_CHARS = 16
+
+
+def check_token(token: str, source: str) -> str:
+    """`token` if it is long enough to be a secret; UserError naming `source` otherwise."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise UserError(f"{source} holds a token of {len(token)} characters; a token needs at "
+                        f"least {MIN_TOKEN_CHARS} (make one with `openssl rand -hex 32`)")
+    return token
+
+
 def load_token(path: str | Path) -> str:
     """The bearer token in a token file (surrounding whitespace ignored)."""
     try:
@@ -102,4 +115,4 @@ def load_token(path: str | Path) -> str:
         raise UserError(f"token file {str(path)!r} is unreadable ({e})") from None
     if not token:
         raise UserError(f"token file {str(path)!r} is empty")
-    return token
+    return check_token(token, f"token file {str(path)!r}")

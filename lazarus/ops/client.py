@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -190,6 +191,23 @@ def stream_events(target: Target, request: pb.WatchEventsRequest) -> Iterator[pb
 
 
 # -- output ------------------------------------------------------------------------------------
+# Node names, reasons, paths and event messages come from agents (etcd's node and event
+# records), which any node's credentials can write: a C0/C1 control character there could
+# retitle, clear or rewrite the operator's terminal. Tab and newline stay (a reason may wrap).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """`text` with its terminal control characters shown as \\xNN, harmless to print."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _add(table, *cells: str) -> None:
+    """A row of Text cells, never parsed as markup: "[bold red]" in a node name is its name."""
+    from rich.text import Text
+    table.add_row(*(Text(clean(c)) for c in cells))
+
+
 def _console():
     from rich.console import Console
     return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -224,41 +242,41 @@ def render_status(h: pb.RunHealth, now: float) -> None:
     t.add_column(style="bold")
     t.add_column()
     if not h.job_id:
-        t.add_row("run", "no job submitted")
+        _add(t, "run", "no job submitted")
     else:
-        t.add_row("run", f"{h.job_name or '?'} ({h.job_id})  {h.state}  since "
-                         f"{_clock(h.since)} ({_ago(now - h.since)} ago)")
-        t.add_row("reason", h.reason or "-")
-        t.add_row("round", f"{h.round}  members {', '.join(h.members) or '-'}  "
-                           f"restarts {h.restarts}")
+        _add(t, "run", f"{h.job_name or '?'} ({h.job_id})  {h.state}  since "
+                       f"{_clock(h.since)} ({_ago(now - h.since)} ago)")
+        _add(t, "reason", h.reason or "-")
+        _add(t, "round", f"{h.round}  members {', '.join(h.members) or '-'}  "
+                         f"restarts {h.restarts}")
         total = f"/{h.total_steps}" if h.total_steps else ""
-        t.add_row("step", f"{h.step}{total}  loss {h.loss:.4f}  {h.tokens_per_s:,.0f} tok/s  "
-                          f"{h.step_time_s:.3f} s/step")
-        t.add_row("goodput", "-" if h.goodput < 0 else
-                  f"{h.goodput:.1%} ({h.productive_time_s:.0f} s of {h.wall_time_s:.0f} s)")
-    t.add_row("nodes", ", ".join(f"{k} {v}" for k, v in sorted(h.nodes_by_state.items())) or "none")
+        _add(t, "step", f"{h.step}{total}  loss {h.loss:.4f}  {h.tokens_per_s:,.0f} tok/s  "
+                        f"{h.step_time_s:.3f} s/step")
+        _add(t, "goodput", "-" if h.goodput < 0 else
+                f"{h.goodput:.1%} ({h.productive_time_s:.0f} s of {h.wall_time_s:.0f} s)")
+    _add(t, "nodes", ", ".join(f"{k} {v}" for k, v in sorted(h.nodes_by_state.items())) or "none")
     if h.HasField("last_checkpoint"):
         c = h.last_checkpoint
         good = "" if c.good else " (not yet good)"
-        t.add_row("checkpoint", f"step {c.step}{good} at {_clock(c.committed_at)}  {c.path}")
+        _add(t, "checkpoint", f"step {c.step}{good} at {_clock(c.committed_at)}  {c.path}")
         if not c.good and h.HasField("last_good_checkpoint"):
-            t.add_row("good", f"step {h.last_good_checkpoint.step}")
+            _add(t, "good", f"step {h.last_good_checkpoint.step}")
     else:
-        t.add_row("checkpoint", "none committed")
+        _add(t, "checkpoint", "none committed")
     if h.HasField("incident"):
         i = h.incident
-        t.add_row("incident", f"{i.kind} on {i.culprit or '?'} (round {i.round}, "
-                              f"{_ago(now - i.fault_at)} ago): {i.reason}")
+        _add(t, "incident", f"{i.kind} on {i.culprit or '?'} (round {i.round}, "
+                            f"{_ago(now - i.fault_at)} ago): {i.reason}")
     if h.paused:
-        t.add_row("paused", "a pause command is in force (lazarus resume)")
+        _add(t, "paused", "a pause command is in force (lazarus resume)")
     if h.draining:
-        t.add_row("draining", ", ".join(h.draining))
+        _add(t, "draining", ", ".join(h.draining))
     if h.HasField("leader"):
         who = f"{h.leader.id} at {h.leader.api or '(no API)'}"
-        t.add_row("leader", who if h.served_by_leader else f"{who}; answered by standby "
-                                                          f"{h.served_by}")
+        _add(t, "leader", who if h.served_by_leader else f"{who}; answered by standby "
+                                                        f"{h.served_by}")
     else:
-        t.add_row("leader", f"none (answered by {h.served_by})")
+        _add(t, "leader", f"none (answered by {h.served_by})")
     _console().print(t)
 
 
@@ -277,18 +295,18 @@ def render_nodes(nodes: list[pb.Node]) -> None:
                          " (draining)" if n.draining else ""])
         sick = [f"{v.monitor} {v.state}" + (f": {v.reasons[0]}" if v.reasons else "")
                 for v in n.health if v.state != "healthy"]
-        t.add_row(n.node, n.role or "-", n.state + flags, ranks, str(n.step),
-                  f"{n.step_rate:.2f}", f"{n.tokens_per_s:,.0f}", f"{n.loss:.4f}",
-                  "; ".join(sick) or ("ok" if n.health else "-"),
-                  (f"{n.tier0_bytes / 2**20:,.1f}/{n.tier0_limit_bytes / 2**20:,.0f} MiB"
-                   if n.tier0_limit_bytes else "-"),
-                  f"{_ago(n.last_report_age_s)} ago" if n.last_report_age_s >= 0 else "-",
-                  f"{n.lease_ttl_s} s" if n.registered else "expired", n.host or "-")
+        _add(t, n.node, n.role or "-", n.state + flags, ranks, str(n.step),
+                f"{n.step_rate:.2f}", f"{n.tokens_per_s:,.0f}", f"{n.loss:.4f}",
+                "; ".join(sick) or ("ok" if n.health else "-"),
+                (f"{n.tier0_bytes / 2**20:,.1f}/{n.tier0_limit_bytes / 2**20:,.0f} MiB"
+                 if n.tier0_limit_bytes else "-"),
+                f"{_ago(n.last_report_age_s)} ago" if n.last_report_age_s >= 0 else "-",
+                f"{n.lease_ttl_s} s" if n.registered else "expired", n.host or "-")
     _console().print(t)
     # Below the table, not in it: a reason is a sentence, and a row must fit the terminal.
     for n in nodes:
         if n.cordoned and n.cordon_reason:
-            _console().print(f"{n.node} cordoned: {' '.join(n.cordon_reason.split())}",
+            _console().print(clean(f"{n.node} cordoned: {' '.join(n.cordon_reason.split())}"),
                              markup=False, highlight=False)
 
 
@@ -299,13 +317,13 @@ def render_checkpoints(cks: list[pb.Checkpoint]) -> None:
                       ("COMMITTED", "left"), ("PATH", "left")):
         t.add_column(col, justify=just, no_wrap=True)
     for c in cks:
-        t.add_row(str(c.step), str(c.round), "yes" if c.good else "no", _clock(c.committed_at),
-                  c.path)
+        _add(t, str(c.step), str(c.round), "yes" if c.good else "no", _clock(c.committed_at),
+                c.path)
     _console().print(t)
 
 
 def event_line(ev: pb.Event) -> str:
-    return f"{_clock(ev.time)}  {ev.kind:<15} {ev.message}"
+    return clean(f"{_clock(ev.time)}  {ev.kind:<15} {ev.message}")
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -318,7 +336,7 @@ def _run(prog: str, argv: list[str], add_args: Callable[[argparse.ArgumentParser
     try:
         return body(args, _target(args))
     except Failed as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(clean(f"{prog}: error: {e}"), file=sys.stderr)
         return e.code
 
 
@@ -388,7 +406,7 @@ def _command(prog: str, argv: list[str], description: str, method: str,
         if args.json:
             _print_json(reply)
         else:
-            print(reply.message)
+            print(clean(reply.message))
         return 0
     return _run(prog, argv, add_args, body, description)
 

@@ -231,7 +231,7 @@ def test_enable_auth_again_sets_the_passwords_of_the_files(tmp_path, capsys):
 def test_with_insecure_the_daemon_serves_its_api_in_plaintext_off_loopback(server, tmp_path):
     """--insecure is the operator's explicit yes: the daemon starts, on every address."""
     token = tmp_path / "token"
-    token.write_text("t0ken")
+    token.write_text("t0ken-0123456789abcdef")
     log = tmp_path / "daemon.log"
     with open(log, "wb") as out:
         daemon = subprocess.Popen(
