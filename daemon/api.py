@@ -177,6 +177,7 @@ class LazarusServicer(pb_grpc.LazarusServicer):
         self.served_by = served_by
         self.views = views
         self.history = history
+        self._max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
 
     def _view(self) -> ClusterView:
@@ -227,7 +228,7 @@ class LazarusServicer(pb_grpc.LazarusServicer):
                 _text("kinds", kind, MAX_KIND_LEN)
             if not self._streams.acquire(blocking=False):
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this daemon already serves {MAX_STREAMS} event streams")
+                               f"this daemon already serves {self._max_streams} event streams")
         except _Refused as e:
             context.abort(e.code, str(e))
         try:

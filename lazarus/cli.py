@@ -71,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not _etcd_outage(e):
+            raise
+        # etcd's error names the endpoint and what the connection met: all the user can act on
+        print(f"lazarus {name}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _etcd_outage(error: Exception) -> bool:
+    etcd = sys.modules.get("lazarus.core.etcd")  # not imported: nothing here talked to etcd
+    return etcd is not None and isinstance(error, etcd.EtcdUnavailable)
 
 
 if __name__ == "__main__":

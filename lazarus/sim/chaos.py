@@ -39,11 +39,18 @@ timed in seconds since the run first ran instead of a step -- kill-worker@20s --
 that reports no steps; the faults the trainer injects itself (hang, loss-spike, diverge,
 slow-step, slow-checkpoint) take a step only. `lazarus up` injects an item once the round
 that answers the fault before it runs (or 60 s after it), and while its target cannot be hit
-(a node that runs no ranks, no leading daemon) the item waits for it.
+(a node that runs no ranks yet, no leading daemon yet) the item waits for it, for
+TARGET_WAIT_S at most; one that cannot strike at all (a cordoned node's ranks, a node that is
+down) is skipped, and the summary says why (`aim`).
+
+`lazarus chaos KIND --node NODE --workdir WORKDIR` strikes a `lazarus up` cluster by hand:
+its workdir holds what reaching its etcd takes (CLUSTER_FILE).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +60,7 @@ from lazarus.agent.gpu_sim import add_fault
 from lazarus.core import etcd as E
 from lazarus.core import settings
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import EtcdAuth
 from lazarus.core.records import Keys, NodeRecord, NodeStatus
 from lazarus.sim.diskfault import chaos_cli
 
@@ -82,6 +90,7 @@ class Fault:
     fired_step: int | None = None   # last completed step seen when it was injected
     hit: str | None = None          # what it hit (node, rank/pid, daemon pid)
     seconds: bool = False           # `step` is seconds since the run first ran, not a step
+    skipped: str | None = None      # why it was never injected
 
     def due(self, step: int, running_s: float | None) -> bool:
         """Whether it strikes now: at its step, or its time after the run first ran."""
@@ -96,7 +105,8 @@ class Fault:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "step": self.step, "target": self.hit or self.target,
-                "injected_at_step": self.fired_step, "time": self.fired_at}
+                "injected_at_step": self.fired_step, "time": self.fired_at,
+                "item": self.label, "skipped": self.skipped}
 
 
 def parse_schedule(spec: str) -> list[Fault]:
@@ -129,6 +139,97 @@ def parse_schedule(spec: str) -> list[Fault]:
     return faults
 
 
+FIRE, WAIT, SKIP = "fire", "wait", "skip"
+# How long an item waits for a target that may yet come (a spare not promoted yet, a leader
+# not elected yet) before it is skipped: a later item must not wait behind it for good.
+TARGET_WAIT_S = 60.0
+# Kinds that strike a node's ranks: a node that runs none cannot take them.
+_RANK_KINDS = ("kill-worker", "stop-worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Sight:
+    """What a chaos item can strike now, as `lazarus up` sees its cluster."""
+    members: tuple[str, ...] = ()           # the run's nodes, in order
+    working: frozenset[str] = frozenset()   # nodes whose agent reports live ranks
+    down: tuple[str, ...] = ()              # nodes whose agent was killed and not revived
+    cordoned: frozenset[str] = frozenset()  # they take no work until an operator says so
+    leader: bool = False                    # a live daemon holds the lead
+
+
+@dataclass(frozen=True, slots=True)
+class Aim:
+    action: str                 # FIRE, WAIT or SKIP
+    node: str | None = None     # the node it strikes (FIRE)
+    why: str = ""               # why it does not fire now (WAIT, SKIP)
+
+
+def aim(fault: Fault, sight: Sight, waited_s: float = 0.0) -> Aim:
+    """Whether a due item strikes now, waits for its target, or never will. `waited_s`: how
+    long it has waited so far; past TARGET_WAIT_S a wait becomes a skip. Only what can still
+    change is waited for: the schedule's later items (a revive-node among them) wait behind
+    this one, so nothing but the cluster itself can bring its target back."""
+    def wait(why: str) -> Aim:
+        if waited_s >= TARGET_WAIT_S:
+            return Aim(SKIP, why=f"{why} after {TARGET_WAIT_S:.0f} s")
+        return Aim(WAIT, why=why)
+
+    if fault.kind in DISK_KINDS:
+        return Aim(FIRE)
+    if fault.kind == "kill-daemon":
+        return Aim(FIRE) if sight.leader else wait("no daemon leads yet")
+    if fault.kind == "revive-node":
+        node = fault.target or (sight.down[-1] if sight.down else None)
+        if node is None:
+            return Aim(SKIP, why="no node is down")
+        if node not in sight.down:
+            return Aim(SKIP, node, f"{node} is not down")
+        return Aim(FIRE, node)
+    node = fault.target or (sight.members[-1] if sight.members else None)
+    if node is None:
+        return wait("the run has no nodes yet")
+    if node in sight.down:
+        return Aim(SKIP, node, f"{node} is down")
+    if fault.kind in _RANK_KINDS and node not in sight.working:
+        if node in sight.cordoned:
+            return Aim(SKIP, node, f"{node} is cordoned: it runs no workers")
+        return wait(f"{node} runs no workers")
+    return Aim(FIRE, node)
+
+
+# In a `lazarus up` workdir: how a process of the operator's reaches the cluster's etcd (its
+# endpoint, on a port of its own, and the files of its TLS and user). Paths, no secret: the
+# password stays in its own 0600 file.
+CLUSTER_FILE = "etcd-client.json"
+
+
+def write_cluster_access(workdir: Path, endpoint: str, auth: EtcdAuth) -> Path:
+    path = Path(workdir) / CLUSTER_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"endpoint": endpoint, "user": auth.user,
+                   **{k: str(Path(v).resolve()) for k, v in auth.files.items()}}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def cluster_access(workdir: Path) -> tuple[str, EtcdAuth] | None:
+    """The endpoint and access of the `lazarus up` cluster in `workdir`; None when it holds
+    none."""
+    path = Path(workdir) / CLUSTER_FILE
+    try:
+        doc = json.loads(path.read_text())
+        endpoint = doc["endpoint"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is unreadable ({e}); give --etcd and its flags instead") from None
+    auth = EtcdAuth.load(ca=doc.get("ca"), cert=doc.get("cert"), key=doc.get("key"),
+                         user=doc.get("user"), password_file=doc.get("password_file"), env={})
+    return endpoint, auth
+
+
 def slowdown_script(workdir: Path, node: str) -> Path:
     """Where the workers of an agent started with --workdir WORKDIR (and the simulated GPU
     backend) read their slowdown: {"factor": F} makes every rank of the node compute F times
@@ -138,9 +239,6 @@ def slowdown_script(workdir: Path, node: str) -> Path:
 
 def inject_slowdown(workdir: Path, node: str, factor: float = SLOW_FACTOR) -> Path:
     """Slow every rank of `node` down by `factor` (1 ends the slowdown)."""
-    import json
-    import os
-
     path = slowdown_script(workdir, node)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the agent's private workdir
     tmp = path.with_suffix(".tmp")
@@ -163,10 +261,7 @@ def inject_gpu_fault(workdir: Path, node: str, kind: str) -> Path:
 def main(argv: list[str]) -> int:
     """`lazarus chaos KIND --node NODE`: inject one fault into a running cluster on this host."""
     import argparse
-    import json
-    import os
     import signal
-
 
     p = argparse.ArgumentParser(prog="lazarus chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=("kill-worker", "stop-worker", "kill-node", "kill-daemon", "gpu-xid",
@@ -176,9 +271,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--node", help="target node (not for kill-daemon)")
     p.add_argument("--dir", type=Path,
                    help="disk-full/disk-free: the checkpoint dir, on a small filesystem of its own")
-    settings.add_etcd_args(p)
-    p.add_argument("--workdir", default=os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus"),
-                   help="the agents' --workdir (GPU faults are written there)")
+    settings.add_etcd_args(p, etcd_help="etcd endpoint HOST:PORT (default: the etcd of the "
+                                        "`lazarus up` cluster in --workdir, else "
+                                        f"${settings.ETCD_ENV}, else {settings.DEFAULT_ETCD})")
+    p.set_defaults(etcd=None)
+    p.add_argument("--workdir", type=Path,
+                   default=Path(os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus")),
+                   help="`lazarus up`'s workdir, or the agents' --workdir (default: "
+                        "$LAZARUS_WORKDIR, else /tmp/lazarus)")
     args = p.parse_args(argv)
     if args.kind in DISK_KINDS:
         if args.dir is None:
@@ -187,17 +287,22 @@ def main(argv: list[str]) -> int:
         return 0
     if args.kind != "kill-daemon" and not args.node:
         raise UserError(f"{args.kind} needs --node")
+    up = cluster_access(args.workdir) if args.etcd is None else None
+    # `lazarus up` runs its agents with --workdir WORKDIR/nodes (lazarus.sim.localcluster)
+    agents_dir = args.workdir / "nodes" if up else args.workdir
     if args.kind == "slow-rank":
         if not args.factor >= 1:
             raise UserError(f"--factor must be at least 1 (1 ends a slowdown), got {args.factor}")
-        path = inject_slowdown(Path(args.workdir), args.node, args.factor)
+        path = inject_slowdown(agents_dir, args.node, args.factor)
         print(f"slow-rank on {args.node}: x{args.factor:g}, written to {path}")
         return 0
     if args.kind in GPU_FAULTS:
-        path = inject_gpu_fault(Path(args.workdir), args.node, args.kind)
+        path = inject_gpu_fault(agents_dir, args.node, args.kind)
         print(f"{args.kind} on {args.node}: written to {path}")
         return 0
-    keys, etcd = Keys(args.root), E.Etcd(args.etcd, auth=settings.etcd_auth(args))
+    endpoint, auth = up or (args.etcd or os.environ.get(settings.ETCD_ENV, settings.DEFAULT_ETCD),
+                            settings.etcd_auth(args))
+    keys, etcd = Keys(args.root), E.Etcd(endpoint, auth=auth)
     try:
         if args.kind == "kill-daemon":
             kv = etcd.get(keys.leader)
@@ -209,6 +314,10 @@ def main(argv: list[str]) -> int:
             kv = etcd.get(keys.nodestatus_key(args.node))
             pids = NodeStatus.from_json(kv.value).pids if kv else []
             pid = pids[-1] if pids else None
+    except E.EtcdUnavailable as e:
+        raise UserError(f"{e}; " + (f"is the `lazarus up` cluster of {args.workdir} still "
+                                    "running?" if up else "is a cluster running there? For "
+                                    "`lazarus up`'s, give its workdir as --workdir")) from None
     finally:
         etcd.close()
     if not pid:
@@ -220,7 +329,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{args.kind}: pid {pid} is not running on this host") from None
     print(f"{args.kind}: {'stopped' if sig == signal.SIGSTOP else 'killed'} pid {pid}")
     if args.kind == "kill-node":  # ranks outlive their agent alone (lazarus.agent.adopt)
-        for rank in left_ranks(Path(args.workdir), args.node):
+        for rank in left_ranks(agents_dir, args.node):
             rank.kill()
             print(f"{args.kind}: killed rank pid {rank.pid}")
     return 0

@@ -31,7 +31,8 @@ from lazarus.core.errors import UserError
 from lazarus.core.etcd_rbac import AGENT_USER, DAEMON_USER
 from lazarus.core.jobspec import JobSpec
 from lazarus.sim import trainer_faults
-from lazarus.sim.chaos import inject_gpu_fault, inject_slowdown, slowdown_script
+from lazarus.sim.chaos import (inject_gpu_fault, inject_slowdown, slowdown_script,
+                               write_cluster_access)
 from lazarus.sim.diskfault import Ballast, mount_small
 from lazarus.core.records import (CheckpointRecord, EventRecord, Keys, NodeStatus, RecordError,
                              RunStatus, load_json)
@@ -71,6 +72,7 @@ class ClusterState:
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    cordoned: list[str] = field(default_factory=list)
 
 
 class LocalCluster:
@@ -139,6 +141,8 @@ class LocalCluster:
         # What the tests and `lazarus up` do through it (submit, read, inject) is the
         # daemon's and the operator's to do.
         self.etcd = E.Etcd(self.endpoint, auth=self.etcd_server.auth(DAEMON_USER))
+        # ... and `lazarus chaos --workdir WORKDIR`'s, typed beside it
+        write_cluster_access(self.workdir, self.endpoint, self.etcd_server.auth(DAEMON_USER))
 
     def etcd_args(self, user: str) -> list[str]:
         """The etcd flags of a process of ours that acts as `user`."""
@@ -208,7 +212,8 @@ class LocalCluster:
     def state(self) -> ClusterState:
         assert self.etcd is not None
         snap = self.etcd.snapshot([self.keys.status, self.keys.leader, self.keys.nodes,
-                                   self.keys.nodestatus, self.keys.checkpoints])
+                                   self.keys.nodestatus, self.keys.checkpoints,
+                                   self.keys.cordon])
         st = ClusterState()
         for key, kv in snap.kvs.items():
             try:
@@ -223,6 +228,8 @@ class LocalCluster:
                     st.nodes.append(key[len(self.keys.nodes):])
                 elif key.startswith(self.keys.checkpoints):
                     st.checkpoints.append(CheckpointRecord.from_json(kv.value))
+                elif key.startswith(self.keys.cordon):
+                    st.cordoned.append(key[len(self.keys.cordon):])
             except (RecordError, ValueError, AttributeError):
                 continue
         return st

@@ -205,21 +205,22 @@ def _policy_args(items: list[str]) -> dict:
     return table
 
 
-def _target(cluster: LocalCluster, fault: chaos.Fault) -> str | None:
-    st = cluster.state()
-    members = st.status.members if st.status else []
-    if fault.kind in ("kill-daemon", *chaos.DISK_KINDS):
-        return None
-    if fault.kind == "revive-node":
-        dead = [n for n, proc in cluster.agents.items() if not proc.alive]
-        node = fault.target or (dead[-1] if dead else None)
-        if node is None or node not in dead:
-            raise UserError(f"--chaos revive-node@{fault.step}: no killed node {node!r} to revive")
-        return node
-    node = fault.target or (members[-1] if members else None)
-    if node is None or node not in cluster.agents:
-        raise UserError(f"--chaos {fault.kind}@{fault.step}: no node {node!r} to hit")
-    return node
+def _sight(cluster: LocalCluster, st) -> chaos.Sight:
+    """What a chaos item could strike now (chaos.aim decides whether it does)."""
+    live_daemons = {proc.popen.pid for proc in cluster.daemons if proc.alive}
+    return chaos.Sight(
+        members=tuple(st.status.members) if st.status else (),
+        working=frozenset(n for n, ns in st.node_status.items() if ns.pids),
+        down=tuple(n for n, proc in cluster.agents.items() if not proc.alive),
+        cordoned=frozenset(st.cordoned),
+        leader=st.leader_pid in live_daemons)
+
+
+def _check_targets(schedule: list[chaos.Fault], nodes: list[str]) -> None:
+    for f in schedule:
+        if f.target is not None and f.target not in nodes:
+            raise UserError(f"--chaos {f.label}: no node {f.target!r} here (the nodes are "
+                            f"{', '.join(nodes)})")
 
 
 # Faults the daemon answers with a new round. The next chaos item waits for that round (or
@@ -240,8 +241,7 @@ def _unanswered(schedule: list[chaos.Fault], events: list) -> bool:
     return not any(e.kind == "round_started" and e.time > last.fired_at for e in events)
 
 
-def _inject(cluster: LocalCluster, fault: chaos.Fault, step: int) -> None:
-    node = _target(cluster, fault)
+def _inject(cluster: LocalCluster, fault: chaos.Fault, node: str | None, step: int) -> None:
     fault.fired_at, fault.fired_step = time.time(), step
     if fault.kind == "kill-worker":
         fault.hit = cluster.kill_worker(node)
@@ -380,6 +380,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("--chaos disk-full/disk-free fill the built-in trainer's checkpoint dir; "
                         "a script of your own keeps its checkpoints where it likes")
     job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
+    _check_targets(schedule, [f"n{i}" for i in range(args.nodes + args.spares)])
     agent_args = _agent_args(args)
     say = print
     if own:
@@ -412,6 +413,7 @@ def run(args: argparse.Namespace) -> dict:
         cluster.start_daemon()
         cluster.start_daemon()
         _publish_api(cluster)
+        say(f"a fault by hand: lazarus chaos KIND --node NODE --workdir {workdir}")
         for i in range(args.nodes + args.spares):
             cluster.start_agent(f"n{i}", nproc=args.nproc_per_node,
                                 role=ROLE_ACTIVE if i < args.nodes else ROLE_SPARE)
@@ -421,7 +423,7 @@ def run(args: argparse.Namespace) -> dict:
         leader = None
         state = None
         running_since = None  # when the run first ran: the clock of timed chaos items
-        waiting: dict[str, str] = {}  # chaos items whose target is not there yet -> why
+        waiting: dict[int, tuple[float, str]] = {}  # id(item) waiting for its target -> since, why
         reported = 0          # the furthest step a script of the user's own reported
         while time.time() - started < args.timeout:
             time.sleep(0.05)
@@ -453,14 +455,23 @@ def run(args: argparse.Namespace) -> dict:
             due = next((f for f in pending if f.due(step, running_s)), None)
             if (due is not None and state == "RUNNING" and st.status.incident is None
                     and not _unanswered(schedule, events)):
-                try:
-                    _inject(cluster, due, step)
-                except RuntimeError as e:
-                    # its target cannot be hit yet (a node that runs no ranks now): it waits
-                    due.fired_at = due.fired_step = None
-                    if waiting.get(due.label) != str(e):
-                        waiting[due.label] = str(e)
-                        say(f"  .. {due.label} waits: {e}")
+                since, why = waiting.get(id(due), (time.time(), ""))
+                target = chaos.aim(due, _sight(cluster, st), time.time() - since)
+                if target.action == chaos.FIRE:
+                    try:
+                        _inject(cluster, due, target.node, step)
+                    except (RuntimeError, ProcessLookupError) as e:
+                        # what it aimed at went between the look and the shot: look again
+                        due.fired_at = due.fired_step = None
+                        target = chaos.Aim(chaos.WAIT, target.node, str(e))
+                if target.action == chaos.SKIP:
+                    due.skipped = target.why
+                    pending.remove(due)
+                    say(f"  .. {due.label} skipped: {target.why}")
+                elif target.action == chaos.WAIT:
+                    if why != target.why:
+                        say(f"  .. {due.label} waits: {target.why}")
+                    waiting[id(due)] = (since, target.why)
                 else:
                     pending.remove(due)
                     say(f"  >> injected {due.kind} at " + (f"{running_s:.0f} s" if due.seconds
@@ -486,6 +497,9 @@ def run(args: argparse.Namespace) -> dict:
         for ev in cluster.new_events():
             events.append(ev)
             say(f"  [{ev.kind}] {ev.message}")
+        for fault in pending:
+            fault.skipped = (f"the run ended first ({waiting[id(fault)][1]})"
+                             if id(fault) in waiting else "the run ended first")
         tail.poll()
         checkpoints = cluster.state().checkpoints
     # The run's story outlives the cluster: `lazarus report WORKDIR` reads these files.
@@ -517,6 +531,9 @@ def run(args: argparse.Namespace) -> dict:
 def print_summary(summary: dict) -> None:
     print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
           f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
+    for f in summary["faults"]:
+        if f.get("skipped"):
+            print(f"not injected: {f['item']} -- {f['skipped']}")
     if summary["recoveries"]:
         print(f"{'fault':<12} {'at step':>7} {'target':<16} {'detected':>9} {'recovered':>10}  "
               f"{'culprit':<8} restored")

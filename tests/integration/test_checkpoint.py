@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -91,7 +92,16 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 # Launching gloo ranks
 
 
+# What torch's abort at exit prints (docs/constraints.md): the one failure after a rank's work
+# that is not the work's.
+ABORT_AT_EXIT = "terminate called without an active exception"
+
+
 def _entry(fn, rank: int, world: int, store: str, out: str, args: tuple) -> None:
+    # The rank's stderr (C++'s included) in a file: `launch` reads there how it ended.
+    err = os.open(Path(out, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(err, 2)
+    os.close(err)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, Path(out), *args)
@@ -105,11 +115,13 @@ def _entry(fn, rank: int, world: int, store: str, out: str, args: tuple) -> None
 
 
 def launch(fn, world: int, out: Path, *args) -> None:
-    """Run fn(rank, world, out, *args) on `world` fresh gloo processes; fail with the first
-    rank's traceback. A non-zero exit after a rank wrote its done marker is the known
-    abort-at-exit of torch on this machine (FACTS), not a failure of the work."""
+    """Run fn(rank, world, out, *args) on `world` fresh gloo processes, all done within
+    LAUNCH_TIMEOUT_S; fail with the first rank's traceback, or how a rank ended otherwise.
+    Every rank must exit 0, but for torch's abort at exit after its work (docs/constraints.md,
+    "Aborts and hangs at exit"): SIGABRT with ABORT_AT_EXIT on its stderr, its done marker
+    written. A hang at exit, or any other exit after the work, is a failure."""
     out.mkdir(parents=True, exist_ok=True)
-    for f in out.glob("done-*"):
+    for f in [*out.glob("done-*"), *out.glob("error-*.txt")]:
         f.unlink()
     ctx = multiprocessing.get_context("spawn")
     store = out / f"store-{time.monotonic_ns()}"
@@ -117,8 +129,10 @@ def launch(fn, world: int, out: Path, *args) -> None:
              for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     for p in procs:
-        p.join(LAUNCH_TIMEOUT_S)
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -126,7 +140,14 @@ def launch(fn, world: int, out: Path, *args) -> None:
     errors = sorted(out.glob("error-*.txt"))
     assert not errors, errors[0].read_text()
     for rank, p in enumerate(procs):
-        assert (out / f"done-{rank}").exists(), f"rank {rank} exited {p.exitcode} unfinished"
+        stderr = (out / f"stderr-{rank}.txt").read_text(errors="replace")[-2000:]
+        done = (out / f"done-{rank}").exists()
+        assert rank not in hung, (f"rank {rank} still ran after {LAUNCH_TIMEOUT_S} s "
+                                  f"({'after' if done else 'before'} its work): {stderr}")
+        assert done, f"rank {rank} exited {p.exitcode} unfinished: {stderr}"
+        torch_abort = p.exitcode == -signal.SIGABRT and ABORT_AT_EXIT in stderr
+        assert p.exitcode == 0 or torch_abort, (f"rank {rank} exited {p.exitcode} after its "
+                                                f"work: {stderr}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,26 +24,30 @@ def child():
     proc.wait()
 
 
-def _state_becomes(pid: int, states: str) -> frozen.ProcSample:
-    for _ in range(200):  # a signal is delivered asynchronously
+RUNNING = ("S", "R")  # asleep between its sleeps, or running
+
+
+def _state_becomes(pid: int, states: tuple[str, ...]) -> frozen.ProcSample:
+    """The process's sample once its state is one of `states` (a signal is delivered
+    asynchronously); the test fails when it never is."""
+    for _ in range(200):
         s = frozen.sample(pid)
         if s.state in states:
             return s
         time.sleep(0.01)
-    return s
+    raise AssertionError(f"pid {pid} is in state {s.state!r}, never one of {states}")
 
 
 def test_a_stopped_process_is_frozen_and_a_running_one_is_not(child):
     ranks = {1: child.pid}
-    live = _state_becomes(child.pid, "SR")
-    assert live.state in "SR"
+    live = _state_becomes(child.pid, RUNNING)
     assert frozen.frozen(ranks, {child.pid: live}, {child.pid: live}, [], []) == {}
     os.kill(child.pid, signal.SIGSTOP)
-    stopped = _state_becomes(child.pid, "T")
+    stopped = _state_becomes(child.pid, ("T",))
     got = frozen.frozen(ranks, {child.pid: live}, {child.pid: stopped}, [], [])
     assert got == {1: "stopped (SIGSTOP or a debugger)"}
     os.kill(child.pid, signal.SIGCONT)
-    assert frozen.frozen(ranks, {}, {child.pid: _state_becomes(child.pid, "SR")}, [], []) == {}
+    assert frozen.frozen(ranks, {}, {child.pid: _state_becomes(child.pid, RUNNING)}, [], []) == {}
 
 
 def test_silence_to_the_stack_dump_is_frozen_and_an_answer_is_not():

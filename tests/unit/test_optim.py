@@ -51,10 +51,17 @@ def test_wsd_is_flat_then_decays_over_the_last_fraction():
     assert lr_at(100, cfg) == pytest.approx(1e-4)
 
 
-def test_schedule_is_a_pure_function_of_step():
-    cfg = sched("cosine")
-    assert [lr_at(s, cfg) for s in (3, 40, 77)] == [lr_at(s, cfg) for s in (3, 40, 77)]
-    assert not math.isnan(lr_at(1, sched("cosine", warmup_steps=0, total_steps=1)))
+@pytest.mark.parametrize("kind", ["cosine", "wsd"])
+def test_schedule_is_a_pure_function_of_step(kind):
+    # A resumed run asks from the step it restored, in a process and with a config of its
+    # own: it must get the uninterrupted run's rates, whatever was asked before, in any order.
+    run = sched(kind)
+    uninterrupted = {s: lr_at(s, run) for s in range(1, 121)}
+    assert len(set(uninterrupted.values())) > 25  # a schedule, not a constant
+    resumed = sched(kind)
+    for s in (40, 77, 3, 120, 40, 1, 99):
+        assert lr_at(s, resumed) == uninterrupted[s], s
+    assert not math.isnan(lr_at(1, sched(kind, warmup_steps=0, total_steps=1)))
 
 
 def test_optimizer_step_changes_weights():
