@@ -30,6 +30,7 @@ class Endpoint:
     token: str | None = None
     tls_ca: str | None = None   # certificate the client trusts for the daemon (TLS on)
     pid: int = 0                # the process that wrote the file
+    workdir: str | None = None  # a `lazarus up` cluster's: where `lazarus chaos` finds it
 
 
 def default_path() -> Path:
@@ -40,7 +41,7 @@ def default_path() -> Path:
 def write(path: Path, endpoint: Endpoint) -> None:
     private_dir(path.parent, "the endpoint file's directory", others_may_read=True)
     doc = {"addresses": endpoint.addresses, "token": endpoint.token, "tls_ca": endpoint.tls_ca,
-           "pid": endpoint.pid}
+           "pid": endpoint.pid, "workdir": endpoint.workdir}
     # mkstemp: O_CREAT | O_EXCL (a symlink or file in the way fails it), mode 0600, a random name
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -79,9 +80,11 @@ def read(path: Path) -> Endpoint | None:
         raise UserError(f"endpoint file {str(path)!r} has no address list; delete it or give "
                         "--address")
     token, ca, pid = doc.get("token"), doc.get("tls_ca"), doc.get("pid", 0)
+    workdir = doc.get("workdir")
     return Endpoint(addresses=addresses, token=token if isinstance(token, str) else None,
                     tls_ca=ca if isinstance(ca, str) else None,
-                    pid=pid if isinstance(pid, int) else 0)
+                    pid=pid if isinstance(pid, int) else 0,
+                    workdir=workdir if isinstance(workdir, str) else None)
 
 
 def remove_if_mine(path: Path, pid: int) -> None:

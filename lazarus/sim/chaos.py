@@ -258,6 +258,32 @@ def inject_gpu_fault(workdir: Path, node: str, kind: str) -> Path:
     return path
 
 
+def default_workdir() -> Path:
+    """$LAZARUS_WORKDIR, else the workdir of the `lazarus up` cluster that runs now (its
+    endpoint file names it, as `lazarus status` finds its daemons), else /tmp/lazarus."""
+    if os.environ.get("LAZARUS_WORKDIR"):
+        return Path(os.environ["LAZARUS_WORKDIR"])
+    from lazarus.core import endpoint_file
+
+    try:
+        ep = endpoint_file.read(endpoint_file.default_path())
+    except UserError:
+        ep = None
+    if ep is not None and ep.workdir and ep.pid > 0 and _alive(ep.pid):
+        return Path(ep.workdir)
+    return Path("/tmp/lazarus")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str]) -> int:
     """`lazarus chaos KIND --node NODE`: inject one fault into a running cluster on this host."""
     import argparse
@@ -276,10 +302,12 @@ def main(argv: list[str]) -> int:
                                         f"${settings.ETCD_ENV}, else {settings.DEFAULT_ETCD})")
     p.set_defaults(etcd=None)
     p.add_argument("--workdir", type=Path,
-                   default=Path(os.environ.get("LAZARUS_WORKDIR", "/tmp/lazarus")),
                    help="`lazarus up`'s workdir, or the agents' --workdir (default: "
-                        "$LAZARUS_WORKDIR, else /tmp/lazarus)")
+                        "$LAZARUS_WORKDIR, else the running `lazarus up` cluster's, else "
+                        "/tmp/lazarus)")
     args = p.parse_args(argv)
+    if args.workdir is None:
+        args.workdir = default_workdir()
     if args.kind in DISK_KINDS:
         if args.dir is None:
             raise UserError(f"{args.kind} needs --dir (the run's checkpoint dir)")

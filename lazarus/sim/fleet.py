@@ -364,7 +364,8 @@ class RunFollower:
         self._stop.set()
         for w in self._watches:
             w.cancel()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
 
 
 # -- the agent -----------------------------------------------------------------------------------
@@ -748,7 +749,8 @@ class Fleet:
         for h in self._hosts:
             h.stop_event.set()
         for h in self._hosts:
-            h.join(timeout=10)
+            if h.ident is not None:  # a start that failed (etcd away) left some unstarted
+                h.join(timeout=10)
         self.follower.stop()
         self.leases.stop()
         if revoke:

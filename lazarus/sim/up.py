@@ -286,7 +286,8 @@ def _publish_api(cluster: LocalCluster) -> None:
     path = endpoint_file.default_path()
     live = [a for a, proc in zip(cluster.api_addresses, cluster.daemons) if proc.alive]
     endpoint_file.write(path, endpoint_file.Endpoint(addresses=live, token=cluster.token,
-                                                     pid=os.getpid()))
+                                                     pid=os.getpid(),
+                                                     workdir=str(cluster.workdir)))
     atexit.register(endpoint_file.remove_if_mine, path, os.getpid())
 
 

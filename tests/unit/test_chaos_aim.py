@@ -4,6 +4,10 @@ never a crash."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from lazarus.core.errors import UserError
@@ -105,3 +109,24 @@ def test_up_leaves_what_reaching_its_etcd_takes_in_its_workdir(tmp_path):
     path.write_text("{")
     with pytest.raises(UserError, match="etcd-client.json is unreadable"):
         chaos.cluster_access(tmp_path)
+
+
+def test_chaos_finds_the_running_up_cluster_by_its_endpoint_file(tmp_path, monkeypatch):
+    from lazarus.core import endpoint_file
+    from lazarus.sim.chaos import default_workdir
+
+    monkeypatch.delenv("LAZARUS_WORKDIR", raising=False)
+    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path / "home"))
+    assert default_workdir() == Path("/tmp/lazarus")           # no cluster runs
+    path = endpoint_file.default_path()
+    endpoint_file.write(path, endpoint_file.Endpoint(addresses=["127.0.0.1:1"], pid=os.getpid(),
+                                                     workdir=str(tmp_path / "up")))
+    assert default_workdir() == tmp_path / "up"                 # the live `lazarus up`'s
+    monkeypatch.setenv("LAZARUS_WORKDIR", str(tmp_path / "mine"))
+    assert default_workdir() == tmp_path / "mine"               # the operator's word first
+    monkeypatch.delenv("LAZARUS_WORKDIR")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    endpoint_file.write(path, endpoint_file.Endpoint(addresses=["127.0.0.1:1"], pid=dead.pid,
+                                                     workdir=str(tmp_path / "up")))
+    assert default_workdir() == Path("/tmp/lazarus")           # that cluster is gone
