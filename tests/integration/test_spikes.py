@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,22 +44,10 @@ SCALE = ["--lr-scale", "0.5", "--lr-scale-steps", "6"]   # steps 1..6, across th
 def lazarus_train(args: list[str], *, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`faults`: what the ranks inject (lazarus.sim.trainer_faults), e.g. "loss-spike@14"."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(worker_env(faults) if faults else {})}
-    metrics = Path(args[args.index("--metrics") + 1])
-    ckpt = Path(args[args.index("--ckpt-dir") + 1]) if "--ckpt-dir" in args else None
-    metrics_before = metrics.read_text() if metrics.exists() else ""
-    ckpts_before = set(ckpt.iterdir()) if ckpt is not None and ckpt.exists() else set()
+    # No retry for torch's abort at exit (docs/constraints.md): ranks end without torch's
+    # teardown (trainer/exitnote.finish), so one would be a regression.
     command = [sys.executable, "-m", "lazarus.cli", "train", *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    if "terminate called without an active exception" in result.stderr:
-        # A known gloo teardown abort (about 1 launch in 40, see docs/constraints.md) after
-        # the work is done; one retry from the same files tells it apart from a real failure.
-        print("retrying once after a gloo abort at exit")
-        metrics.write_text(metrics_before)
-        if ckpt is not None:
-            for path in set(ckpt.iterdir()) - ckpts_before:
-                shutil.rmtree(path)
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    return result
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
 def train_ok(args: list[str], **kw) -> subprocess.CompletedProcess:
