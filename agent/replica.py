@@ -4,8 +4,10 @@ of the round (a ring), and hands a copy it holds to the agent that restores that
 One request per TCP connection, one answer:
 
     request  = header length (4 bytes) | header (JSON) | sealed(payload)
-    header   = {"op": "put" | "get", "job", "rank", "step", "from" (node), "time"}
-    answer   = the same framing: {"ok", "error"} and, to a get, the snapshot file
+    header   = {"op": "put" | "get", "job", "rank", "step", "from" (node), "time",
+                "to" (the receiving node), "port" (its replica port), "nonce"}
+    answer   = the same framing: {"ok", "error", "re" (the request's nonce)} and, to a get,
+               the snapshot file
 
 Every message is sealed with HMAC-SHA256 under the key the job's agents share
 (lazarus.core.sealed), over its header, its payload's length and the sha256 digest its payload
@@ -14,8 +16,13 @@ itself: the payload must then end with that digest and pass its own checksum aga
 here, before anything reads it (lazarus.core.snapshotfile). The HMAC of a 2 GB shard would
 cost one of the agent's cores about 1.5 s on each side, for nothing the checksum does not
 already prove. So neither side takes a shard, nor a request for one, from anyone without the
-key; a header more than MAX_SKEW_S off this clock is refused, which bounds replays. A received
-shard must also be a snapshot of the rank and step its header names.
+key; a header more than MAX_SKEW_S off this clock is refused, which bounds replays, and within
+that window a request is taken once: it names its destination (node and port: a request
+captured on its way to one agent is refused by any other, and by the same node's next agent)
+and a nonce the server remembers until the request's date is stale (at most MAX_NONCES; past
+that, requests are refused until some expire). An answer repeats its request's nonce. A
+received shard must also be a snapshot of the rank and step its header names. Nothing is
+encrypted: whoever watches the network reads the shards (docs/security.md).
 
     message = header length (4) | header (JSON) | payload length (8) | digest (32)
               | MAGIC + tag (36) | payload
@@ -30,8 +37,10 @@ snapshots"). Connections beyond the slots are closed at once.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+import secrets
 import socket
 import socketserver
 import threading
@@ -58,6 +67,9 @@ BODY_FLOOR_S, BODY_RATE = 30.0, 8 << 20
 # Transfers at once. A node receives from one ring neighbour and is fetched from by the few
 # nodes that replace lost ones; each slot is a thread.
 MAX_CONNECTIONS = 8
+# Nonces remembered at once: a node takes a few requests per rank and snapshot; a key holder
+# flooding it with fresh requests is refused past this (its memory stays a few MB).
+MAX_NONCES = 1 << 16
 
 
 class ReplicaError(OSError):
@@ -70,7 +82,7 @@ class BadPayload(ReplicaError):
 
 
 # Versions the sealing: an agent of another framing is refused, not misread.
-CONTEXT = b"lazarus-replica-3\0"
+CONTEXT = b"lazarus-replica-4\0"
 _SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
 _DIGEST = 32  # sha256, at the end of every snapshot file
 _NO_DIGEST = bytes(_DIGEST)
@@ -119,11 +131,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
     return bytes(buf)
 
 
-def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float
+def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float,
+          admit: Callable[[dict], None] = lambda header: None
           ) -> tuple[dict, bytearray, dict | None]:
     """(header, payload, the payload's snapshot header or None when it is empty): sealed
-    under `key`, fresh, and a payload that passes its checksum, or ReplicaError. The seal
-    is checked before the payload is read; `header_s`: the time the sealed part may take."""
+    under `key`, fresh, admitted by `admit` (ReplicaError: refused), and a payload that passes
+    its checksum, or ReplicaError. The seal is checked before the payload is read;
+    `header_s`: the time the sealed part may take."""
     deadline = time.monotonic() + header_s
     size = int.from_bytes(_recv_exact(sock, 4, deadline, "the header"), "big")
     if size > MAX_HEADER:
@@ -146,6 +160,7 @@ def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float
     if not isinstance(header, dict):
         raise ReplicaError("a header that is not a JSON object")
     _fresh(header)  # a replay is refused before its payload costs memory
+    admit(header)
     payload = bytearray(length)
     _recv_into(sock, memoryview(payload),
                time.monotonic() + BODY_FLOOR_S + length / BODY_RATE, "the payload")
@@ -175,6 +190,30 @@ def _address(header: dict) -> tuple[str, int, int]:
             or isinstance(step, bool) or not isinstance(step, int):
         raise ReplicaError(f"a request without job, rank and step: {str(header)[:120]}")
     return job, rank, step
+
+
+class _Nonces:
+    """The nonces of the requests taken, each until its request's date is MAX_SKEW_S old
+    (after that the clock check refuses the request anyway)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._expiry: list[tuple[float, str]] = []  # a heap
+
+    def take(self, nonce: object, at: float) -> None:
+        if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64:
+            raise ReplicaError("a request without a nonce")
+        now = time.time()
+        with self._lock:
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(heapq.heappop(self._expiry)[1])
+            if nonce in self._seen:
+                raise ReplicaError("a request taken before (replayed)")
+            if len(self._seen) >= MAX_NONCES:
+                raise ReplicaError(f"{MAX_NONCES} requests within {MAX_SKEW_S:.0f} s")
+            self._seen.add(nonce)
+            heapq.heappush(self._expiry, (at + MAX_SKEW_S, nonce))
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -211,13 +250,17 @@ class _Server(socketserver.ThreadingTCPServer):
 class ReplicaServer:
     """Serves puts into and gets from this agent's store. `accept(job, rank, step, data,
     round)` stores a verified copy (ReplicaError: refused); `find(job, rank, step)` is the path of one, or None.
-    `max_bytes`: the largest snapshot taken (the store's limit). At most MAX_CONNECTIONS
-    transfers at once; each must deliver its sealed header within HEADER_S."""
+    `max_bytes`: the largest snapshot taken (the store's limit). `node`: the name requests
+    must be addressed to (this agent's node). At most MAX_CONNECTIONS transfers at once;
+    each must deliver its sealed header within HEADER_S."""
 
     def __init__(self, host: str, *, key: bytes,
                  accept: Callable[[str, int, int, bytes, int], None],
-                 find: Callable[[str, int, int], Path | None], max_bytes: int):
+                 find: Callable[[str, int, int], Path | None], max_bytes: int,
+                 node: str = ""):
         self.key, self.accept, self.find, self.max_bytes = key, accept, find, max_bytes
+        self.node = node
+        self._nonces = _Nonces()
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -232,15 +275,22 @@ class ReplicaServer:
         threading.Thread(target=self._tcp.serve_forever, daemon=True,
                          name="tier0-server").start()
 
+    def _admit(self, header: dict) -> None:
+        if header.get("to") != self.node or header.get("port") != self.port:
+            raise ReplicaError(f"a request for {str(header.get('to'))[:64]!r} port "
+                               f"{str(header.get('port'))[:8]}, not for this node")
+        self._nonces.take(header.get("nonce"), header["time"])
+
     def _serve(self, sock: socket.socket) -> None:
         try:
             header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes,
-                                         header_s=HEADER_S)
+                                         header_s=HEADER_S, admit=self._admit)
         except BadPayload as e:
             sock.settimeout(TIMEOUT_S)
             _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
             raise
         sock.settimeout(TIMEOUT_S)  # for the answer: _recv left its deadline's remainder
+        re_ = header["nonce"]
         job, rank, step = _address(header)
         if header.get("op") == "put":
             if got is None:
@@ -254,17 +304,18 @@ class ReplicaServer:
             try:
                 self.accept(job, rank, step, payload, round_)
             except ReplicaError as e:
-                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
+                _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time(),
+                                       "re": re_})
                 raise
-            _send(sock, self.key, {"ok": True, "time": time.time()})
+            _send(sock, self.key, {"ok": True, "time": time.time(), "re": re_})
         elif header.get("op") == "get":
             path = self.find(job, rank, step)
             if path is None:
-                _send(sock, self.key, {"ok": False, "time": time.time(),
+                _send(sock, self.key, {"ok": False, "time": time.time(), "re": re_,
                                        "error": f"no copy of rank {rank} step {step} here"})
                 return
-            _send(sock, self.key, {"ok": True, "time": time.time(), "job": job, "rank": rank,
-                                   "step": step}, path.read_bytes())
+            _send(sock, self.key, {"ok": True, "time": time.time(), "re": re_, "job": job,
+                                   "rank": rank, "step": step}, path.read_bytes())
         else:
             raise ReplicaError(f"unknown op {header.get('op')!r}")
 
@@ -275,29 +326,34 @@ class ReplicaServer:
 
 def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
              max_bytes: int) -> tuple[dict, bytes]:
+    nonce = secrets.token_hex(16)
     try:
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
-            _send(sock, key, {**header, "time": time.time()}, payload)
+            _send(sock, key, {**header, "port": port, "nonce": nonce, "time": time.time()},
+                  payload)
             answer, data, _ = _recv(sock, key, max_payload=max_bytes, header_s=TIMEOUT_S)
     except OSError as e:
         raise ReplicaError(f"{host}:{port}: {e}") from None
     if answer.get("ok") is not True:
         raise ReplicaError(f"{host}:{port} refused: {str(answer.get('error'))[:300]}")
+    if answer.get("re") != nonce:  # an answer to another request, played back
+        raise ReplicaError(f"{host}:{port} answered another request")
     return answer, data
 
 
 def push(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-         data: bytes | memoryview, round_: int) -> None:
-    """Send a snapshot file, taken in round `round_`, to the agent at host:port (ReplicaError
-    if it did not take it)."""
-    _request(host, port, key, {"op": "put", "from": node, "job": job, "rank": rank,
+         data: bytes | memoryview, round_: int, to: str = "") -> None:
+    """Send a snapshot file, taken in round `round_`, to the agent of node `to` at host:port
+    (ReplicaError if it did not take it)."""
+    _request(host, port, key, {"op": "put", "from": node, "to": to, "job": job, "rank": rank,
                                "step": step, "round": round_}, data, max_bytes=0)
 
 
 def fetch(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-          max_bytes: int) -> bytearray:
-    """A snapshot file from the agent at host:port, checked to be the one asked for."""
-    answer, data = _request(host, port, key, {"op": "get", "from": node, "job": job,
+          max_bytes: int, to: str = "") -> bytearray:
+    """A snapshot file from the agent of node `to` at host:port, checked to be the one asked
+    for."""
+    answer, data = _request(host, port, key, {"op": "get", "from": node, "to": to, "job": job,
                                               "rank": rank, "step": step}, b"",
                             max_bytes=max_bytes)
     if not data:

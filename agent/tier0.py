@@ -12,7 +12,8 @@ every peer rank, and the newest of its own it has sent): a lost peer's ranks res
 their replicas here together with this node's own copies of the same step, and replicas lag
 the ranks by a step or more when the copies are big or the cores busy. Past `limit_bytes` the oldest
 copies go first, promised or not: the bound is hard, and a restore that misses a copy falls
-back to storage (tier 1).
+back to storage (tier 1). A copy only ever pushes out copies of its own job: another job's go
+when a round of this node's job forgets them, never to make room for a copy sent to it.
 
 The directory is this user's alone (lazarus.core.privatedir), and every file in it is 0600:
 another local user must not read a shard, swap one in, or plant a symlink a write here follows
@@ -21,6 +22,7 @@ another local user must not read a shard, swap one in, or plant a symlink a writ
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -47,7 +49,10 @@ class Copy:
 
 
 def _name(job: str, rank: int, step: int) -> str:
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)[:64]}-r{rank:05d}-s{step:010d}.t0"
+    # The readable part may be the same for two jobs ("a/b", "a_b", a long common prefix):
+    # the digest keeps one job's copy from landing on the other's file.
+    tag = hashlib.sha256(job.encode()).hexdigest()[:16]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)[:48]}-{tag}-r{rank:05d}-s{step:010d}.t0"
 
 
 class Tier0Store:
@@ -141,8 +146,8 @@ class Tier0Store:
         for c in [c for c in self._copies.values() if (c.job, c.rank) == (job, rank)]:
             if c.step not in kept and (c.job, c.rank, c.step) not in self._pinned:
                 self._drop(c)
-        by_age = sorted(self._copies.values(), key=lambda c: c.step)
-        total = sum(c.size for c in by_age)
+        by_age = sorted((c for c in self._copies.values() if c.job == job), key=lambda c: c.step)
+        total = sum(c.size for c in self._copies.values())
         for c in by_age:
             if total <= self.limit_bytes:
                 break

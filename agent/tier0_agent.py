@@ -107,12 +107,14 @@ class Tier0:
             raise UserError(f"--tier0-dir {options.directory}: {e.strerror or e} (give a "
                             "writable directory in host memory, or --tier0 off)") from None
         self.server = (replica.ReplicaServer(host, key=self.key, accept=self._accept,
-                                             find=self._find, max_bytes=options.limit_bytes)
+                                             find=self._find, max_bytes=options.limit_bytes,
+                                             node=node)
                        if self.key is not None else None)
         if self.key is None:
             log.warning("tier 0: no replica key (--replica-key-file or $%s): snapshots stay "
                         "on this node; a lost node's ranks restore from storage", KEY_ENV)
         self._round: int | None = None
+        self._job: str | None = None
         self._world: int | None = None
         self._peer: tuple[str, str, int] | None = None   # (node, host, port)
         self._outbox: dict[int, tuple[str, int, Path]] = {}  # rank -> newest (job, step, path)
@@ -168,8 +170,8 @@ class Tier0:
                 self.on_kept(rank, step, False)
                 continue  # dropped meanwhile (a newer one follows), or empty
             try:
-                replica.push(peer[1], peer[2], self.key, node=self.node, job=job, rank=rank,
-                             step=step, data=data, round_=self._round or 0)
+                replica.push(peer[1], peer[2], self.key, node=self.node, to=peer[0], job=job,
+                             rank=rank, step=step, data=data, round_=self._round or 0)
             except replica.ReplicaError as e:
                 log.warning("tier 0: rank %d step %d not sent to %s: %s", rank, step, peer[0], e)
                 self.on_kept(rank, step, False)
@@ -185,6 +187,11 @@ class Tier0:
         if self._round is not None and round_ < self._round:
             raise replica.ReplicaError(f"a copy of round {round_}; this node is in round "
                                        f"{self._round}")
+        # The key may be shared beyond this job: another job's copies would only take the
+        # room of this one's.
+        if self._job is not None and job != self._job:
+            raise replica.ReplicaError(f"a copy of job {job[:64]!r}; this node runs "
+                                       f"{self._job[:64]!r}")
         self.store.add_replica(job, rank, step, data)
 
     def _find(self, job: str, rank: int, step: int) -> Path | None:
@@ -206,6 +213,7 @@ class Tier0:
             elif self.key is not None:
                 log.warning("tier 0: peer %s takes no copies (tier 0 off there, or no key)", nxt)
         self._round = rec.round
+        self._job = rec.job_id
         keep = rec.restore_step if (rec.restore or rec.tier0) else 0
         if self._world is not None and self._world != rec.world_size:
             keep = -1
@@ -247,7 +255,7 @@ class Tier0:
             return f"{source} is gone"
         try:
             data = replica.fetch(registered.host, registered.replica_port, self.key,
-                                 node=self.node, job=job, rank=rank, step=step,
+                                 node=self.node, to=source, job=job, rank=rank, step=step,
                                  max_bytes=self.store.limit_bytes)
         except (replica.ReplicaError, ValueError) as e:
             return f"fetch from {source} failed ({e})"

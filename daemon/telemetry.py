@@ -353,11 +353,12 @@ def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str,
     if cfg.metrics_port is not None:
         import prometheus_client
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        from lazarus.daemon import metricsport
         registry = prometheus_client.CollectorRegistry()
         readers.append(PrometheusMetricReader(registry=registry))
         try:
-            server, _thread = prometheus_client.start_http_server(
-                cfg.metrics_port, addr=cfg.metrics_host, registry=registry)
+            server, _thread = metricsport.serve(cfg.metrics_host, cfg.metrics_port, registry)
         except OSError as e:
             raise UserError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                             f"{cfg.metrics_host}: {e.strerror}") from None
