@@ -1,6 +1,7 @@
 """Suite-wide: keep what the CLI and `lazarus up` leave for the operator (the endpoint file)
-out of the real home directory; keep benchmarks out of a plain `pytest`; and in CI (CI=true)
-fail the run on a skip nobody expected."""
+out of the real home directory; keep benchmarks out of a plain `pytest`; mark the fast tier;
+say in one line what a run skipped and why; and in CI (CI=true) fail the run on a skip nobody
+expected."""
 
 from __future__ import annotations
 
@@ -21,10 +22,20 @@ EXPECTED_SKIPS = {
         "this machine has a working NVML",
     # every GPU test, on a machine without CUDA; tests/gpu/run.sh runs them where it is
     "tests/gpu/": "needs a CUDA device",
-    # needs root for its nodes' network namespaces; CI runs as root, so there it runs
-    "tests/e2e/test_partition.py::test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers":
-        "network namespaces are not available here",
 }
+if os.geteuid() != 0:
+    # needs root for its nodes' network namespaces: expected to skip only where there is none
+    # (CI runs as root, so there the only partition test cannot vanish from a green run)
+    EXPECTED_SKIPS["tests/e2e/test_partition.py::"
+                   "test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers"] = (
+        "network namespaces are not available here")
+
+# The fast tier, `pytest -m "not slow"` (README): every unit test, and of the tests that start
+# whole clusters or trainings only this one: a real local cluster recovering from a worker
+# crash and a node loss, bit for bit on its reference. Everything else under these
+# directories is `slow`.
+SLOW_DIRS = ("e2e", "integration", "deploy")
+FAST = {"tests/e2e/test_recovery.py::test_worker_crash_and_node_loss_restore_from_memory_bit_exact"}
 
 
 # The CPU suite trains on the CPU (gloo) on a GPU machine too: it puts several ranks on one
@@ -48,13 +59,45 @@ def _lazarus_home(tmp_path_factory):
 def pytest_collection_modifyitems(items):
     # Everything under tests/bench is a benchmark, marked or not: a plain `pytest` (addopts
     # `-m 'not bench'`) never runs one.
+    tests = Path(__file__).parent
     for item in items:
         if item.path.is_relative_to(BENCH_DIR):
             item.add_marker(pytest.mark.bench)
+        elif (any(item.path.is_relative_to(tests / d) for d in SLOW_DIRS)
+              and item.nodeid not in FAST):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):
     check_skips_in_ci(config, EXPECTED_SKIPS)
+    config.pluginmanager.register(SkipLine(), "lazarus-skip-line")
+
+
+class SkipLine:
+    """One line at the end of every run: what was skipped and why, so that a plain `pytest`
+    that skipped a module for a missing tool says so (CI also fails on an unexpected one)."""
+
+    def __init__(self):
+        self.reasons: dict[str, int] = {}
+
+    def _note(self, report) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            reason = _skip_reason(report)
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self._note(report)
+
+    def pytest_collectreport(self, report) -> None:
+        self._note(report)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.reasons:
+            total = sum(self.reasons.values())
+            terminalreporter.write_line(
+                f"skipped {total}: " + "; ".join(f"{n} x {reason}" for reason, n in
+                                                 sorted(self.reasons.items(),
+                                                        key=lambda kv: -kv[1])))
 
 
 def check_skips_in_ci(config: pytest.Config, expected: dict[str, str]) -> None:
