@@ -133,6 +133,10 @@ class EmbeddedEtcd:
         self.client_port = client_port or free_port()
         self.metrics_port = free_port()
         self.peer_port = peer_port or free_port()
+        # Ports chosen here, for a member of its own: another process may take one between
+        # free_port()'s check and etcd's bind; a first start may then choose again.
+        self._ports_mine = client_port is None and peer_port is None and initial_cluster is None
+        self._started = False
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
         self.quota_bytes = quota_bytes
         self.compaction_retention = compaction_retention
@@ -209,11 +213,29 @@ class EmbeddedEtcd:
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {timeout_s:.0f} s")
 
     def start(self, *, timeout_s: float = 15.0) -> "EmbeddedEtcd":
-        self.launch()
-        self.wait_healthy(timeout_s=timeout_s)
+        for attempt in range(3):
+            self.launch()
+            try:
+                self.wait_healthy(timeout_s=timeout_s)
+                break
+            except RuntimeError:
+                if not (attempt < 2 and self._ports_mine and not self._started
+                        and self._port_taken()):
+                    raise
+            # Nothing was served yet: the member's data is ours to drop with its ports.
+            shutil.rmtree(self.data_dir / "member", ignore_errors=True)
+            self.client_port, self.metrics_port, self.peer_port = (free_port() for _ in range(3))
+            self.initial_cluster = f"{self.name}={self.peer_url}"
+        self._started = True
         if self.security is not None and not self.security.enabled:
             self.security.enable(self.endpoint)
         return self
+
+    def _port_taken(self) -> bool:
+        try:
+            return "address already in use" in self.log_file.read_text(errors="replace")
+        except OSError:
+            return False
 
     def _healthy(self) -> bool:
         """etcd answers /health with true once it has a leader and serves requests; an open
