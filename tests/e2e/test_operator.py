@@ -1,9 +1,13 @@
-"""Operator commands end to end (the keys the gRPC API writes): drain a node that runs ranks,
-pause and resume the run. Both go through a checkpoint, so no step is lost or changed."""
+"""Operator commands end to end, typed as an operator types them (`lazarus drain`, `pause`,
+`resume`, `uncordon`: the CLI, the daemon's API, the keys it writes, the leader acting on them):
+drain a node that runs ranks, pause and resume the run, let the drained node back in. Each
+goes through a checkpoint, so no step is lost or changed."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +19,15 @@ from tests.e2e.test_recovery import _last_step, _start
 pytestmark = pytest.mark.e2e
 
 
+def lazarus(cluster: LocalCluster, *argv: str) -> str:
+    """`lazarus COMMAND ...` against the cluster's daemons; its output, once it succeeded."""
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", *argv, "--address",
+                           cluster.api_addresses[0], "--token-file", str(cluster.token_file)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
     steps = 40
     metrics = tmp_path / "metrics.jsonl"
@@ -23,7 +36,7 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         keys, etcd = cluster.keys, cluster.etcd
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
                  and _last_step(metrics) >= 5, timeout=180, what="step 5")
-        etcd.put(keys.drain_key("n1"), json.dumps({"requested_at": time.time()}).encode())
+        assert lazarus(cluster, "drain", "n1").startswith("draining n1")
         st = wait_for(cluster, lambda st: st.status and st.status.round == 2
                       and st.status.state == "RUNNING" and st.status, timeout=120,
                       what="the drain's new round")
@@ -36,14 +49,22 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         now = cluster.state().node_status
         step_before = min((now[n].step for n in st.members if n in now and now[n].round == 2),
                           default=0)
-        etcd.put(keys.pause, b"{}")
+        assert lazarus(cluster, "pause", "--reason", "upgrade").startswith("pausing run")
+        assert json.loads(etcd.get(keys.pause).value)["reason"] == "upgrade"
         st = wait_for(cluster, lambda view: paused_and_stopped(view) and view.status,
                       timeout=120, what="PAUSED, its ranks stopped")
         assert st.restore_step >= step_before
         paused_at = _last_step(metrics)
         time.sleep(2)
         assert _last_step(metrics) == paused_at  # nothing trains while paused
-        etcd.delete(keys.pause)
+        assert lazarus(cluster, "resume") == "resuming the run from its last checkpoint\n"
+        wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
+                 and st.status.round > 2, timeout=120, what="the resumed round")
+        # n1, drained, may take work again: the run has its two nodes, so n1 waits as a spare
+        assert lazarus(cluster, "uncordon", "n1") == "uncordoned n1\n"
+        nodes = {n["node"]: n for n in json.loads(lazarus(cluster, "nodes", "--json"))["nodes"]}
+        assert (nodes["n1"]["state"], nodes["n1"].get("cordoned", False)) == ("spare", False)
+        assert etcd.get(keys.cordon_key("n1")) is None
         final = wait_for(cluster, lambda st: st.status and st.status.state in
                          ("SUCCEEDED", "FAILED") and st.status, timeout=240,
                          what="the run to finish")

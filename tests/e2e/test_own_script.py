@@ -105,9 +105,11 @@ def _run(cluster: LocalCluster, *args: str, timeout: float = 240) -> subprocess.
 
 def test_lazarus_run_follows_the_script_and_exits_with_its_outcome(cluster):
     snapshot = cluster.workdir_for_tests / "run-snap.pt"
-    proc = _run(cluster, "--nodes", "2", "--", "python", str(SCRIPT), "--snapshot",
-                str(snapshot), "--epochs", "5", "--pause", "0")
+    proc = _run(cluster, "--nodes", "2", "--nproc-per-node", "1", "--min-nodes", "1", "--",
+                "python", str(SCRIPT), "--snapshot", str(snapshot), "--epochs", "5",
+                "--pause", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 node(s) x 1 rank(s), min 1: python" in proc.stdout
     assert "[round_started] round" in proc.stdout and "SUCCEEDED" in proc.stdout
     assert snapshot.exists()
 
@@ -166,11 +168,13 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
     assert sorted(reference) == [(r, e) for r in (0, 1) for e in range(epochs)]
 
     summary = tmp_path / "summary.json"
-    proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
+    proc = _lazarus("up", "--nodes", "2", "--nproc-per-node", "1", "--workdir",
+                    str(tmp_path / "up"), "--summary", str(summary),
                     "--chaos", "kill-worker@4s,kill-node@5s", "--quiet", "--timeout", "400",
                     "--", "python", str(SCRIPT), "--snapshot", str(tmp_path / "snap.pt"),
                     "--epochs", str(epochs), "--pause", "0.3", "--lazarus", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lazarus up: 2 node(s) + 1 spare(s) x 1 rank(s)" in proc.stdout
     result = json.loads(summary.read_text())
     recoveries = result["recoveries"]
     assert [(r["kind"], r.get("restored_from_tier")) for r in recoveries] == [

@@ -1,6 +1,7 @@
 """The gRPC API over real TCP, served from daemon.api on a real etcd: every RPC, auth, TLS,
 malformed and oversized requests, the CLI against it, and (e2e) a real fault's recovery
-arriving through WatchEvents from a running local cluster's daemon."""
+arriving through WatchEvents from a running local cluster's daemon, then `lazarus events
+--follow` printing the `lazarus cancel` that ends the run."""
 
 from __future__ import annotations
 
@@ -642,6 +643,13 @@ def test_cli_tables_and_json(etcd, keys, server, capsys):
                       address=server)
     evs = [json.loads(line) for line in out.splitlines()]
     assert rc == 0 and [e["kind"] for e in evs] == ["fault_detected"]
+    # an event's revision + 1 resumes after it
+    rc, out, _ = _cli(capsys, client.events_main, "--json", address=server)
+    every = [json.loads(line) for line in out.splitlines()]
+    assert len(every) > 2
+    rc, out, _ = _cli(capsys, client.events_main, "--since-revision",
+                      str(int(every[0]["revision"]) + 1), "--json", address=server)
+    assert rc == 0 and [json.loads(line) for line in out.splitlines()] == every[1:]
 
     rc, out, _ = _cli(capsys, client.cordon_main, "n2", address=server)
     assert rc == 0 and out.strip() == "cordoned n2: it takes no new work"
@@ -651,6 +659,10 @@ def test_cli_tables_and_json(etcd, keys, server, capsys):
     assert rc == client.EXIT_USAGE and "node:" in err
     rc, out, err = _cli(capsys, client.checkpoint_main, "now", "--json", address=server)
     assert rc == 0 and json.loads(out)["id"]
+    rc, out, err = _cli(capsys, client.checkpoint_main, "now", "--reason", "before upgrade",
+                        address=server)
+    assert rc == 0 and out.startswith("checkpoint requested (id ")
+    assert json.loads(etcd.get(keys.checkpoint_request).value)["reason"] == "before upgrade"
 
 
 def test_cli_wrong_token_and_dead_daemon_are_one_line_each(server, capsys):
@@ -740,6 +752,38 @@ def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
                                address, "--token-file", str(cluster.token_file)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "api-e2e" in proc.stdout, proc.stderr
+
+        # `lazarus events --follow` in one terminal, `lazarus cancel` in another: the follow
+        # prints the cancel as it happens, the run ends CANCELLED and its ranks stop.
+        def cli(*argv: str) -> list[str]:
+            return [sys.executable, "-m", "lazarus.cli", *argv, "--address", address,
+                    "--token-file", str(cluster.token_file)]
+
+        follow = subprocess.Popen(cli("events", "--follow", "--kind", "cancelled", "--json"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        followed: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [followed.put(line) for line in follow.stdout],
+                         daemon=True).start()
+        try:
+            wrong = subprocess.run(cli("cancel", "--job-id", "not-this-run"),
+                                   capture_output=True, text=True, timeout=60)
+            assert wrong.returncode == client.EXIT_REFUSED and wrong.stdout == "", wrong.stderr
+            assert f"job not-this-run is not the current run (that is {after.job_id})" \
+                in wrong.stderr
+            cancel = subprocess.run(cli("cancel", "--job-id", after.job_id),
+                                    capture_output=True, text=True, timeout=60)
+            assert (cancel.returncode, cancel.stdout) == (0, f"cancelling run {after.job_id}\n"), \
+                cancel.stderr
+            event = json.loads(followed.get(timeout=60))
+            assert event["kind"] == "cancelled" and "cancelled by the operator" in event["message"]
+            assert follow.poll() is None  # --follow keeps watching after it
+        finally:
+            follow.terminate()
+            follow.wait(timeout=30)
+        st = wait_for(cluster, lambda st: st.status and st.status.state == "CANCELLED"
+                      and all(st.node_status[n].workers != "running" for n in ("n0", "n1"))
+                      and st, timeout=60, what="CANCELLED with its ranks stopped")
+        assert st.status.reason == "cancelled by the operator"
 
 
 def test_list_nodes_carries_each_monitors_verdict(etcd, keys, stub):

@@ -4,10 +4,12 @@ up` runs it: who can read and write our keys, and what a refused client is told.
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -188,6 +190,20 @@ def test_a_refused_certificate_is_one_line_from_the_command(server, tmp_path):
     assert "it asks for a client certificate signed by the CA it trusts" in lines[0]
 
 
+def test_preflight_compares_the_clock_with_a_secure_etcds_leader(server, tmp_path):
+    """`lazarus preflight --etcd ... --etcd-ca ...` as docs/operations.md has it: the clock
+    check reaches the leader over TLS, signed in as the user it is given."""
+    security = server.security
+    proc = _cli("preflight", "--etcd", server.endpoint, "--etcd-ca", str(security.ca.ca_file),
+                "--etcd-cert", str(security.client.cert), "--etcd-key", str(security.client.key),
+                "--etcd-user", AGENT_USER, "--etcd-password-file",
+                str(security.password_files[AGENT_USER]), "--workdir", str(tmp_path),
+                "--skip", "gpu,storage,checkpoint,collective", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (clock,) = [c for c in json.loads(proc.stdout)["checks"] if not c["skipped"]]
+    assert clock["name"] == "clock" and clock["ok"] and "etcd leader" in clock["reason"], clock
+
+
 def test_plaintext_off_loopback_is_refused_without_insecure(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text("[job]\nnodes = 1\n")
@@ -203,14 +219,49 @@ def test_plaintext_off_loopback_is_refused_without_insecure(tmp_path):
         "--tls-key, or pass --insecure to accept that"]
 
 
+def test_an_agent_takes_plaintext_off_loopback_only_with_insecure(etcd, keys, tmp_path):
+    """0.0.0.0 dials this host's etcd, but is no loopback address: refused, unless the
+    operator says --insecure; then the agent registers under its --root."""
+    port = etcd.member.rpartition(":")[2]
+    agent = ["agent", "--etcd", f"0.0.0.0:{port}", "--root", keys.root, "--node", "plain",
+             "--workdir", str(tmp_path / "w"), "--gpu-backend", "sim", "--tier0", "off",
+             "--preflight", "off", "--no-park"]
+    refused = _cli(*agent)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "lazarus agent: error: etcd at 0.0.0.0 is plaintext on non-loopback address 0.0.0.0: "
+        "anyone on the network could read and steer the cluster; give --etcd-ca (and a client "
+        "certificate or user), or pass --insecure to accept that"]
+    proc = subprocess.Popen([sys.executable, "-m", "lazarus.cli", *agent, "--insecure"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60  # a hang guard, not a timing
+        while etcd.get(keys.node_key("plain")) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def test_enable_auth_again_sets_the_passwords_of_the_files(tmp_path, capsys):
     """`lazarus etcd enable-auth` on an etcd whose authentication is on already: it signs in
     as root and sets the users' passwords to those of --passwords DIR."""
     with EmbeddedEtcd(tmp_path / "etcd", secure=True) as server:
         security = server.security
         for user, path in security.password_files.items():
-            (tmp_path / path.name).write_text(path.read_text())
-        (tmp_path / f"{AGENT_USER}.password").write_text("a-new-agent-password")
+            if user != AGENT_USER:
+                (tmp_path / path.name).write_text(path.read_text())
+        # `lazarus etcd passwords DIR` makes the missing one (a new agent password), keeps
+        # the others
+        assert cli.main(["etcd", "passwords", str(tmp_path)]) == 0
+        made = [Path(p) for p in capsys.readouterr().out.split()]
+        assert sorted(p.name for p in made) == sorted(
+            f"{u}.password" for u in security.password_files)
+        agent_password = (tmp_path / f"{AGENT_USER}.password").read_text()
+        assert (tmp_path / f"{AGENT_USER}.password").stat().st_mode & 0o777 == 0o600
+        for user, path in security.password_files.items():
+            assert (user == AGENT_USER) != ((tmp_path / path.name).read_text()
+                                            == path.read_text())
         code = cli.main(["etcd", "enable-auth", "--etcd", server.endpoint,
                          "--etcd-ca", str(security.ca.ca_file), "--etcd-cert",
                          str(security.client.cert), "--etcd-key", str(security.client.key),
@@ -218,7 +269,7 @@ def test_enable_auth_again_sets_the_passwords_of_the_files(tmp_path, capsys):
         assert code == 0 and "etcd authentication updated" in capsys.readouterr().out
         old = E.Etcd(server.endpoint, auth=server.auth(AGENT_USER))
         new = E.Etcd(server.endpoint, auth=dataclasses.replace(
-            server.auth(AGENT_USER), password="a-new-agent-password"))
+            server.auth(AGENT_USER), password=agent_password))
         try:
             with pytest.raises(E.EtcdAuthFailed):
                 old.get(KEYS.job)

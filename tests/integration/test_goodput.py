@@ -193,3 +193,28 @@ def test_checkpoint_lines_do_not_move_the_faults_in_the_report(tmp_path):
     assert [c[1:5] for c in incidents] == [["worker_crash", "n1", "13", "10"],
                                            ["node_lost", "n1", "30", "30"]]
     assert page.count('data-segment="') == 2
+
+
+def test_goodput_from_flags_alone_as_the_docs_type_it(capsys):
+    """docs/operations.md's "no run: all from flags" line, then tier 0's figures and a failure
+    rate of one's own: each given figure is shown as given and counted."""
+    given = ["goodput", "--step-time-s", "2.1", "--every", "500", "--blocked-s", "4",
+             "--durable-s", "40", "--restart-s", "90", "--gpus", "4096"]
+    assert cli.main(given) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("failures: 419 interruptions in 54 days on 16,384 GPUs (Llama 3), "
+                          "scaled to 4,096 GPUs (given): one every 12.4 h\n"), out
+    assert re.search(r"^durable after +40 s \(given\) +not measured$", out, re.MULTILINE)
+    assert re.search(r"^ETTR +98\.16% +not measured$", out, re.MULTILINE)
+    assert cli.main([*given, "--t0-every", "10", "--t0-blocked-s", "0.05", "--t0-durable-s",
+                     "1", "--t0-restart-s", "20", "--interruptions", "100", "--days", "10",
+                     "--on-gpus", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("failures: 100 interruptions in 10 days on 1,000 GPUs, scaled to "
+                          "4,096 GPUs (given): one every 2,109 s\n"), out
+    assert re.search(r"^checkpoint every +500 steps \(given\) +10 steps \(given\)$", out,
+                     re.MULTILINE)
+    assert re.search(r"^blocked per checkpoint +4 s \(given\) +50 ms \(given\)$", out,
+                     re.MULTILINE)
+    assert re.search(r"^restart per failure +90 s \(given\) +20 s \(given\)$", out, re.MULTILINE)
+    assert re.search(r"^ETTR +68\.78% +97\.90%$", out, re.MULTILINE)

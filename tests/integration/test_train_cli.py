@@ -141,3 +141,31 @@ def test_reshard_continues_on_another_mesh(runs, dp, tp):
     for step in resharded:
         # Same weights, optimizer state and data; only the order of float reductions differs.
         assert abs(resharded[step] - straight[step]) < 2e-3, (step, resharded[step], straight[step])
+
+
+def test_compile_and_fused_kernels_train_the_steps_eager_trains(tmp_path):
+    """`--compile` (each block through torch.compile) and `--fused-kernels
+    --activation-checkpointing` (the Triton kernels -- on CPU under the triton interpreter --
+    and each block's activations recomputed in backward) are other ways to the same steps: the
+    losses are the eager run's to fp32 rounding. The three runs go at once (compiling is most
+    of the time). Under the interpreter --compile cannot join --fused-kernels: dynamo traces
+    into the interpreter and fails."""
+    tiny = ["--nproc", "1", "--model", "tiny", "--steps", "3", "--global-batch", "2",
+            "--seq-len", "16"]
+    variants = {"eager": [], "compile": ["--compile"],
+                "fused": ["--fused-kernels", "--activation-checkpointing"]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen(
+        [sys.executable, "-m", "lazarus.cli", "train", *tiny, *flags, "--metrics",
+         str(tmp_path / f"{name}.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**env, "TRITON_INTERPRET": "1"} if name == "fused" else env)
+        for name, flags in variants.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-3000:])
+        assert "step     3/3 | loss " in out, (name, out)
+    eager = losses(tmp_path / "eager.jsonl")
+    assert list(eager) == [1, 2, 3]
+    for name in ("compile", "fused"):
+        got = losses(tmp_path / f"{name}.jsonl")
+        assert got == pytest.approx(eager, rel=1e-5), (name, got, eager)

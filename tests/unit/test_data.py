@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -302,8 +304,11 @@ def test_training_refuses_a_corpus_whose_vocab_exceeds_the_models(tmp_path: Path
 
     write_corpus(tmp_path, [np.arange(0, 2001) % 300], vocab_size=LLAMA3_VOCAB)
     job = ["--data", str(tmp_path), "--seq-len", str(SEQ), "--global-batch", "4", "--nproc", "1"]
-    cfg, _ = launch.job_from_args([*job, "--model", "tiny"])
-    with pytest.raises(UserError, match=f"vocab_size {LLAMA3_VOCAB}, more than model tiny's 256"):
-        launch.check_inputs(cfg)
+    # as typed: one line, exit 2, before any rank starts
+    typed = subprocess.run([sys.executable, "-m", "lazarus.cli", "train", *job, "--model", "tiny",
+                            "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert typed.returncode == 2 and typed.stdout == "", typed.stderr
+    assert typed.stderr.startswith("lazarus train: error: ") and typed.stderr.count("\n") == 1
+    assert f"vocab_size {LLAMA3_VOCAB}, more than model tiny's 256" in typed.stderr
     cfg, _ = launch.job_from_args([*job, "--model", "1b"])
     assert launch.check_inputs(cfg) is None

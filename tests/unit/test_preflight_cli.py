@@ -51,17 +51,23 @@ def test_a_bad_gpu_fails_the_run_with_the_reason(tmp_path):
 
 
 def test_the_collective_test_between_two_nodes(tmp_path):
+    """Each node judges the bandwidth by its own --min-bandwidth: rank 0 asks for more than
+    any loopback gives and fails, rank 1 passes."""
     peers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    floors = {0: "1000000", 1: "0.001"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "lazarus.cli", "preflight", "--workdir", str(tmp_path),
-         "--skip", ALL_BUT["collective"], "--peers", peers, "--rank", str(rank), "--json"],
+         "--skip", ALL_BUT["collective"], "--host", "127.0.0.1", "--peers", peers, "--rank",
+         str(rank), "--min-bandwidth", floors[rank], "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
-    for p in procs:
+    for rank, p in zip((1, 0), procs):
         out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+        assert p.returncode == (0 if rank else 1), err  # 1: a check failed
         check = json.loads(out)["checks"][-1]
-        assert check["name"] == "collective" and check["ok"], check
+        assert check["name"] == "collective" and check["ok"] == (rank == 1), check
         assert check["reason"].startswith("gloo all-reduce of 8 MiB over 2 ranks: ")
+        assert check["reason"].endswith("GB/s bus bandwidth" if rank else
+                                        ", below 1e+06 GB/s"), check
 
 
 @pytest.mark.parametrize("args, expect", [
