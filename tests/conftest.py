@@ -63,6 +63,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.is_relative_to(BENCH_DIR):
             item.add_marker(pytest.mark.bench)
+            item.add_marker(pytest.mark.slow)  # `-m "not slow"` replaces addopts' `-m`
         elif (any(item.path.is_relative_to(tests / d) for d in SLOW_DIRS)
               and item.nodeid not in FAST):
             item.add_marker(pytest.mark.slow)
