@@ -147,13 +147,13 @@ def test_compile_and_fused_kernels_train_the_steps_eager_trains(tmp_path):
     """`--compile` (each block through torch.compile) and `--fused-kernels
     --activation-checkpointing` (the Triton kernels -- on CPU under the triton interpreter --
     and each block's activations recomputed in backward) are other ways to the same steps: the
-    losses are the eager run's to fp32 rounding. The three runs go at once (compiling is most
-    of the time). Under the interpreter --compile cannot join --fused-kernels: dynamo traces
-    into the interpreter and fails."""
+    losses are the eager run's to fp32 rounding, and so are all three at once (under the
+    interpreter torch.compile calls the kernels eagerly: it failed tracing into it). The three
+    runs go at once (compiling is most of the time)."""
     tiny = ["--nproc", "1", "--model", "tiny", "--steps", "3", "--global-batch", "2",
             "--seq-len", "16"]
     variants = {"eager": [], "compile": ["--compile"],
-                "fused": ["--fused-kernels", "--activation-checkpointing"]}
+                "fused": ["--fused-kernels", "--activation-checkpointing", "--compile"]}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {name: subprocess.Popen(
         [sys.executable, "-m", "lazarus.cli", "train", *tiny, *flags, "--metrics",

@@ -55,6 +55,7 @@ class SwiGLU(torch.autograd.Function):
         return dgate, dup
 
 
+@launch.entry
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(

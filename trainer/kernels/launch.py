@@ -18,6 +18,14 @@ def _probe(x_ptr):
 INTERPRETED = isinstance(_probe, InterpretedFunction)
 
 
+def entry(fn):
+    """A kernel's public entry point. torch.compile traces a compiled kernel as a user-defined
+    triton kernel, but fails inside triton's interpreter on an interpreted one (`KeyError:
+    torch.uint64` in create_addptr, `lazarus train --compile --fused-kernels` on CPU): there it
+    calls the entry point eagerly, one graph break each."""
+    return torch.compiler.disable(fn) if INTERPRETED else fn
+
+
 def num_warps(block: int) -> int:
     """Warps for a program that works on `block` elements at a time: about 8 elements a thread."""
     return min(max(block // 256, 1), 16)

@@ -96,6 +96,7 @@ class CrossEntropy(torch.autograd.Function):
         return dlogits.view(ctx.logits_shape), None
 
 
+@launch.entry
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if logits.shape[:-1] != targets.shape:
         raise ValueError(

@@ -89,6 +89,7 @@ class RMSNorm(torch.autograd.Function):
         return dx.view(dy.shape), dw_partial.sum(0).to(w.dtype), None
 
 
+@launch.entry
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")

@@ -63,6 +63,7 @@ class RoPE(torch.autograd.Function):
         return _rotate(dout, cos, sin, inverse=True), None, None
 
 
+@launch.entry
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.ndim != 4 or x.shape[-1] % 2:
         raise ValueError(f"apply_rope: x must be [B, T, H, D] with D even, got {tuple(x.shape)}")
