@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from aetcd import transactions
-
 from lazarus.core import etcd as E
 from lazarus.core.records import CheckpointRecord, EventRecord, Keys, dumps
 from lazarus.daemon.actions import (AcceptJob, AdoptClaim, ClearCommand, Cordon, Decision,
@@ -68,7 +66,7 @@ def operations(keys: Keys, decision: Decision, view: ClusterView, *, now: float,
         elif isinstance(action, DropClaim):
             ops.append(E.delete_op(action.key))
         elif isinstance(action, DropClaimsBelow):
-            ops.append(transactions.Delete(keys.claims.encode(), range_end=action.key.encode()))
+            ops.append(E.delete_op(keys.claims, below=action.key))
         elif isinstance(action, RequestDrain):
             ops.append(E.put_op(keys.drain_key(action.node),
                                 dumps({"requested_at": now, "reason": action.reason})))

@@ -326,9 +326,12 @@ def put_op(key: str, value: bytes, lease: int | None = None):
     return aetcd.transactions.Put(key.encode(), value, lease=lease)
 
 
-def delete_op(key: str, *, prefix: bool = False):
+def delete_op(key: str, *, prefix: bool = False, below: str | None = None):
+    """Delete `key`; with `prefix`, every key under it; with `below`, every key from `key`
+    up to (not including) `below`."""
     k = key.encode()
-    return aetcd.transactions.Delete(k, range_end=prefix_range_end(k) if prefix else None)
+    end = prefix_range_end(k) if prefix else below.encode() if below is not None else None
+    return aetcd.transactions.Delete(k, range_end=end)
 
 
 # -- the client --------------------------------------------------------------------------------

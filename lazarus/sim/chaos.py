@@ -55,6 +55,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from lazarus.agent.adopt import left_ranks
 from lazarus.agent.gpu_sim import add_fault
 from lazarus.core import etcd as E
@@ -269,19 +271,9 @@ def default_workdir() -> Path:
         ep = endpoint_file.read(endpoint_file.default_path())
     except UserError:
         ep = None
-    if ep is not None and ep.workdir and ep.pid > 0 and _alive(ep.pid):
+    if ep is not None and ep.workdir and ep.pid > 0 and psutil.pid_exists(ep.pid):
         return Path(ep.workdir)
     return Path("/tmp/lazarus")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str]) -> int:

@@ -130,3 +130,23 @@ def test_chaos_finds_the_running_up_cluster_by_its_endpoint_file(tmp_path, monke
     endpoint_file.write(path, endpoint_file.Endpoint(addresses=["127.0.0.1:1"], pid=dead.pid,
                                                      workdir=str(tmp_path / "up")))
     assert default_workdir() == Path("/tmp/lazarus")           # that cluster is gone
+
+
+def test_an_endpoint_file_whose_workdir_is_garbage_is_no_cluster(tmp_path, monkeypatch):
+    import json
+
+    from lazarus.core import endpoint_file
+    from lazarus.sim.chaos import default_workdir
+
+    monkeypatch.delenv("LAZARUS_WORKDIR", raising=False)
+    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path / "home"))
+    path = endpoint_file.default_path()
+    endpoint_file.write(path, endpoint_file.Endpoint(addresses=["127.0.0.1:1"], pid=os.getpid()))
+    for garbage in (123, ["/x"], {"a": 1}, None):
+        doc = json.loads(path.read_text())
+        doc["workdir"] = garbage
+        path.write_text(json.dumps(doc))
+        assert endpoint_file.read(path).workdir is None
+        assert default_workdir() == Path("/tmp/lazarus")
+    path.write_text("{not json")
+    assert default_workdir() == Path("/tmp/lazarus")  # `lazarus status` names that file's fault
