@@ -119,6 +119,7 @@ def test_a_shard_altered_on_the_way_is_refused_whatever_digest_it_carries(peer):
     digest: a body changed in transit fails one or the other."""
     import hashlib
     import json
+    import os
     import socket
     import time
 
@@ -129,7 +130,10 @@ def test_a_shard_altered_on_the_way_is_refused_whatever_digest_it_carries(peer):
     header = {"op": "put", "from": "n0", "job": "j", "rank": 1, "step": 5, "round": 2}
     for body in (bytes(altered) + good[-32:],                                  # digest kept
                  bytes(altered) + hashlib.sha256(bytes(altered)).digest()):    # redone
-        head = json.dumps({**header, "time": time.time()}, sort_keys=True).encode()
+        # addressed as the protocol asks (protocol 4): refused for its body, not its header
+        head = json.dumps({**header, "to": server.node, "port": server.port,
+                           "nonce": os.urandom(16).hex(), "time": time.time()},
+                          sort_keys=True).encode()
         # sealed for the original
         seal = replica.sealed.tag(KEY, replica._context(head, len(good), good[-32:]))
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
