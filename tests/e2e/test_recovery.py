@@ -32,10 +32,12 @@ def reference_36(tmp_path_factory) -> dict[int, float]:
 
 
 def run_up(tmp_path, *argv):
-    args = up._parse(["--workdir", str(tmp_path / "up"), "--quiet", "--seq-len", "64",
-                      "--global-batch", "8", "--ckpt-every", "4", *argv])
-    summary = up.run(args)
-    return summary, losses(tmp_path / "up" / "metrics.jsonl")
+    """`lazarus up ARGV` as the CLI runs it, in this process: its summary and rank 0's losses."""
+    summary, metrics = tmp_path / "summary.json", tmp_path / "metrics.jsonl"
+    up.main(["--workdir", str(tmp_path / "up"), "--quiet", "--seq-len", "64",
+             "--global-batch", "8", "--ckpt-every", "4", "--summary", str(summary),
+             "--metrics", str(metrics), *argv])
+    return json.loads(summary.read_text()), losses(metrics)
 
 
 def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_path_factory):

@@ -192,14 +192,22 @@ class _Reader:
         self.last_command = found[0]
 
     def paragraph(self) -> None:
-        """Spans that start with `lazarus NAME`; a span may run across lines."""
+        """Spans that start with `lazarus NAME`; a span may run across lines. A paragraph
+        that starts "Options of `lazarus NAME`:" lists options of that command in the spans
+        after it."""
         text = " ".join(line for _, line in self.para)
         ends = [len(" ".join(line for _, line in self.para[:i + 1]))
                 for i in range(len(self.para))]
+        listing, options_of = text.startswith("Options of "), None
         for m in SPAN.finditer(text):
+            no = self.para[next(i for i, end in enumerate(ends) if m.start() < end)][0]
             if found := _command_of(m.group(1)):
-                no = self.para[next(i for i, end in enumerate(ends) if m.start() < end)][0]
                 self.add(found, no, m.group(0))
+                if listing and options_of is None:
+                    options_of = found[0]
+            elif options_of is not None:
+                self.docs += _entries(options_of, m.group(1), f"{self.name}:{no}",
+                                      m.group(0))[1:]
         self.para.clear()
 
     def code(self, block: list[tuple[int, str]]) -> None:
@@ -336,7 +344,8 @@ def test_the_docs_name_commands_and_options(docs):
     keys = {d.key for d in docs}
     for key in ("status", "events --follow", "etcd passwords", "etcd certs --host",
                 "checkpoint now", "daemon --etcd embedded", "daemon --job", "agent --tier0 off",
-                "goodput --t0-every", "preflight --min-bandwidth", "uncordon", "up"):
+                "goodput --t0-every", "preflight --min-bandwidth", "uncordon", "up",
+                "up --chaos", "up --first-step-timeout"):
         assert key in keys, key
 
 
