@@ -81,11 +81,24 @@ def etcd_auth(args: argparse.Namespace) -> _auth.EtcdAuth:
 
 
 def rank_threads_env(nproc: int, environ=os.environ) -> dict[str, str]:
-    """OMP_NUM_THREADS for the `nproc` ranks of one host, unless the operator set it: the CPUs
-    this process may run on, shared among them. torch otherwise starts an intra-op thread
-    per core in every rank -- 8 ranks on a 96-core node, 768 threads -- and the ranks' CPU
-    work (data, optimizer, the CPU collectives) fights over the cores."""
-    if "OMP_NUM_THREADS" in environ:
-        return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) // max(1, nproc)))}
+    """The OpenMP settings of the `nproc` ranks of one host, each unless the operator set it.
+
+    OMP_NUM_THREADS: the CPUs this process may run on, shared among them. torch otherwise
+    starts an intra-op thread per core in every rank -- 8 ranks on a 96-core node, 768
+    threads -- and the ranks' CPU work (data, optimizer, the CPU collectives) fights over the
+    cores.
+
+    OMP_WAIT_POLICY=PASSIVE: a thread that waits for its team sleeps instead of spinning. A
+    spinning thread burns the CPU time it waits, so on a host that other work contends the
+    ranks' CPU time per step (the straggler test's measure on CPU, lazarus.trainer.steptime)
+    grows with the contention, not with the rank's work: measured here (2 cores, two busy
+    processes beside a 2-thread matmul loop), 1.57x the CPU time spinning, 1.09x passive, at
+    the same wall time. Spinning threads also take cores from a GPU rank's data loaders."""
+    out = {}
+    if "OMP_NUM_THREADS" not in environ:
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count())
+        out["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // max(1, nproc)))
+    if "OMP_WAIT_POLICY" not in environ:
+        out["OMP_WAIT_POLICY"] = "PASSIVE"
+    return out

@@ -88,6 +88,8 @@ def test_checking_a_job_loads_no_torch():
 def test_ranks_share_the_hosts_cores_unless_the_operator_said_otherwise():
     from lazarus.core.settings import rank_threads_env
     cpus = len(os.sched_getaffinity(0))
-    assert rank_threads_env(1, {}) == {"OMP_NUM_THREADS": str(cpus)}
-    assert rank_threads_env(cpus * 4, {}) == {"OMP_NUM_THREADS": "1"}  # never 0
-    assert rank_threads_env(8, {"OMP_NUM_THREADS": "6"}) == {}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert rank_threads_env(1, {}) == {"OMP_NUM_THREADS": str(cpus), **passive}
+    assert rank_threads_env(cpus * 4, {}) == {"OMP_NUM_THREADS": "1", **passive}  # never 0
+    assert rank_threads_env(8, {"OMP_NUM_THREADS": "6"}) == passive
+    assert rank_threads_env(8, {"OMP_NUM_THREADS": "6", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
