@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lazarus.core.contract import LONG_PHASES, HangVerdict, Position, Progress
 from lazarus.core.culprits import name_culprits

@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("lazarus.ops.report", "main", "an HTML page (and PNG) of a run: loss, faults, recoveries"),
     "goodput": ("lazarus.ops.goodput", "main", "the expected ETTR of a run from its measured figures and a failure rate"),
     "daemon": ("lazarus.daemon.service", "main", "the controller (leader-elected through etcd)"),
-    "agent": ("lazarus.agent.service", "main", "the node agent: runs and watches this node's ranks"),
+    "agent": ("lazarus.agent.cli", "main", "the node agent: runs and watches this node's ranks"),
     "preflight": ("lazarus.agent.preflight_cli", "main", "check this node before it takes work: GPUs, storage, clock, collectives"),
     "run": ("lazarus.ops.run", "main", "run your own script on the cluster: lazarus run -- python train.py ..."),
     "submit": ("lazarus.ops.submit", "main", "submit a job file to the daemon"),

@@ -1,0 +1,114 @@
+"""The agent's policy, pure: what a pass of its loop does about what it observes. Nothing here
+reads etcd, a process, a socket or the clock; the loop (lazarus.agent.service) observes and
+the executors (lazarus.agent.rounds, lazarus.agent.hangreport) act.
+
+A pass observes in two steps, and decides after each:
+- its ranks and the hang detector -> `hang`: report a hang, or withdraw the report. First,
+  because it needs no etcd (a hang found during an outage is written once etcd is back), and
+  because a hung round's stacks must be taken before anything kills its ranks;
+- then, when a reconcile is due, its assignment as read from etcd (run/status and the round
+  record) -> `converge`: stop the ranks of a round that is over, tell tier 0 the current
+  round, start this node's ranks of it.
+`status_due` is the node status's write rule (docs/architecture.md, "Write budget").
+
+Level-triggered like the daemon: each pass looks at the whole assignment, and the agent
+obeys the round record; it never decides membership.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazarus.core.contract import HangVerdict
+from lazarus.core.records import RENDEZVOUS, RUNNING, RoundRecord, RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """This node's ranks as the agent last polled them."""
+    round: int | None = None  # the round they belong to; None: no round's ranks here
+    alive: bool = False       # one of them has not exited
+
+
+# -- actions ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StopRound:
+    """Kill this node's ranks of `round`: the round is over and its state is in checkpoints."""
+    round: int
+    why: str  # for the log
+
+
+@dataclass(frozen=True, slots=True)
+class SeeRound:
+    """Tell tier 0 the current round (its ring peer, the snapshots still of use)."""
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Start this node's ranks of the round."""
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Refill:
+    """Top up the warm parked workers."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportHang:
+    """Take the ranks' stacks and report the hang in the node status."""
+    verdict: HangVerdict
+
+
+@dataclass(frozen=True, slots=True)
+class WithdrawHang:
+    """The ranks moved again: drop the report."""
+    round: int
+
+
+# -- decisions -------------------------------------------------------------------------------
+def hang(local: Local, verdict: HangVerdict | None, *, reported: bool) -> list:
+    """`verdict`: the hang detector's, asked only while the ranks are alive. A report stays
+    once made, until the ranks move again: they were waiting for a peer on another node that
+    was in a checkpoint or an eval, which that node's status says (the daemon waits with it).
+    Ranks that exited keep their round's report."""
+    if not local.alive:
+        return []
+    if reported:
+        return [WithdrawHang(local.round)] if verdict is None else []
+    return [ReportHang(verdict)] if verdict is not None else []
+
+
+def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
+             local: Local) -> list:
+    """The actions that bring this node's ranks to its assignment, in order: the old
+    round's ranks are stopped before the new round's start (lazarus.agent.workers runs one
+    round at a time), and the parked workers are topped up at once, even while a round
+    starts: the next fault may come any second, and a parked worker still importing torch
+    then is no better than a cold start."""
+    live = status is not None and status.state in (RENDEZVOUS, RUNNING)
+    actions: list = []
+    running = local.round
+    if running is not None:
+        newer = status is not None and status.round != running
+        if newer or (not live and local.alive):
+            actions.append(StopRound(running, f"round {status.round} is current" if newer else
+                                     f"run is {status.state if status else 'gone'}"))
+            running = None
+    if rec is not None and status is not None and rec.round == status.round:
+        actions.append(SeeRound(rec))
+        if live and node in rec.members and running != rec.round:
+            actions.append(Launch(rec))
+    actions.append(Refill())
+    return actions
+
+
+def status_due(now: float, state: tuple, step: int, *, published_state: tuple | None,
+               published_step: int, published_at: float, period_s: float,
+               force: bool = False) -> bool:
+    """Whether to write the node status: at once on a change of `state` (workers, health, a
+    hang, a long phase, a spike), else at most once a `period_s` while the step moves.
+    Liveness is the lease alone; nothing reads the age of a status as a sign of life."""
+    return force or state != published_state or (
+        step != published_step and now - published_at >= period_s)

@@ -1,0 +1,256 @@
+"""The agent's side of the worker channel (lazarus.agent.channel, lazarus.trainer.session): who
+may use it, what the agent tells its ranks (a checkpoint request, a snapshot kept), and what it
+does with their messages: step and progress reports into the node status and the hang
+detector, commits fenced on the round and claimed for the daemon, failures reported.
+
+A message of a round other than the one the node's ranks run is dropped: a stale worker's
+report must not count in the current round. Checkpoint commits are fenced in etcd itself.
+The agent owns the state; the handlers run on the channel's threads, under its lock where
+they touch what a pass reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING
+
+from lazarus.agent.adopt import AdoptedRank
+from lazarus.agent.channel import descends_from
+from lazarus.core import etcd as E
+from lazarus.core.contract import ABSENT, CORRUPT, RESTORE_KINDS, UNREADABLE, Progress
+from lazarus.core.records import CheckpointRecord, EventRecord, Keys
+
+if TYPE_CHECKING:
+    from lazarus.agent.service import Agent
+
+log = logging.getLogger("lazarus.agent")
+
+# Spikes kept in the node status: enough for the daemon's window, bounded for etcd.
+MAX_SPIKES = 32
+
+
+# -- to the ranks ----------------------------------------------------------------------------
+def pass_on_checkpoint_request(agent: Agent, kv: E.KV | None) -> None:
+    """A new request id (the daemon's or an operator's) goes to every local rank once."""
+    req = kv.value if kv is not None else b""
+    if agent._checkpoint_request is None:
+        agent._checkpoint_request = req  # requests older than this agent are not ours
+    elif req != agent._checkpoint_request:
+        agent._checkpoint_request = req
+        agent.channel.broadcast({"type": "checkpoint_requested"})
+        log.info("checkpoint requested: passed on to the workers")
+
+
+def snapshot_kept(agent: Agent, rank: int, step: int, durable: bool) -> None:
+    # To every local rank: each takes the ones of its own rank (lazarus.trainer.session).
+    agent.channel.broadcast({"type": "snapshot_kept", "rank": rank, "step": step,
+                             "durable": durable})
+
+
+# -- from the ranks --------------------------------------------------------------------------
+def on_message(agent: Agent, msg: dict) -> dict | None:
+    """The channel's callback: a dict returned is the reply to the rank."""
+    kind = msg.get("type")
+    handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
+    return handler(agent, msg) if handler is not None else None
+
+
+def admits(agent: Agent, pid: int) -> bool:
+    """Who may use the worker channel: the agent's process and whatever it started (its
+    workers, parked or running, and what they start), and the ranks it adopted from the
+    agent before it, with whatever they start."""
+    g = agent.workers.group
+    roots = {os.getpid()}
+    if g is not None:
+        roots.update(p.pid for p in list(g.procs.values())
+                     if isinstance(p, AdoptedRank) and p.returncode is None)
+    return descends_from(pid, roots)
+
+
+def _group_round(agent: Agent) -> int | None:
+    g = agent.workers.group
+    return g.round if g is not None else None
+
+
+def _local_ranks(agent: Agent) -> list[int]:
+    g = agent.workers.group
+    return list(g.ranks.values()) if g is not None else []
+
+
+def _step(agent: Agent, msg: dict) -> None:
+    with agent._lock:
+        if msg.get("round") == _group_round(agent):
+            st = agent._step
+            st["step"] = max(st["step"], int(msg.get("step", 0)))
+            spike = msg.get("spike")
+            # Every rank skips the same steps (the guard's verdict is global): global rank 0's
+            # node alone reports them, so a skip is one status write in the whole cluster,
+            # not one per node (4,096 at once at the real size).
+            if isinstance(spike, dict) and msg.get("rank") == 0:
+                agent._spikes.append({"step": int(msg.get("step", 0)),
+                                      "window": spike.get("window"),
+                                      "loss": spike.get("loss"),
+                                      "reason": spike.get("reason")})
+                del agent._spikes[:-MAX_SPIKES]
+                agent.wake.set()
+            if agent.monitors:
+                _observe_step(agent, msg)
+            if msg.get("rank") == min(_local_ranks(agent), default=0):
+                if isinstance(msg.get("window"), list):
+                    st["window"] = msg["window"]
+                st["loss"] = float(msg.get("loss", 0.0))
+                dt = float(msg.get("step_time_s", 0.0))
+                # Only a loss may be NaN in a node status (records.Reading): the daemon
+                # computes with times and refuses a status where one is not.
+                dt = dt if math.isfinite(dt) else 0.0
+                rate = float(msg.get("tokens", 0)) / dt if dt > 0 else 0.0
+                st["step_time_s"] = dt
+                st["tokens_per_s"] = rate if math.isfinite(rate) else 0.0
+
+
+def _observe_step(agent: Agent, msg: dict) -> None:
+    """Feed the throughput tracker (lock held). Tokens in a report are the global batch's; a
+    rank's share is its 1/world of them."""
+    try:
+        compute = msg.get("compute_s")
+        agent.throughput.observe(
+            rank=int(msg["rank"]), step=int(msg["step"]), node=agent.node,
+            step_time_s=float(msg.get("step_time_s", 0.0)),
+            tokens=int(msg.get("tokens", 0)) // max(1, agent._world_size),
+            compute_s=float(compute) if compute is not None else None)
+    except (KeyError, TypeError, ValueError):
+        pass  # a malformed report costs its sample, nothing else
+
+
+def _progress(agent: Agent, msg: dict) -> None:
+    try:
+        progress = Progress.from_message(msg)
+    except (KeyError, TypeError, ValueError):
+        return
+    with agent._lock:
+        if msg.get("round") == _group_round(agent):
+            agent.hangs.observe(int(msg.get("rank", -1)), progress)
+            _track_long_phase(agent)
+
+
+def _track_long_phase(agent: Agent) -> None:
+    """Note when a local rank enters or leaves a checkpoint/eval (lock held); a change is
+    published at once, because the daemon holds other nodes' hang reports meanwhile."""
+    since = agent.hangs.long_phase_since()
+    if since is not None and not agent._long_phase["since"]:
+        # with the allowance its ranks get there: the daemon holds peers' reports no longer
+        # than that (lazarus.daemon.decide._peer_in_long_phase)
+        agent._long_phase = {"since": time.time() - (time.monotonic() - since),
+                             "until": agent._long_phase["until"],
+                             "allowance_s": round(agent.hangs.timeout_s(), 1)}
+        agent.wake.set()
+    elif since is None and agent._long_phase["since"]:
+        agent._long_phase = {"since": 0.0, "until": time.time()}
+        agent.wake.set()
+
+
+def _joined(agent: Agent, msg: dict) -> None:
+    with agent._lock:
+        if msg.get("round") == _group_round(agent):
+            agent._joined.add(msg.get("rank"))
+    agent.wake.set()
+
+
+def _may_commit(agent: Agent, msg: dict) -> dict:
+    return {"type": "may_commit", "ok": round_is_current(agent.etcd, agent.keys,
+                                                         msg.get("round"))}
+
+
+def round_is_current(etcd: E.Etcd, keys: Keys, round_: object) -> bool:
+    """Fencing: a linearizable compare in etcd, not our possibly stale view."""
+    if not isinstance(round_, int):
+        return False
+    try:
+        return etcd.txn([E.value_is(keys.round, str(round_).encode())])
+    except E.EtcdUnavailable:
+        return False
+
+
+def _committed(agent: Agent, msg: dict) -> None:
+    """Claim the commit (ckptclaims/): the leader checks the claim and makes it the checkpoint
+    record, which agents' etcd role may not write (docs/security.md)."""
+    try:
+        rec = CheckpointRecord(step=int(msg["step"]), path=str(msg["path"]),
+                               round=int(msg["round"]), job_id=agent._job_id,
+                               committed_at=time.time())
+    except (KeyError, TypeError, ValueError):
+        log.warning("dropping malformed checkpoint report %r", msg)
+        return
+    try:
+        ok = agent.etcd.txn([E.value_is(agent.keys.round, str(rec.round).encode())],
+                            [E.put_op(agent.keys.claim_key(rec.step), rec.to_json())])
+    except E.EtcdUnavailable:
+        ok = False
+    if ok:
+        log.info("checkpoint step %d committed (round %d); claimed for the daemon to record",
+                 rec.step, rec.round)
+    else:
+        log.warning("checkpoint step %d of round %d not registered: round is stale or etcd "
+                    "is away", rec.step, rec.round)
+
+
+def _checkpoint_failed(agent: Agent, msg: dict) -> None:
+    """A save the storage refused (rank 0 tells, once per save): an event for the operator,
+    fenced on the round like a commit, so a stale worker's report is dropped. Training goes
+    on; what to do about the disk is the host monitor's and the daemon's."""
+    try:
+        step, round_, error = int(msg["step"]), int(msg["round"]), str(msg["error"])[:500]
+    except (KeyError, TypeError, ValueError):
+        log.warning("dropping malformed checkpoint failure report %r", msg)
+        return
+    text = (f"checkpoint step {step} not written: {error}; training goes on, the last "
+            "committed checkpoint stays the restore point")
+    log.warning("%s", text)
+    ev = EventRecord(time=time.time(), kind="checkpoint_failed", message=text, round=round_,
+                     fields={"step": step, "error": error, "reported_by": agent.node})
+    try:
+        agent.etcd.txn([E.value_is(agent.keys.round, str(round_).encode())],
+                       [E.put_op(agent.keys.event_key(agent.node), ev.to_json())])
+    except E.EtcdUnavailable:
+        pass  # the worker log and ours still say it
+
+
+def _snapshot(agent: Agent, msg: dict) -> None:
+    if agent.tier0 is not None and msg.get("round") == _group_round(agent):
+        agent.tier0.taken(agent._job_id, msg)
+
+
+def _restore_failed(agent: Agent, msg: dict) -> None:
+    with agent._lock:
+        if msg.get("round") == _group_round(agent):
+            _note_restore_failure(agent, msg)
+    agent.wake.set()
+
+
+def _note_restore_failure(agent: Agent, msg: dict) -> None:
+    """Keep the node's most telling finding (lock held): its ranks share its view of the
+    storage, but each hashed other files, and what condemns the checkpoint comes first."""
+    kind = msg.get("kind")
+    if kind not in RESTORE_KINDS:
+        return
+    weight = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
+    if agent._restore_failed and weight[kind] <= weight[agent._restore_failed["kind"]]:
+        return
+    agent._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
+                             "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
+
+
+def _refused(agent: Agent, msg: dict) -> None:
+    with agent._lock:
+        if msg.get("round") == _group_round(agent):
+            agent._refused = str(msg.get("reason", ""))[:500]
+    agent.wake.set()
+
+
+_HANDLERS = {"step": _step, "progress": _progress, "joined": _joined,
+             "may_commit": _may_commit, "committed": _committed,
+             "checkpoint_failed": _checkpoint_failed, "snapshot": _snapshot,
+             "restore_failed": _restore_failed, "refused": _refused}

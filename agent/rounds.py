@@ -1,0 +1,153 @@
+"""This node's ranks of a round: started and stopped as the assignment says
+(lazarus.agent.decide.converge), written down for the next agent of the node, and adopted
+from the previous one (lazarus.agent.adopt).
+
+Each executor does one thing; the agent owns the state. `Agent._host_round_store` and
+`Agent._save_left` are the agent's own methods, called through it: the fleet simulator
+(lazarus.sim.fleet) replaces them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
+from lazarus.agent.decide import Launch, Refill, SeeRound, StopRound
+from lazarus.agent.workers import rank_log
+from lazarus.core.contract import WorkerAssignment, round_port_key
+from lazarus.core.records import NodeStatus, RecordError, RoundRecord
+
+if TYPE_CHECKING:
+    from lazarus.agent.service import Agent
+
+log = logging.getLogger("lazarus.agent")
+
+
+def act(agent: Agent, action: StopRound | SeeRound | Launch | Refill) -> None:
+    if isinstance(action, StopRound):
+        log.info("stopping round %d workers (%s)", action.round, action.why)
+        agent.workers.stop()
+        agent._save_left()
+    elif isinstance(action, SeeRound):
+        if agent.tier0 is not None:
+            agent.tier0.round_seen(action.record)
+    elif isinstance(action, Launch):
+        launch(agent, action.record)
+    elif isinstance(action, Refill):
+        agent.workers.refill()
+    else:
+        raise AssertionError(f"unknown action {action!r}")
+
+
+def launch(agent: Agent, rec: RoundRecord) -> None:
+    """Start this node's ranks of `rec`, each with its assignment line, after forgetting
+    what the previous round's ranks reported."""
+    ranks = rec.ranks_of(agent.node)
+    tier0 = agent.tier0
+    snapshots = tier0.prepare(rec, ranks) if tier0 is not None else dict.fromkeys(ranks)
+    agent._host_round_store(rec)
+    agent.workers.prune_logs(rec.round)
+    assignments = {
+        local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
+                                round=rec.round, store_host=rec.store_host,
+                                store_port=rec.store_port, train=rec.train,
+                                restore=rec.restore, report_socket=agent.channel.path,
+                                job_id=rec.job_id, snapshot=snapshots[rank],
+                                restore_step=rec.restore_step,
+                                snapshot_dir=str(tier0.store.incoming)
+                                if tier0 is not None else None,
+                                allowed_roots=agent.allowed_roots,
+                                command=list(rec.command), env=dict(rec.env), cwd=rec.cwd,
+                                log_path=str(rank_log(agent.workers.log_dir, rec.round, rank)),
+                                group_rank=rec.members.index(agent.node),
+                                group_world_size=len(rec.members),
+                                local_world_size=rec.nproc_per_node,
+                                restart_count=rec.restarts,
+                                max_restarts=rec.max_restarts)
+        for local, rank in enumerate(ranks)}
+    with agent._lock:
+        agent._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+        agent._spikes = []
+        agent.hangs.reset()
+        agent.throughput.reset()
+        agent._world_size = rec.world_size
+        agent._hang = None
+        agent._refused = ""
+        agent._restore_failed = {}
+        agent._long_phase = {"since": 0.0, "until": 0.0}
+        agent._joined = set()
+    agent._job_id = rec.job_id
+    agent._checkpoint_dir = rec.checkpoint_dir
+    agent.health.watch_checkpoint_dir(agent._checkpoint_dir)
+    agent.workers.launch(rec.round, assignments)
+    agent._save_left()
+    log.info("round %d: started ranks %s%s", rec.round, ranks,
+             f", restoring step {rec.restore_step}" + (" from memory (tier 0)" if rec.tier0
+                                                       else "")
+             if rec.restore or rec.tier0 else "")
+
+
+def host_round_store(agent: Agent, rec: RoundRecord) -> None:
+    """The first member hosts a store of the round's own (torch's env:// rendezvous prefixes
+    no key: a store shared across rounds hands a restarted rank the dead round's entries) and
+    publishes its port in this agent's store, where every rank looks."""
+    import torch.distributed as dist
+
+    agent._round_stores = {r: s for r, s in agent._round_stores.items() if r >= rec.round}
+    if rec.members[0] != agent.node or rec.round in agent._round_stores:
+        return
+    store = dist.TCPStore(agent.host, 0, is_master=True, wait_for_workers=False)
+    agent._round_stores[rec.round] = store
+    agent.store.set(round_port_key(rec.round), str(store.port))
+
+
+# -- ranks that outlive their agent (lazarus.agent.adopt) ----------------------------------------
+def save_left(agent: Agent) -> None:
+    """Write down the running round's ranks for a next agent of this node; forget them once
+    the round is stopped. On each launch, stop and new lease: rare writes."""
+    g = agent.workers.group
+    if g is None or agent.session is None:
+        forget(agent._left_path)
+        return
+    ranks = [LeftRank(local_rank=lr, rank=g.ranks[lr], pid=p.pid,
+                      started=getattr(p, "started", None) or start_time(p.pid) or 0.0)
+             for lr, p in sorted(g.procs.items())]
+    Left(node=agent.node, round=g.round, job_id=agent._job_id, world_size=agent._world_size,
+         lease=agent.session.lease, channel=agent.channel.path,
+         checkpoint_dir=agent._checkpoint_dir, agent_pid=os.getpid(),
+         ranks=ranks).save(agent._left_path)
+
+
+def take_over(agent: Agent, left: Left) -> None:
+    """Adopt the ranks a previous agent of this node left running, as this agent's round."""
+    procs = adopt(left, agent.stacks_dir)
+    agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
+    agent._job_id, agent._world_size = left.job_id, left.world_size
+    agent._checkpoint_dir = left.checkpoint_dir
+    agent.health.watch_checkpoint_dir(left.checkpoint_dir)
+    agent._adopted_round = left.round
+    running = [p.pid for p in procs.values() if p.poll() is None]
+    log.info("adopted round %d ranks %s left by agent pid %d: %s", left.round,
+             [r.rank for r in left.ranks], left.agent_pid,
+             f"pids {' '.join(map(str, running))} running" if running else
+             "all of them exited meanwhile")
+
+
+def resume_status(agent: Agent) -> None:
+    """Carry on the adopted round's node status where the previous agent left it (the step,
+    loss and data window until the ranks' next report), not from step 0."""
+    if agent._adopted_round is None:
+        return
+    kv = agent.etcd.get(agent.keys.nodestatus_key(agent.node))
+    agent._adopted_round, round_ = None, agent._adopted_round
+    try:
+        old = NodeStatus.from_json(kv.value) if kv is not None else None
+    except RecordError:
+        old = None
+    if old is None or old.round != round_:
+        return
+    with agent._lock:
+        agent._step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
+                       "tokens_per_s": old.tokens_per_s, "window": old.window}

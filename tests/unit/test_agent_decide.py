@@ -1,0 +1,114 @@
+"""Table-driven tests of the agent's policy (lazarus.agent.decide): one row per situation, the
+exact actions a pass takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazarus.agent.decide import (Launch, Local, Refill, ReportHang, SeeRound, StopRound,
+                                  WithdrawHang, converge, hang, status_due)
+from lazarus.core.contract import HangVerdict
+from lazarus.core.records import (PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
+                                  RoundRecord, RunStatus)
+
+NODE = "a"
+
+
+def status(state: str, round_: int = 2, members=("a", "b")) -> RunStatus:
+    return RunStatus(job_id="J", state=state, round=round_, members=list(members), since=1.0)
+
+
+def record(round_: int = 2, members=("a", "b")) -> RoundRecord:
+    return RoundRecord(round=round_, job_id="J", members=list(members), nproc_per_node=2,
+                       world_size=2 * len(members), dp=len(members), tp=1,
+                       store_host="127.0.0.1", store_port=1)
+
+
+R2, R3 = record(2), record(3)
+R3_WITHOUT_US = record(3, members=("b", "c"))
+NONE = Local()
+ALIVE2, EXITED2 = Local(2, alive=True), Local(2, alive=False)
+
+CONVERGE = {
+    # situation: (status, round record, this node's ranks) -> actions
+    "no run": (None, None, NONE, [Refill()]),
+    "a run that has no round yet": (status(PENDING, 0), None, NONE, [Refill()]),
+    "a new round for this node": (status(RENDEZVOUS), R2, NONE,
+                                  [SeeRound(R2), Launch(R2), Refill()]),
+    "its round running here": (status(RUNNING), R2, ALIVE2, [SeeRound(R2), Refill()]),
+    "its round's ranks exited, the run goes on": (status(RUNNING), R2, EXITED2,
+                                                  [SeeRound(R2), Refill()]),
+    "a stale round's ranks still running": (
+        status(RENDEZVOUS, 3), R3, ALIVE2,
+        [StopRound(2, "round 3 is current"), SeeRound(R3), Launch(R3), Refill()]),
+    "a stale round's ranks exited": (
+        status(RENDEZVOUS, 3), R3, EXITED2,
+        [StopRound(2, "round 3 is current"), SeeRound(R3), Launch(R3), Refill()]),
+    "not a member of the round": (status(RENDEZVOUS, 3, ("b", "c")), R3_WITHOUT_US, NONE,
+                                  [SeeRound(R3_WITHOUT_US), Refill()]),
+    "left out of the next round while running": (
+        status(RENDEZVOUS, 3, ("b", "c")), R3_WITHOUT_US, ALIVE2,
+        [StopRound(2, "round 3 is current"), SeeRound(R3_WITHOUT_US), Refill()]),
+    "the round record not read yet": (status(RENDEZVOUS, 3), None, ALIVE2,
+                                      [StopRound(2, "round 3 is current"), Refill()]),
+    "a round record of another round": (status(RENDEZVOUS, 3), R2, NONE, [Refill()]),
+    "run finished, its ranks exited": (status(SUCCEEDED), R2, EXITED2,
+                                       [SeeRound(R2), Refill()]),
+    "run paused, its ranks still running": (status(PAUSED), R2, ALIVE2,
+                                            [StopRound(2, "run is PAUSED"), SeeRound(R2),
+                                             Refill()]),
+    "run recovering, the old round still running": (
+        status(RECOVERING), R2, ALIVE2, [StopRound(2, "run is RECOVERING"), SeeRound(R2),
+                                         Refill()]),
+    "run paused, nothing running here": (status(PAUSED), R2, NONE, [SeeRound(R2), Refill()]),
+    "run gone, ranks still running": (None, None, ALIVE2,
+                                      [StopRound(2, "run is gone"), Refill()]),
+    "run gone, ranks exited": (None, None, EXITED2, [Refill()]),
+}
+
+
+@pytest.mark.parametrize("situation", list(CONVERGE))
+def test_converge(situation):
+    st, rec, local, expected = CONVERGE[situation]
+    assert converge(NODE, st, rec, local) == expected
+
+
+VERDICT = HangVerdict(culprits=(1,), reason="hang: rank 1 made no progress", stalled_s=30.0,
+                      timeout_s=20.0)
+
+HANG = {
+    # situation: (this node's ranks, the detector's verdict, reported already) -> actions
+    "no ranks": (NONE, None, False, []),
+    "ranks moving": (ALIVE2, None, False, []),
+    "ranks stalled": (ALIVE2, VERDICT, False, [ReportHang(VERDICT)]),
+    "still stalled, reported": (ALIVE2, VERDICT, True, []),
+    "moving again after a report": (ALIVE2, None, True, [WithdrawHang(2)]),
+    "ranks exited after a report": (EXITED2, None, True, []),
+}
+
+
+@pytest.mark.parametrize("situation", list(HANG))
+def test_hang(situation):
+    local, verdict, reported, expected = HANG[situation]
+    assert hang(local, verdict, reported=reported) == expected
+
+
+STATE = ("running", 2, None, 0, "healthy", False, False, False, None, None)
+OTHER = ("failed", 2, 1, 0, "healthy", False, False, False, None, None)
+
+STATUS_DUE = {
+    # situation: (now, state, step, published_state, published_step, published_at, force)
+    "never written": (100.0, STATE, 0, None, -1, 0.0, False, True),
+    "forced (a rank exited)": (100.0, STATE, 5, STATE, 5, 99.0, True, True),
+    "state changed": (100.0, OTHER, 5, STATE, 5, 99.0, False, True),
+    "nothing moved, period over": (100.0, STATE, 5, STATE, 5, 50.0, False, False),
+    "step moved within the period": (100.0, STATE, 6, STATE, 5, 90.0, False, False),
+    "step moved, period over": (100.0, STATE, 6, STATE, 5, 85.0, False, True),
+}
+
+
+@pytest.mark.parametrize("situation", list(STATUS_DUE))
+def test_status_due(situation):
+    now, state, step, pub_state, pub_step, pub_at, force, due = STATUS_DUE[situation]
+    assert status_due(now, state, step, published_state=pub_state, published_step=pub_step,
+                      published_at=pub_at, period_s=15.0, force=force) is due
