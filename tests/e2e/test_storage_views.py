@@ -40,8 +40,10 @@ def _pause_after(cluster: LocalCluster, metrics, step: int):
 
     def stopped(st):
         # The ranks may commit one more checkpoint between the pause's and their stop: the
-        # resumed round restores the newest, so that is the one to return.
-        if not paused_and_stopped(st):
+        # resumed round restores the newest, so that is the one to return -- once the leader
+        # has made every agent's claim of a commit a record (a claim still waiting is a
+        # checkpoint the records do not show yet: CI once flipped a byte in the one before).
+        if not paused_and_stopped(st) or cluster.etcd.get_prefix(cluster.keys.claims).kvs:
             return None
         return max((c.step for c in st.checkpoints if c.job_id == st.status.job_id and c.good),
                    default=None)
