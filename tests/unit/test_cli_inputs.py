@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def test_record_round_trip():
     assert NodeStatus.from_json(ns.to_json()) == ns
 
 
-@pytest.mark.parametrize("args, expect", [
+BAD_COMMAND_LINES = [
     (["up", "--nodes", "2", "--dp", "3"], "--dp 3 x --tp 1 = 3 ranks"),
     (["up", "--chaos", "kill-everything@3"], "unknown fault"),
     (["up", "--nproc-per-node", "2", "--tp", "4"], "tp=4 must divide nproc_per_node=2"),
@@ -116,13 +117,66 @@ def test_record_round_trip():
     (["run", "--env", "NOEQUALS", "--", "python", "-c", "pass"], "--env 'NOEQUALS' is not NAME=VALUE"),
     (["run", "--nodes", "0", "--", "python", "-c", "pass"], "--nodes must be at least 1"),
     (["run", "--", "python", "missing-train.py"], "'missing-train.py' is not a readable file"),
-])
-def test_bad_command_lines(args, expect, tmp_path):
+]
+
+
+# Each case is `python -m lazarus.cli ARGS` as a process of its own -- its exit code and all it
+# writes on stderr, however written -- forked from one that has imported the CLI's modules:
+# a fresh interpreter and `import torch` per case took 2 s each, 80 s for the table.
+_FORKED = r"""
+import importlib, json, os, sys, tempfile, traceback
+from lazarus import cli
+for module, _func, _ in cli.COMMANDS.values():
+    importlib.import_module(module)
+out = []
+for argv in json.loads(sys.stdin.read()):
+    err = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(err.fileno(), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stderr.flush()
+        os._exit(code or 0)
+    _, status = os.waitpid(pid, 0)
+    err.seek(0)
+    out.append({"code": os.waitstatus_to_exitcode(status),
+                "stderr": err.read().decode(errors="replace")})
+print(json.dumps(out))
+"""
+
+
+def _argv(args: list[str], workdir) -> list[str]:
     if args[0] == "up":
-        args = [*args, "--workdir", str(tmp_path)]
+        return [*args, "--workdir", str(workdir)]
     if args[0] == "agent":
-        args = [*args, "--etcd", "127.0.0.1:9", "--workdir", str(tmp_path)]
-    line = one_error_line(lazarus(*args))
+        return [*args, "--etcd", "127.0.0.1:9", "--workdir", str(workdir)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[int, subprocess.CompletedProcess]:
+    """Case index -> what `lazarus ARGS` did, every case of BAD_COMMAND_LINES."""
+    root = tmp_path_factory.mktemp("bad-command-lines")
+    argvs = [_argv(args, root / str(i)) for i, (args, _) in enumerate(BAD_COMMAND_LINES)]
+    proc = subprocess.run([sys.executable, "-c", _FORKED], input=json.dumps(argvs),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {i: subprocess.CompletedProcess(argv, r["code"], "", r["stderr"])
+            for i, (argv, r) in enumerate(zip(argvs, json.loads(proc.stdout)))}
+
+
+@pytest.mark.parametrize("case", range(len(BAD_COMMAND_LINES)),
+                         ids=[" ".join(a) for a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines(case, refused):
+    expect = BAD_COMMAND_LINES[case][1]
+    line = one_error_line(refused[case])
     assert expect in line, line
 
 
