@@ -72,12 +72,15 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
 def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path, tmp_path_factory):
     steps = 36
     # The node comes back as soon as the shrunk round runs (a revival waits behind the
-    # recovery), and a 4 s pause of every rank after it: a revived agent needs its start
-    # and a preflight with n0 (5-10 s on a loaded CI box) before the next checkpoint can
-    # take it in, and the run must not end first (it once did, reviving at step 16).
+    # recovery), and every rank pauses 4 s at each of three steps after it: a revived agent
+    # needs its start and a preflight with n0 (5-10 s on a loaded CI box) before the next
+    # checkpoint can take it in, and the run must not end first. One node alone runs the
+    # tiny model's steps in 0.08 s: the 25 steps left were 6 s with one pause, and CI ended
+    # the run before the preflight twice (reviving at step 16, then at 11 with one pause).
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "0", "--min-nodes", "1",
                           "--steps", str(steps),
-                          "--chaos", "kill-node@10:n1,revive-node@11:n1,slow-step@14")
+                          "--chaos", "kill-node@10:n1,revive-node@11:n1,"
+                                     "slow-step@13,slow-step@17,slow-step@21")
     assert summary["final_state"] == "SUCCEEDED", summary
     (lost,) = [r for r in summary["recoveries"] if r["kind"] != "slow-step"]
     assert lost["detected_as"] == "node_lost"

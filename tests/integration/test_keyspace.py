@@ -1,4 +1,4 @@
-"""A long run in fast motion against a real etcd and the real daemon loop: two hundred rounds,
+"""A long run in fast motion against a real etcd and the real daemon loop: a hundred rounds,
 each with its events and a checkpoint, go past the retention. The keys under the root stay
 bounded, what left etcd is in the daemon's history files, and `lazarus events` (over the API)
 still lists every event of the run, in order."""
@@ -21,7 +21,7 @@ from lazarus.daemon.service import Daemon
 from lazarus.ops import client
 from tests.integration.polling import until
 
-ROUNDS = 200
+ROUNDS = 100   # twenty times the rounds the retention keeps
 RETENTION = Retention(events=30, rounds=5, checkpoints=5)
 # job, run/job, run/status, run/round, leader, nodes/a, nodestatus/a
 FIXED_KEYS = 7
