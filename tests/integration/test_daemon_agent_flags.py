@@ -146,10 +146,27 @@ def test_a_cluster_started_by_hand_does_what_its_flags_say(tmp_path):
             return kv and NodeStatus.from_json(kv.value).tier0.get("bytes", 0) > 0 \
                 and (st := status()) and st.state == "RUNNING"
 
+        def host_state(node: str) -> str | None:
+            kv = etcd.get(keys.nodestatus + node)
+            host = NodeStatus.from_json(kv.value).health.get("host") if kv else None
+            return host.get("state") if isinstance(host, dict) else None
+
         wait_until("a tier-0 snapshot on n0", holds_a_snapshot, procs, tmp_path)
-        nodes = lazarus("nodes", "--json", *client)
-        assert nodes.returncode == 0, nodes.stderr
-        by_node = {n["node"]: n for n in json.loads(nodes.stdout)["nodes"]}
+        # The host monitor starts with the round (it watches the round's checkpoint dir) and
+        # reports a state once it has held a second: the first snapshot may come before that.
+        wait_until("n0's and n1's host alerts", lambda: (host_state("n0"), host_state("n1"))
+                   == ("degraded", "failed"), procs, tmp_path)
+
+        def nodes_seen():
+            # the daemon answers from its cache of etcd, a moment behind it
+            nodes = lazarus("nodes", "--json", *client)
+            assert nodes.returncode == 0, nodes.stderr
+            seen = {n["node"]: n for n in json.loads(nodes.stdout)["nodes"]}
+            states = {n: {h["monitor"]: h["state"] for h in seen[n]["health"]} for n in seen}
+            return seen if (states["n0"].get("host"), states["n1"].get("host")) == (
+                "degraded", "failed") else None
+        by_node = wait_until("the API to show the host alerts", nodes_seen, procs, tmp_path,
+                             timeout=30)
         n0, n1 = by_node["n0"], by_node["n1"]
         assert (n0["gpu_backend"], n1["gpu_backend"]) == ("nvml" if nvml_sees_a_gpu() else "sim",
                                                           "sim")
