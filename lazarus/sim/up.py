@@ -231,14 +231,14 @@ ANSWER_WAIT_S = 60.0
 
 
 def _unanswered(schedule: list[chaos.Fault], events: list) -> bool:
-    """Whether the last fault injected awaits the round that answers it."""
-    fired = [f for f in schedule if f.fired_at is not None]
-    if not fired:
-        return False
-    last = max(fired, key=lambda f: f.fired_at)
-    if last.kind not in ANSWERED_BY_A_ROUND or time.time() - last.fired_at > ANSWER_WAIT_S:
-        return False
-    return not any(e.kind == "round_started" and e.time > last.fired_at for e in events)
+    """Whether a fault injected awaits the round that answers it. Any of them, not only the
+    last: a fault the trainer injects itself (a slow step) may come after it -- the ranks
+    of a killed node's peers go on for a step or two -- and answers nothing."""
+    now = time.time()
+    return any(f.fired_at is not None and f.kind in ANSWERED_BY_A_ROUND
+               and now - f.fired_at <= ANSWER_WAIT_S
+               and not any(e.kind == "round_started" and e.time > f.fired_at for e in events)
+               for f in schedule)
 
 
 def _inject(cluster: LocalCluster, fault: chaos.Fault, node: str | None, step: int) -> None:

@@ -163,3 +163,11 @@ def test_a_chaos_item_waits_for_the_round_that_answers_the_one_before():
     assert not _unanswered(schedule, [])
     slow.fired_at = time.time()                                # a straggler gets no new round
     assert not _unanswered(schedule, [])
+    # a fault the trainer injects after a node was killed does not answer the kill (CI: a
+    # slow-step struck a step after kill-node, and the revival came before the node was lost)
+    schedule = chaos.parse_schedule("kill-node@10:n1,revive-node@11:n1,slow-step@13")
+    kill, _revive, stall = schedule
+    kill.fired_at, stall.fired_at = time.time() - 1, time.time()
+    assert _unanswered(schedule, [])
+    assert not _unanswered(schedule, [EventRecord(time=time.time(), kind="round_started",
+                                                  message="round 2")])
