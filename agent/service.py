@@ -307,21 +307,14 @@ class Agent:
     def _save_left(self) -> None:
         rounds.save_left(self)
 
-    def _resume_status(self) -> None:
-        rounds.resume_status(self)
-
     # -- status (lazarus.agent.nodestatus) ---------------------------------------------------
-    def status_state(self) -> tuple:
-        """What a status write is due for at once when it changes; cheap, asked every pass."""
-        return nodestatus.state(self)
-
     def node_status(self) -> NodeStatus:
         return nodestatus.build(self)
 
     def publish(self, *, force: bool = False) -> bool:
         """Write node status on a change of state at once, else at most once a (jittered)
         period while the step moves. True when it wrote."""
-        state = self.status_state()
+        state = nodestatus.state(self)
         now = time.time()
         if not decide.status_due(now, state, self._step["step"],
                                  published_state=self._published_state,
@@ -338,7 +331,7 @@ class Agent:
         while not stop.is_set() and not rev:
             try:
                 self.register()
-                self._resume_status()
+                rounds.resume_status(self)
                 rev = self.etcd.snapshot([self.keys.root + "run/"]).revision
             except E.EtcdUnavailable as e:
                 self.outage.failed(e)
