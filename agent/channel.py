@@ -72,14 +72,16 @@ class Channel:
         os.chmod(path, 0o600)
         self._server.listen(64)
         self._conns: dict[socket.socket, threading.Lock] = {}
+        self._pids: dict[socket.socket, int] = {}  # who is at the other end, by the kernel
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True, name="channel-accept").start()
 
-    def _admitted(self, conn: socket.socket) -> bool:
+    def _admitted(self, conn: socket.socket) -> int | None:
+        """The pid of `conn`'s peer when it may use the channel, else None."""
         pid, uid = peer_credentials(conn)
         if uid == os.geteuid() and self._admit(pid):
-            return True
+            return pid
         if pid not in self._refused:
             if len(self._refused) >= MAX_REFUSED_REMEMBERED:
                 self._refused.clear()
@@ -87,7 +89,7 @@ class Channel:
             log.warning("refused a connection to %s from pid %d (uid %d): %s", self.path, pid,
                         uid, "not one of this agent's workers" if uid == os.geteuid() else
                         f"another user (this agent runs as uid {os.geteuid()})")
-        return False
+        return None
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -96,10 +98,10 @@ class Channel:
             except OSError:
                 return
             try:
-                admitted = self._admitted(conn)
+                pid = self._admitted(conn)
             except OSError:
-                admitted = False
-            if not admitted:
+                pid = None
+            if pid is None:
                 conn.close()
                 continue
             with self._lock:
@@ -107,6 +109,7 @@ class Channel:
                     conn.close()
                     return
                 self._conns[conn] = threading.Lock()
+                self._pids[conn] = pid
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="channel-conn").start()
 
@@ -130,6 +133,7 @@ class Channel:
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
+                self._pids.pop(conn, None)
             conn.close()
 
     def _lines(self, conn: socket.socket):
@@ -161,6 +165,21 @@ class Channel:
                     conn.sendall(data)
             except OSError:
                 pass
+
+    def send_to(self, pid: int, msg: dict) -> bool:
+        """Send `msg` to the connections of process `pid` only: whether one took it."""
+        data = (json.dumps(msg) + "\n").encode()
+        with self._lock:
+            conns = [(c, lock) for c, lock in self._conns.items() if self._pids.get(c) == pid]
+        sent = False
+        for conn, send_lock in conns:
+            try:
+                with send_lock:
+                    conn.sendall(data)
+                sent = True
+            except OSError:
+                pass
+        return sent
 
     def close(self) -> None:
         """Stop listening and hang up on every worker: they then wait for the next agent on

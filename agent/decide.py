@@ -7,8 +7,9 @@ A pass observes in two steps, and decides after each:
   because it needs no etcd (a hang found during an outage is written once etcd is back), and
   because a hung round's stacks must be taken before anything kills its ranks;
 - then, when a reconcile is due, its assignment as read from etcd (run/status and the round
-  record) -> `converge`: stop the ranks of a round that is over, tell tier 0 the current
-  round, start this node's ranks of it.
+  record) -> `converge`: stop the ranks of a round that is over (less the survivors of a lost
+  peer, kept for the next round: docs/inplace.md), tell tier 0 the current round, start this
+  node's ranks of it.
 `status_due` is the node status's write rule (docs/architecture.md, "Write budget").
 
 Level-triggered like the daemon: each pass looks at the whole assignment, and the agent
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazarus.core.contract import HangVerdict
-from lazarus.core.records import RENDEZVOUS, RUNNING, RoundRecord, RunStatus
+from lazarus.core.records import RECOVERING, RENDEZVOUS, RUNNING, RoundRecord, RunStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +29,34 @@ class Local:
     """This node's ranks as the agent last polled them."""
     round: int | None = None  # the round they belong to; None: no round's ranks here
     alive: bool = False       # one of them has not exited
+    # local ranks that survived a lost peer and wait for the next round in their process
+    survivors: frozenset[int] = frozenset()
+    kept: bool = False        # survivors of a stopped round wait for this node's next launch
+    waiting: bool = False     # some ranks alive have not survived (yet): they run, or hang
+    over_s: float = 0.0       # how long the agent has seen their round over
+
+
+# How long the ranks of a hang's victim node may take to be released, once the round is over:
+# the culprit's node kills its ranks when it sees the round end, which resets their sockets
+# and fails the victims' collectives (gloo's abort does not cancel one: docs/inplace.md).
+RELEASE_S = 5.0
 
 
 # -- actions ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class StopRound:
-    """Kill this node's ranks of `round`: the round is over and its state is in checkpoints."""
+    """End this node's ranks of `round`: the round is over and its state is in checkpoints.
+    Kill them, less the survivors in `keep` (local ranks), kept for the next round's launch
+    (lazarus.trainer.inplace)."""
     round: int
     why: str  # for the log
+    keep: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class DropKept:
+    """Kill the kept survivors: no round of this node will take them."""
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +93,9 @@ def hang(local: Local, verdict: HangVerdict | None, *, reported: bool) -> list:
     """`verdict`: the hang detector's, asked only while the ranks are alive. A report stays
     once made, until the ranks move again: they were waiting for a peer on another node that
     was in a checkpoint or an eval, which that node's status says (the daemon waits with it).
-    Ranks that exited keep their round's report."""
-    if not local.alive:
+    Ranks that exited keep their round's report. Survivors of a lost peer wait, by design,
+    for the next round: not a hang."""
+    if not local.alive or local.survivors:
         return []
     if reported:
         return [WithdrawHang(local.round)] if verdict is None else []
@@ -88,20 +110,47 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
     starts: the next fault may come any second, and a parked worker still importing torch
     then is no better than a cold start."""
     live = status is not None and status.state in (RENDEZVOUS, RUNNING)
+    current = rec if rec is not None and status is not None and rec.round == status.round \
+        else None
+    # A survivor is of use while the run goes on, or recovers into its next round, and the
+    # node may be in that round (its record may not be read yet); the launch of that round
+    # takes it or lets it go.
+    going_on = live or (status is not None and status.state == RECOVERING)
+    useful = going_on and (current is None or node in current.members)
     actions: list = []
     running = local.round
+    kept = local.kept
     if running is not None:
         newer = status is not None and status.round != running
+        if (newer or (not live and local.alive)) and useful and local.waiting \
+                and local.over_s < RELEASE_S and _victim_of_a_hang(node, status, running):
+            # Not killed yet: these ranks wait in a collective for the hang's culprit on
+            # another node, and survive once its node kills it. Nothing starts meanwhile.
+            return [Refill()]
         if newer or (not live and local.alive):
+            keep = local.survivors if useful else frozenset()
             actions.append(StopRound(running, f"round {status.round} is current" if newer else
-                                     f"run is {status.state if status else 'gone'}"))
-            running = None
-    if rec is not None and status is not None and rec.round == status.round:
-        actions.append(SeeRound(rec))
-        if live and node in rec.members and running != rec.round:
-            actions.append(Launch(rec))
+                                     f"run is {status.state if status else 'gone'}", keep))
+            running, kept = None, kept or bool(keep)
+    if kept and not useful:
+        actions.append(DropKept(f"run is {status.state if status else 'gone'}"
+                                if not going_on else "this node is not in the current round"))
+    if current is not None:
+        actions.append(SeeRound(current))
+        if live and node in current.members and running != current.round:
+            actions.append(Launch(current))
     actions.append(Refill())
     return actions
+
+
+def _victim_of_a_hang(node: str, status: RunStatus | None, round_: int) -> bool:
+    """Whether `round_` ended on a hang whose culprit is on other nodes than this one."""
+    incident = status.incident if status is not None else None
+    if not isinstance(incident, dict) or incident.get("kind") != "hang" \
+            or incident.get("round") != round_:
+        return False
+    culprits = str(incident.get("culprit", "")).split(",")
+    return node not in culprits
 
 
 def status_due(now: float, state: tuple, step: int, *, published_state: tuple | None,

@@ -243,6 +243,22 @@ def _note_restore_failure(agent: Agent, msg: dict) -> None:
                              "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
 
 
+def _survivor(agent: Agent, msg: dict) -> None:
+    """A rank of this node lost a peer, not itself, and waits for the next round in its
+    process (lazarus.trainer.inplace): the round's end keeps it (lazarus.agent.decide)."""
+    with agent._lock:
+        g = agent.workers.group
+        if g is None or msg.get("round") != g.round:
+            return
+        for local_rank, proc in g.procs.items():
+            if proc.pid == msg.get("pid") and g.ranks[local_rank] == msg.get("rank"):
+                g.survivors.add(local_rank)
+                log.info("round %d rank %d (pid %d) survived a lost peer at step %s and waits "
+                         "for the next round", g.round, g.ranks[local_rank], proc.pid,
+                         msg.get("step"))
+    agent.wake.set()
+
+
 def _refused(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
@@ -253,4 +269,4 @@ def _refused(agent: Agent, msg: dict) -> None:
 _HANDLERS = {"step": _step, "progress": _progress, "joined": _joined,
              "may_commit": _may_commit, "committed": _committed,
              "checkpoint_failed": _checkpoint_failed, "snapshot": _snapshot,
-             "restore_failed": _restore_failed, "refused": _refused}
+             "restore_failed": _restore_failed, "refused": _refused, "survivor": _survivor}

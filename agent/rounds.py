@@ -9,12 +9,14 @@ Each executor does one thing; the agent owns the state. `Agent._host_round_store
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 from typing import TYPE_CHECKING
 
 from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
-from lazarus.agent.decide import Launch, Refill, SeeRound, StopRound
+from lazarus.agent.decide import DropKept, Launch, Refill, SeeRound, StopRound
 from lazarus.agent.workers import rank_log
 from lazarus.core.contract import WorkerAssignment, round_port_key
 from lazarus.core.records import NodeStatus, RecordError, RoundRecord
@@ -25,11 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("lazarus.agent")
 
 
-def act(agent: Agent, action: StopRound | SeeRound | Launch | Refill) -> None:
+def act(agent: Agent, action: StopRound | DropKept | SeeRound | Launch | Refill) -> None:
     if isinstance(action, StopRound):
-        log.info("stopping round %d workers (%s)", action.round, action.why)
-        agent.workers.stop()
+        log.info("stopping round %d workers (%s)%s", action.round, action.why,
+                 f"; keeping the survivors of local ranks {sorted(action.keep)} for the next "
+                 "round" if action.keep else "")
+        agent.workers.stop(keep=action.keep)
         agent._save_left()
+    elif isinstance(action, DropKept):
+        log.info("letting the kept survivors go (%s)", action.why)
+        agent.workers.drop_kept()
     elif isinstance(action, SeeRound):
         if agent.tier0 is not None:
             agent.tier0.round_seen(action.record)
@@ -81,12 +88,20 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
     agent._job_id = rec.job_id
     agent._checkpoint_dir = rec.checkpoint_dir
     agent.health.watch_checkpoint_dir(agent._checkpoint_dir)
-    agent.workers.launch(rec.round, assignments)
+    g = agent.workers.launch(rec.round, assignments, resume=functools.partial(resume, agent))
     agent._save_left()
-    log.info("round %d: started ranks %s%s", rec.round, ranks,
+    log.info("round %d: started ranks %s%s%s", rec.round, ranks,
              f", restoring step {rec.restore_step}" + (" from memory (tier 0)" if rec.tier0
                                                        else "")
-             if rec.restore or rec.tier0 else "")
+             if rec.restore or rec.tier0 else "",
+             f"; in place: ranks {sorted(g.ranks[lr] for lr in g.kept)} in their processes "
+             f"{sorted(g.procs[lr].pid for lr in g.kept)}" if g.kept else "")
+
+
+def resume(agent: Agent, pid: int, a: WorkerAssignment) -> bool:
+    """Hand a survivor (lazarus.trainer.inplace) its assignment over the worker channel:
+    whether it reached the process."""
+    return agent.channel.send_to(pid, {"type": "resume", "assignment": json.loads(a.to_json())})
 
 
 def host_round_store(agent: Agent, rec: RoundRecord) -> None:

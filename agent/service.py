@@ -29,8 +29,8 @@ from pathlib import Path
 from lazarus.core import etcd as E
 from lazarus.core import settings
 from lazarus.core.errors import UserError
-from lazarus.core.records import (ROLE_ACTIVE, ROLE_SPARE, Keys, NodeRecord, NodeStatus,
-                                  RoundRecord, RunStatus)
+from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, Keys,
+                                  NodeRecord, NodeStatus, RoundRecord, RunStatus)
 from lazarus.agent import decide, hangreport, messages, nodestatus, preflight_agent, rounds
 from lazarus.agent.assignment import read as read_assignment, readable
 from lazarus.agent.adopt import Left, NodeLock, forget, record_path
@@ -171,6 +171,7 @@ class Agent:
         self.allowed_roots: list[str] = []  # no limit (see __init__)
         self.session: E.Session | None = None
         self.wake = threading.Event()
+        self._over_since: tuple[int, float] | None = None  # (round, when) its end was seen
         self._resume_lease: int | None = None
         self._registered = False            # the node record names this process
         self._lock = threading.Lock()       # guards the step fields the channel updates
@@ -282,12 +283,27 @@ class Agent:
     def reconcile(self, now: float | None = None) -> None:
         self.register()
         status, rec = self.assignment(time.monotonic() if now is None else now)
-        for action in decide.converge(self.node, status, rec, self._local()):
+        for action in decide.converge(self.node, status, rec, self._local(status)):
             rounds.act(self, action)
 
-    def _local(self) -> decide.Local:
+    def _local(self, status: RunStatus | None = None) -> decide.Local:
         g = self.workers.group
-        return decide.Local(g.round, g.alive) if g is not None else decide.Local()
+        kept = bool(self.workers.kept)
+        if g is None:
+            return decide.Local(kept=kept)
+        with self._lock:
+            alive = {lr for lr, p in g.procs.items() if lr not in g.exit_codes
+                     and p.poll() is None}
+            survivors = frozenset(g.survivors & alive)
+        over = status is None or status.round != g.round or status.state not in (RENDEZVOUS,
+                                                                                 RUNNING)
+        if not over:
+            self._over_since = None
+        elif self._over_since is None or self._over_since[0] != g.round:
+            self._over_since = (g.round, time.monotonic())
+        over_s = time.monotonic() - self._over_since[1] if over else 0.0
+        return decide.Local(g.round, g.alive, survivors, kept, waiting=bool(alive - survivors),
+                            over_s=over_s)
 
     def _check_hang(self, now: float) -> None:
         """Ask the hang detector while the ranks run; report a hang with their stacks, taken

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class Group:
     exit_codes: dict[int, int] = field(default_factory=dict)
     fault_at: float = 0.0
     first_failure: int | None = None            # local rank that failed first: the culprit
+    # local ranks that lost a peer, not themselves, and wait for the next round in their
+    # process (lazarus.trainer.inplace)
+    survivors: set[int] = field(default_factory=set)
+    kept: set[int] = field(default_factory=set)  # local ranks in a survivor's process
 
     @property
     def alive(self) -> bool:
@@ -100,6 +105,9 @@ class Workers:
         self.park = park
         self.parked: list[subprocess.Popen] = []
         self.group: Group | None = None
+        # local rank -> the process of a survivor of the stopped round, until the next
+        # round's launch takes it or lets it go
+        self.kept: dict[int, subprocess.Popen | AdoptedRank] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
@@ -119,12 +127,25 @@ class Workers:
         while self.park and len(self.parked) < self.nproc:
             self.parked.append(self._spawn())
 
-    def launch(self, round_: int, assignments: dict[int, WorkerAssignment]) -> Group:
-        """Start the round's workers: `assignments` maps local rank -> its assignment."""
+    def launch(self, round_: int, assignments: dict[int, WorkerAssignment], *,
+               resume: Callable[[int, WorkerAssignment], bool] | None = None) -> Group:
+        """Start the round's workers: `assignments` maps local rank -> its assignment. A
+        survivor kept for the same local rank takes its assignment through `resume(pid,
+        assignment)` (the worker channel) when that reaches it; parked workers take the
+        rest, and survivors not taken are let go."""
         assert self.group is None or not self.group.alive, "stop the old round first"
-        procs, ranks = {}, {}
+        procs, ranks, kept = {}, {}, set()
         self.parked = [p for p in self.parked if p.poll() is None]
         for local_rank, assignment in sorted(assignments.items()):
+            survivor = self.kept.pop(local_rank, None)
+            if (survivor is not None and resume is not None and survivor.poll() is None
+                    and resume(survivor.pid, assignment)):
+                procs[local_rank] = survivor
+                ranks[local_rank] = assignment.rank
+                kept.add(local_rank)
+                continue
+            if survivor is not None:
+                self.kept[local_rank] = survivor  # let go below, with the others not taken
             proc = self.parked.pop(0) if self.parked else self._spawn()
             line = (assignment.to_json() + "\n").encode()
             try:
@@ -137,8 +158,14 @@ class Workers:
                 proc.stdin.close()
             procs[local_rank] = proc
             ranks[local_rank] = assignment.rank
-        self.group = Group(round=round_, procs=procs, ranks=ranks)
+        self.drop_kept()
+        self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept)
         return self.group
+
+    def drop_kept(self) -> None:
+        """Let the kept survivors go: no round of this node takes them."""
+        kept, self.kept = self.kept, {}
+        self._kill(list(kept.values()))
 
     def bound_logs(self) -> None:
         """Keep the current round's rank logs within the bound (see RANK_LOG_BYTES)."""
@@ -194,21 +221,30 @@ class Workers:
                                 g.ranks[local_rank], proc.pid, code)
         return changed
 
-    def stop(self) -> None:
-        """Kill the current group at once: its round is over and its state is in checkpoints."""
+    def stop(self, keep: Collection[int] = ()) -> None:
+        """End the current group at once: its round is over and its state is in checkpoints.
+        The survivors among `keep` (local ranks) are kept for the next round's launch; the
+        others are killed."""
         g = self.group
         if g is None:
             return
-        for proc in g.procs.values():
+        for local_rank in keep:
+            proc = g.procs.get(local_rank)
+            if local_rank in g.survivors and proc is not None and proc.poll() is None:
+                self.kept[local_rank] = proc
+        self._kill([p for lr, p in g.procs.items() if lr not in self.kept])
+        self.group = None
+
+    def _kill(self, procs: list) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 try:
                     proc.send_signal(signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for proc in g.procs.values():
+        for proc in procs:
             proc.wait()
             self._forget(proc.pid)
-        self.group = None
 
     def _forget(self, pid: int) -> None:
         # A weeks-long run starts thousands of workers: their files must not pile up.
@@ -223,6 +259,7 @@ class Workers:
         wait for the next agent)."""
         if not leave_ranks:
             self.stop()
+        self.drop_kept()
         for proc in self.parked:
             proc.kill()
         for proc in self.parked:

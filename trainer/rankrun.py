@@ -86,9 +86,10 @@ def collective_timeout() -> float | None:
     return None
 
 
-def run_rank(a: WorkerAssignment) -> NoReturn:
-    """Become rank `a.rank` of round `a.round`: never returns (the command's exit code ends
-    this process, or the command replaces it)."""
+def enter(a: WorkerAssignment) -> dict[str, str]:
+    """Make this process rank `a.rank` of round `a.round`: its output into the round's log,
+    its environment torchrun's for the round (returned). A rank that survived its round
+    (lazarus.trainer.inplace) comes here again for the next one."""
     if a.log_path:
         _redirect_output(a.log_path)
     try:
@@ -104,6 +105,13 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
         exitnote.exit_now(1)
     os.environ.clear()
     os.environ.update(env)
+    return env
+
+
+def run_rank(a: WorkerAssignment) -> NoReturn:
+    """Become rank `a.rank` of round `a.round`: never returns (the command's exit code ends
+    this process, or the command replaces it)."""
+    env = enter(a)
     if not jobcommand.runs_warm(a.command):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -67,6 +67,7 @@ class Session:
         self._metrics = None                   # $LAZARUS_METRICS, open; False: unwritable
         self.rank = rank
         self.round = round
+        self.last_step = 0                     # of the last report()
         self.publish_progress = publish_progress
         self._path = socket_path
         self._grace_s = agent_grace_s
@@ -75,6 +76,7 @@ class Session:
         self._checkpoint_requested = threading.Event()
         self._replies: queue.Queue[dict] = queue.Queue()
         self._kept: queue.Queue[tuple[int, bool, float]] = queue.Queue()
+        self._resume: queue.Queue[dict] = queue.Queue()
         self._sock: socket.socket | None = None
         self._up = threading.Event()           # an agent is connected now
         self._held: list[dict] = []
@@ -108,6 +110,8 @@ class Session:
                             continue
                         if msg.get("type") == "checkpoint_requested":
                             self._checkpoint_requested.set()
+                        elif msg.get("type") == "resume":
+                            self._resume.put(msg)
                         elif msg.get("type") == "snapshot_kept":
                             if msg.get("rank") == self.rank:
                                 self._kept.put((msg.get("step"), msg.get("durable") is True,
@@ -214,6 +218,7 @@ class Session:
         and `compute_s`, the rank's own work in the step (lazarus.trainer.steptime), which
         the straggler test compares across ranks.
         """
+        self.last_step = int(step)
         msg = {"type": "step", "step": int(step), "loss": float(loss),
                "grad_norm": float(grad_norm), "lr": float(lr), "tokens": int(tokens),
                "step_time_s": float(step_time_s), **extra}
@@ -310,6 +315,24 @@ class Session:
                 out.append(self._kept.get_nowait())
             except queue.Empty:
                 return out
+
+    def survived(self, step: int, reason: str) -> None:
+        """This rank lost a peer but not itself: its process stays, its process groups are
+        gone, and it waits for the next round's assignment (`await_resume`) instead of
+        exiting (lazarus.trainer.inplace). `step`: the last step it completed."""
+        self._send({"type": "survivor", "pid": os.getpid(), "step": int(step),
+                    "reason": str(reason)[:500]})
+
+    def await_resume(self, timeout_s: float) -> dict | None:
+        """The assignment the agent hands this survivor for the next round (a WorkerAssignment
+        as a dict), or None when none came within `timeout_s`: the round went on without this
+        process, which then exits as a lost peer's survivor always did."""
+        try:
+            msg = self._resume.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        a = msg.get("assignment")
+        return a if isinstance(a, dict) else None
 
     def refused(self, reason: str) -> None:
         """This rank will not run the job as configured (lazarus.core.exitcodes.REFUSED):

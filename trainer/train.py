@@ -21,6 +21,7 @@ until it was durable, is a line of its own (`"kind": "checkpoint"`, lazarus.core
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,8 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
 def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
           hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
           snapshot_dir: str | None = None, round_: int = 0,
-          allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None) -> None:
+          allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None,
+          in_place: bool = False) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
@@ -138,7 +140,9 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     agent's; None: no tier 0). `allowed_roots`: where the job's paths must lie
     (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
     the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
-    this rank got its assignment (time.perf_counter()): the start line times from it."""
+    this rank got its assignment (time.perf_counter()): the start line times from it.
+    `in_place`: this process ran an earlier round (lazarus.trainer.inplace); the start line
+    says so."""
     start = StartTimes(began=time.perf_counter() if began is None else began)
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
@@ -286,7 +290,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             cost = stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
             if not start.done:
                 start.mark("first_step")
-                row = start.row(round_=round_, step=step - 1, source=source)
+                row = start.row(round_=round_, step=step - 1, source=source, in_place=in_place)
                 print(start.line(row), flush=True)
                 _log(metrics, row)
             if reason is None:
@@ -362,8 +366,9 @@ class StartTimes:
         self.seconds[phase], self._last = now - self._last, now
         self.done = phase == self.PHASES[-1]
 
-    def row(self, *, round_: int, step: int, source: str) -> dict:
+    def row(self, *, round_: int, step: int, source: str, in_place: bool = False) -> dict:
         return {"kind": "start", "round": round_, "step": step, "from": source,
+                "in_place": in_place, "pid": os.getpid(),
                 "total_s": round(self._last - self._began, 6),
                 **{f"{p}_s": round(self.seconds.get(p, 0.0), 6) for p in self.PHASES}}
 
@@ -371,7 +376,8 @@ class StartTimes:
     def line(row: dict) -> str:
         parts = ", ".join(f"{p.replace('_', ' ')} {row[p + '_s']:.2f} s"
                           for p in StartTimes.PHASES)
-        return (f"round {row['round']} from {row['from']} at step {row['step']}: first step "
+        return (f"round {row['round']} from {row['from']} at step {row['step']}"
+                f"{' in place' if row.get('in_place') else ''}: first step "
                 f"done {row['total_s']:.2f} s after the assignment ({parts})")
 
 

@@ -21,7 +21,7 @@ from lazarus.core.contract import (ASSIGNMENT_ENV, CORRUPT, PG_TIMEOUT_ENV, STAC
                                    WorkerAssignment)
 from lazarus.core.errors import CheckpointError, JobRefused, RestoreFailed, UserError
 from lazarus.core.trainconfig import TrainConfig
-from lazarus.trainer import exitnote
+from lazarus.trainer import exitnote, inplace
 from lazarus.trainer import hooks as phase_hooks
 
 # How long init waits for the store and for every peer of the round to show up.
@@ -56,7 +56,10 @@ def _pg_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def run(assignment: WorkerAssignment) -> int:
+def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | WorkerAssignment:
+    """Run the rank's round: its exit code, or the next round's assignment when it survived
+    a lost peer and stays for the next round in this process (lazarus.trainer.inplace).
+    `in_place`: this process ran an earlier round already."""
     import torch
     import torch.distributed as dist
 
@@ -100,7 +103,7 @@ def run(assignment: WorkerAssignment) -> int:
     try:
         train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
               snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
-              allowed_roots=a.allowed_roots, began=began)
+              allowed_roots=a.allowed_roots, began=began, in_place=in_place)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))
@@ -119,8 +122,13 @@ def run(assignment: WorkerAssignment) -> int:
             raise
         # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
         # os._exit: tearing down a process group whose peer is gone can block.
-        print(f"rank {a.rank} round {a.round}: a peer is gone ({str(e).splitlines()[0][:200]})",
-              file=sys.stderr, flush=True)
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        print(f"rank {a.rank} round {a.round}: a peer is gone ({why})", file=sys.stderr,
+              flush=True)
+        if inplace.enabled(a):
+            nxt = inplace.survive(a, session, session.last_step, why)
+            if nxt is not None:
+                return nxt
         exitnote.exit_now(exitcodes.PEER_LOST)
     finally:
         session.close()
@@ -186,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"no assignment: pass --assignment FILE, --park, or set {ASSIGNMENT_ENV}")
     try:
         code = run(assignment)
+        while isinstance(code, WorkerAssignment):  # survived: the next round, same process
+            from lazarus.trainer.rankrun import enter
+            enter(code)
+            code = run(code, in_place=True)
     except BaseException as e:
         exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
         raise

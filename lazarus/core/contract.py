@@ -43,6 +43,10 @@ PG_TIMEOUT_ENV = "LAZARUS_PG_TIMEOUT_S"
 # its first-step allowance (a level-0 rank's hang allowance), in place of torch's 30 minutes
 # (gloo) or 10 (NCCL), so that a rank whose agent is gone does not wait that long.
 SCRIPT_PG_TIMEOUT_ENV = "LAZARUS_SCRIPT_PG_TIMEOUT_S"
+# "off": the ranks of a round that lost a peer exit, and the next round starts every rank in
+# a fresh process (a job sets it in its env). Otherwise the built-in trainer's surviving ranks
+# stay, and the next round reuses their processes (docs/inplace.md).
+IN_PLACE_ENV = "LAZARUS_IN_PLACE"
 # A file to which global rank 0's Session.report() appends each step as a JSON line, the
 # metrics file `lazarus report` and `lazarus up` read (a script of the user's own, level 1).
 METRICS_ENV = "LAZARUS_METRICS"
@@ -133,6 +137,10 @@ class WorkerAssignment:
             d = json.loads(text)
         except ValueError as e:
             raise UserError(f"worker assignment is not JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: object) -> WorkerAssignment:
         if not isinstance(d, dict):
             raise UserError("worker assignment must be a JSON object")
         unknown = set(d) - {f.name for f in fields(cls)}

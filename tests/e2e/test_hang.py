@@ -94,6 +94,13 @@ def test_a_rank_frozen_with_sigstop_is_named_alone_at_a_step_and_inside_a_checkp
         assert f"rank {0 if node == 'n0' else 1} is frozen (stopped" in e.message, e.message
         # the allowance (4 s floor; 8 s in the save), the stack capture's 3 s, the reports
         assert e.time - frozen_at[node] < 30, (node, e.time - frozen_at[node])
+    # In place (docs/inplace.md): n0's rank, the frozen one's victim, was released when n1's
+    # agent killed the culprit and went on in its process; frozen itself later, it started
+    # anew.
+    starts = [json.loads(line) for line in metrics.open() if '"kind": "start"' in line]
+    assert [(s["round"], s["in_place"]) for s in starts] == [(1, False), (2, True),
+                                                            (3, False)], starts
+    assert starts[0]["pid"] == starts[1]["pid"] != starts[2]["pid"]
     stacks = (cluster.workdir / "nodes" / "hangs" / "round1-n1.txt").read_text()
     assert "frozen -- stopped" in stacks
     ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)

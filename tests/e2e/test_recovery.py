@@ -64,6 +64,12 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
     assert "promote n2" in events
     assert "rank 1 step" in (tmp_path / "up" / "agent-n2.log").read_text()  # fetched from n0
 
+    # In place (docs/inplace.md): rank 0, on n0 both times, lost its peer and stayed; each
+    # next round ran in its process, with only the lost ranks started anew.
+    starts = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()
+              if '"kind": "start"' in line]
+    assert [(s["round"], s["in_place"]) for s in starts] == [(1, False), (2, True), (3, True)]
+    assert len({s["pid"] for s in starts}) == 1, starts
     ref = reference_36(tmp_path_factory)
     assert sorted(got) == list(range(1, steps + 1))
     assert got == ref  # bit for bit: same mesh, resumed from checkpoints

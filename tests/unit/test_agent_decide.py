@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus.agent.decide import (Launch, Local, Refill, ReportHang, SeeRound, StopRound,
-                                  WithdrawHang, converge, hang, status_due)
+from lazarus.agent.decide import (RELEASE_S, DropKept, Launch, Local, Refill, ReportHang,
+                                  SeeRound, StopRound, WithdrawHang, converge, hang,
+                                  status_due)
 from lazarus.core.contract import HangVerdict
-from lazarus.core.records import (PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING, SUCCEEDED,
-                                  RoundRecord, RunStatus)
+from lazarus.core.records import (CANCELLED, FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS,
+                                  RUNNING, SUCCEEDED, RoundRecord, RunStatus)
 
 NODE = "a"
 
@@ -28,6 +29,15 @@ R2, R3 = record(2), record(3)
 R3_WITHOUT_US = record(3, members=("b", "c"))
 NONE = Local()
 ALIVE2, EXITED2 = Local(2, alive=True), Local(2, alive=False)
+SURVIVED2 = Local(2, alive=True, survivors=frozenset({0}))  # local rank 0 lost a peer
+KEPT = Local(kept=True)  # survivors of a stopped round wait for a launch
+VICTIMS = Local(2, alive=True, waiting=True, over_s=1.0)  # ranks that waited on a hung peer
+
+
+def hung(culprit: str, round_: int = 2) -> RunStatus:
+    return RunStatus(job_id="J", state=RECOVERING, round=2, members=["a", "b"], since=1.0,
+                     incident={"kind": "hang", "culprit": culprit, "fault_at": 1.0,
+                               "detected_at": 1.0, "round": round_})
 
 CONVERGE = {
     # situation: (status, round record, this node's ranks) -> actions
@@ -64,6 +74,46 @@ CONVERGE = {
     "run gone, ranks still running": (None, None, ALIVE2,
                                       [StopRound(2, "run is gone"), Refill()]),
     "run gone, ranks exited": (None, None, EXITED2, [Refill()]),
+    # in-place recovery (docs/inplace.md): survivors of a lost peer outlive their round
+    "survivors while the run recovers: kept": (
+        status(RECOVERING), R2, SURVIVED2,
+        [StopRound(2, "run is RECOVERING", frozenset({0})), SeeRound(R2), Refill()]),
+    "survivors when the next round is out: kept, then launched": (
+        status(RENDEZVOUS, 3), R3, SURVIVED2,
+        [StopRound(2, "round 3 is current", frozenset({0})), SeeRound(R3), Launch(R3),
+         Refill()]),
+    "survivors, the next round's record not read yet: kept": (
+        status(RENDEZVOUS, 3), None, SURVIVED2,
+        [StopRound(2, "round 3 is current", frozenset({0})), Refill()]),
+    "survivors, the next round leaves this node out: let go": (
+        status(RENDEZVOUS, 3, ("b", "c")), R3_WITHOUT_US, SURVIVED2,
+        [StopRound(2, "round 3 is current"), SeeRound(R3_WITHOUT_US), Refill()]),
+    "survivors of a run that failed: killed": (
+        status(FAILED), R2, SURVIVED2, [StopRound(2, "run is FAILED"), SeeRound(R2), Refill()]),
+    "survivors still in their round: left alone": (status(RUNNING), R2, SURVIVED2,
+                                                   [SeeRound(R2), Refill()]),
+    "kept survivors, the next round leaves this node out": (
+        status(RENDEZVOUS, 3, ("b", "c")), R3_WITHOUT_US, KEPT,
+        [DropKept("this node is not in the current round"), SeeRound(R3_WITHOUT_US),
+         Refill()]),
+    "kept survivors, the run ended": (status(CANCELLED, 3), R3, KEPT,
+                                      [DropKept("run is CANCELLED"), SeeRound(R3), Refill()]),
+    "kept survivors, the next round is out": (status(RENDEZVOUS, 3), R3, KEPT,
+                                              [SeeRound(R3), Launch(R3), Refill()]),
+    # a hang: the victims wait in a collective for the culprit's node to kill it
+    "a hang on another node, victims not released yet: held": (
+        hung("b"), R2, VICTIMS, [Refill()]),
+    "a hang on another node, victims released in part: still held": (
+        hung("b"), R2, Local(2, alive=True, survivors=frozenset({0}), waiting=True),
+        [Refill()]),
+    "a hang on another node, victims never released: killed": (
+        hung("b"), R2, Local(2, alive=True, waiting=True, over_s=RELEASE_S),
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
+    "a hang on this node: its ranks killed at once": (
+        hung("a"), R2, VICTIMS, [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
+    "a hang of an earlier round: nothing held": (
+        hung("b", round_=1), R2, VICTIMS,
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
 }
 
 
@@ -84,6 +134,7 @@ HANG = {
     "still stalled, reported": (ALIVE2, VERDICT, True, []),
     "moving again after a report": (ALIVE2, None, True, [WithdrawHang(2)]),
     "ranks exited after a report": (EXITED2, None, True, []),
+    "survivors wait for the next round, which is no hang": (SURVIVED2, VERDICT, False, []),
 }
 
 

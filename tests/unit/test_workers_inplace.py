@@ -1,0 +1,94 @@
+"""The agent's side of in-place recovery on real processes (lazarus.agent.workers): the
+survivors of a lost peer outlive their round's end and take the next round's assignment;
+a survivor that died meanwhile, or that the channel cannot reach, is replaced by a fresh
+worker -- the process restart of before."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from lazarus.agent.workers import Group, Workers
+from lazarus.core.contract import WorkerAssignment
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"])
+
+
+def _assignment(local_rank: int, round_: int = 3) -> WorkerAssignment:
+    return WorkerAssignment(rank=local_rank, world_size=2, local_rank=local_rank, round=round_,
+                            store_host="127.0.0.1", store_port=1, train={})
+
+
+@pytest.fixture
+def workers(tmp_path):
+    w = Workers(nproc=2, env={}, log_dir=tmp_path, notes_dir=tmp_path, park=False)
+    spawned: list[subprocess.Popen] = []
+
+    def spawn() -> subprocess.Popen:  # a fresh worker: reads its assignment line, then waits
+        p = subprocess.Popen(["sh", "-c", "cat >/dev/null; sleep 60"], stdin=subprocess.PIPE)
+        spawned.append(p)
+        return p
+
+    w._spawn = spawn
+    w.spawned = spawned
+    yield w
+    w.shutdown()
+    for p in spawned:
+        p.kill()
+        p.wait()
+
+
+def _round_two(w: Workers, survivors: set[int]) -> tuple[subprocess.Popen, subprocess.Popen]:
+    a, b = _sleeper(), _sleeper()
+    w.group = Group(round=2, procs={0: a, 1: b}, ranks={0: 0, 1: 1}, survivors=survivors)
+    return a, b
+
+
+def test_a_survivor_outlives_its_round_and_takes_the_next_one(workers):
+    a, b = _round_two(workers, survivors={0})
+    workers.stop(keep={0, 1})  # 1 asked for too, but it never said it survived
+    assert b.poll() is not None and a.poll() is None
+    sent = []
+    g = workers.launch(3, {0: _assignment(0), 1: _assignment(1)},
+                       resume=lambda pid, asg: sent.append((pid, asg.round)) or True)
+    assert sent == [(a.pid, 3)]
+    assert g.procs[0] is a and g.kept == {0}  # the same process, now rank 0 of round 3
+    assert g.procs[1] is workers.spawned[0] and workers.kept == {}
+
+
+def test_a_survivor_killed_while_it_waits_is_replaced_by_a_fresh_worker(workers):
+    a, _ = _round_two(workers, survivors={0, 1})
+    workers.stop(keep={0, 1})
+    a.kill()  # a second fault, during the recovery
+    a.wait()
+    sent = []
+    g = workers.launch(3, {0: _assignment(0), 1: _assignment(1)},
+                       resume=lambda pid, asg: sent.append(pid) or True)
+    assert g.procs[0] is workers.spawned[0] and g.kept == {1}
+    assert len(sent) == 1
+
+
+def test_a_survivor_the_channel_cannot_reach_is_let_go(workers):
+    a, _ = _round_two(workers, survivors={0})
+    workers.stop(keep={0})
+    g = workers.launch(3, {0: _assignment(0)}, resume=lambda pid, asg: False)
+    assert g.procs[0] is workers.spawned[0] and g.kept == set()
+    assert a.wait(timeout=10) is not None  # killed, not left behind
+
+
+def test_survivors_no_round_takes_are_killed(workers):
+    a, b = _round_two(workers, survivors={0, 1})
+    workers.stop(keep={0, 1})
+    g = workers.launch(3, {0: _assignment(0)}, resume=lambda pid, asg: True)  # one rank now
+    assert g.procs == {0: a}
+    assert b.wait(timeout=10) is not None
+    workers.stop()
+    assert a.poll() is not None  # an ordinary stop ends it like any rank
+
+    c, d = _round_two(workers, survivors={0, 1})
+    workers.stop(keep={0, 1})
+    workers.drop_kept()  # the run ended, or the next round leaves this node out
+    assert c.wait(timeout=10) is not None and d.wait(timeout=10) is not None

@@ -1,0 +1,97 @@
+"""A rank that outlives its round (docs/inplace.md).
+
+When a collective fails because a peer is gone, the built-in trainer's rank does not exit: it
+tells its agent it survived, aborts every process group it holds (which on NCCL also releases
+a collective still waiting on the dead or frozen peer), and waits on the worker channel for
+its assignment in the next round. The agent hands it one instead of starting a parked
+worker, and the rank joins the new round in the same process: its interpreter, imports,
+CUDA context, compiled kernels and warmed DTensor/FSDP2 caches stay; its model and optimizer
+are rebuilt around the state the round restores, like every other rank's, so every rank
+resumes from the same step by construction.
+
+Whatever does not go to plan ends the process as before (exit PEER_LOST): an abort that does
+not return within ABORT_S, no assignment within RESUME_WAIT_S (the round went on without
+this process, or it changed shape), a malformed one. The next round then starts this rank
+anew from a parked worker: the process restart every recovery used to be.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from lazarus.core.contract import IN_PLACE_ENV, WorkerAssignment
+from lazarus.core.errors import UserError
+
+# Aborting gloo or NCCL groups takes milliseconds; a bound this long is a wedged driver.
+ABORT_S = 10.0
+# The next round comes within the lease TTL (a lost node) plus the daemon's decision; past
+# this the agent has let the round go on without this process.
+RESUME_WAIT_S = 120.0
+
+
+def enabled(a: WorkerAssignment) -> bool:
+    """Whether this rank may outlive its round: under an agent, unless the job said off."""
+    return bool(a.report_socket) and os.environ.get(IN_PLACE_ENV, "on").lower() != "off"
+
+
+def release_groups(timeout_s: float = ABORT_S) -> bool:
+    """Abort every process group of this process, the default one included: True when that
+    returned within `timeout_s`. Afterwards c10d's registry is empty and its group counter
+    is back at zero, so the next round's groups get the same names as this round's."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            if dist.is_initialized():
+                c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 -- a group the failure left half-made: destroy it
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 -- gone either way
+                pass
+        done.set()
+
+    threading.Thread(target=abort, daemon=True, name="lazarus-abort").start()
+    return done.wait(timeout_s) and not dist.is_initialized()
+
+
+def survive(a: WorkerAssignment, session, step: int, reason: str, *,
+            wait_s: float = RESUME_WAIT_S) -> WorkerAssignment | None:
+    """Stay for the next round: the assignment to run next, or None when this process
+    should exit as a lost peer's survivor (see the module's doc)."""
+    # Said first: the agent must know not to kill this process when the round ends, which
+    # can happen as soon as the daemon has seen the fault.
+    session.survived(step, reason)
+    t0 = time.perf_counter()
+    if not release_groups():
+        print(f"rank {a.rank} round {a.round}: aborting the process groups did not return "
+              f"within {ABORT_S:.0f} s; exiting", file=sys.stderr, flush=True)
+        return None
+    print(f"rank {a.rank} round {a.round}: survived a lost peer; groups aborted in "
+          f"{time.perf_counter() - t0:.3f} s, waiting for the next round", file=sys.stderr,
+          flush=True)
+    got = session.await_resume(wait_s)
+    if got is None:
+        print(f"rank {a.rank} round {a.round}: no next round for this process within "
+              f"{wait_s:.0f} s; exiting", file=sys.stderr, flush=True)
+        return None
+    try:
+        nxt = WorkerAssignment.from_dict(got)
+    except UserError as e:
+        print(f"rank {a.rank} round {a.round}: unusable next assignment: {e}", file=sys.stderr,
+              flush=True)
+        return None
+    if nxt.local_rank != a.local_rank or nxt.round <= a.round:
+        # The agent only hands a survivor its own device's next rank; anything else is a bug
+        # there, and a fresh process is the safe answer.
+        print(f"rank {a.rank} round {a.round}: next assignment for local rank "
+              f"{nxt.local_rank} round {nxt.round} does not fit; exiting", file=sys.stderr,
+              flush=True)
+        return None
+    return nxt
