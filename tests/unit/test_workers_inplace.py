@@ -5,6 +5,7 @@ worker -- the process restart of before."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -92,3 +93,77 @@ def test_survivors_no_round_takes_are_killed(workers):
     workers.stop(keep={0, 1})
     workers.drop_kept()  # the run ended, or the next round leaves this node out
     assert c.wait(timeout=10) is not None and d.wait(timeout=10) is not None
+
+
+# -- the rank's side, over a real worker channel (lazarus.trainer.inplace) --------------------
+@pytest.fixture
+def channel(tmp_path):
+    from lazarus.agent.channel import Channel
+
+    got: list[dict] = []
+    ch = Channel(str(tmp_path / "agent.sock"), on_message=lambda m: got.append(m) or None,
+                 admit=lambda pid: True)
+    ch.got = got
+    yield ch
+    ch.close()
+
+
+def _wait(pred, timeout=10.0):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_survivor_tells_its_agent_and_takes_the_assignment_sent_to_its_pid(channel):
+    import os
+    import threading
+
+    from lazarus.trainer import inplace
+    from lazarus.trainer.session import Session
+
+    session = Session(socket_path=channel.path, rank=1, round=2)
+    mine = _assignment(1, round_=2)
+    mine.report_socket = channel.path
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            nxt=inplace.survive(mine, session, 17, "Connection reset by peer", wait_s=20)))
+        t.start()
+        assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got))
+        said = next(m for m in channel.got if m.get("type") == "survivor")
+        assert (said["pid"], said["rank"], said["round"], said["step"]) == (os.getpid(), 1, 2,
+                                                                          17)
+        assert not channel.send_to(os.getpid() + 1_000_000, {"type": "resume"})  # nobody
+        nxt = _assignment(1, round_=3)
+        assert channel.send_to(os.getpid(), {"type": "resume",
+                                             "assignment": json.loads(nxt.to_json())})
+        t.join(20)
+        assert out["nxt"] == nxt
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("sent", ["nothing", "another local rank", "an older round", "garbage"])
+def test_a_survivor_without_a_fitting_assignment_gives_up(channel, sent):
+    import os
+
+    from lazarus.trainer import inplace
+    from lazarus.trainer.session import Session
+
+    session = Session(socket_path=channel.path, rank=1, round=2)
+    mine = _assignment(1, round_=2)
+    try:
+        assert _wait(lambda: channel._pids)  # connected
+        body = {"another local rank": json.loads(_assignment(0, round_=3).to_json()),
+                "an older round": json.loads(_assignment(1, round_=2).to_json()),
+                "garbage": {"rank": "one"}}.get(sent)
+        if body is not None:
+            channel.send_to(os.getpid(), {"type": "resume", "assignment": body})
+        assert inplace.survive(mine, session, 5, "reset", wait_s=0.5 if body is None else 20) \
+            is None
+    finally:
+        session.close()
