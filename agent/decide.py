@@ -36,10 +36,14 @@ class Local:
     over_s: float = 0.0       # how long the agent has seen their round over
 
 
-# How long the ranks of a hang's victim node may take to be released, once the round is over:
-# the culprit's node kills its ranks when it sees the round end, which resets their sockets
-# and fails the victims' collectives (gloo's abort does not cancel one: docs/inplace.md).
+# How long the ranks of a fault's victim node may take to notice that they lost a peer, once
+# the round is over: a crashed rank's peers notice at their next collective, which may be a
+# forward and backward away (the daemon can be quicker); a hang's victims when the culprit's
+# node kills its ranks on seeing the round end, which resets their sockets and fails the
+# victims' collectives (gloo's abort does not cancel one: docs/inplace.md).
 RELEASE_S = 5.0
+# The faults that end the culprit's processes, and so release their peers elsewhere.
+RELEASING = frozenset({"worker_crash", "node_lost", "hang", "gpu_failed", "peer_lost"})
 
 
 # -- actions ---------------------------------------------------------------------------------
@@ -123,9 +127,10 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
     if running is not None:
         newer = status is not None and status.round != running
         if (newer or (not live and local.alive)) and useful and local.waiting \
-                and local.over_s < RELEASE_S and _victim_of_a_hang(node, status, running):
-            # Not killed yet: these ranks wait in a collective for the hang's culprit on
-            # another node, and survive once its node kills it. Nothing starts meanwhile.
+                and local.over_s < RELEASE_S and _victim(node, status, running):
+            # Not killed yet: these ranks lost a peer on another node, or wait in a collective
+            # for a hang's culprit there, and survive once they notice. Nothing starts
+            # meanwhile.
             return [Refill()]
         if newer or (not live and local.alive):
             keep = local.survivors if useful else frozenset()
@@ -143,10 +148,11 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
     return actions
 
 
-def _victim_of_a_hang(node: str, status: RunStatus | None, round_: int) -> bool:
-    """Whether `round_` ended on a hang whose culprit is on other nodes than this one."""
+def _victim(node: str, status: RunStatus | None, round_: int) -> bool:
+    """Whether `round_` ended on a fault that ends processes (RELEASING) on other nodes than
+    this one: this node's ranks are its victims, not its culprits."""
     incident = status.incident if status is not None else None
-    if not isinstance(incident, dict) or incident.get("kind") != "hang" \
+    if not isinstance(incident, dict) or incident.get("kind") not in RELEASING \
             or incident.get("round") != round_:
         return False
     culprits = str(incident.get("culprit", "")).split(",")

@@ -7,7 +7,7 @@ batch 4, a snapshot in memory every step, a checkpoint every 10, the fault at st
     process restarts (LAZARUS_IN_PLACE=off: every rank of the next round starts anew);
   - torchrun --max-restarts on the same job and the same kill of one rank (it restarts every
     rank, from the last checkpoint on storage; it has no spare for a lost node).
-Each figure is fault -> next completed step; the steps redone are the fault's step less the
+Each figure is fault -> next completed step, the median of BENCH_REPS runs (3); the steps redone are the fault's step less the
 step restored. Prints ratios against process restart and torchrun, measured in the same run,
 whether rank 0's process survived, and whether the in-place run's losses equal the process
 restart's bit for bit. Nothing here asserts a time: the machine is shared, and the figures
@@ -38,6 +38,8 @@ JOB = {"tp": 1, "global_batch": 4, "seq_len": 128, "ckpt_every": 10, "steps": 24
 FAULTS = {"worker crash": (f"kill-worker@{FAULT_AT}:n1", 0),
           "node loss": (f"kill-node@{FAULT_AT}:n1", 1)}
 LEASE_TTL_S = 3  # lazarus up's default
+# Runs of each case; the median is printed (one run on a shared 2-core box swings 2x).
+REPS = int(os.environ.get("BENCH_REPS", "3"))
 
 
 def _lazarus(tmp: Path, model: str, chaos: str, spares: int, *, in_place: bool) -> dict:
@@ -78,18 +80,32 @@ def _torchrun(tmp: Path, model: str) -> float:
         stop(proc)
 
 
+def _median(runs: list[dict]) -> dict:
+    """The run of median time, with `kept` and `losses equal` true only if true in every run."""
+    runs = sorted(runs, key=lambda r: r["s"])
+    mid = dict(runs[len(runs) // 2])
+    mid["kept"] = all(r.get("kept", True) for r in runs)
+    mid["all_losses"] = [r.get("losses") for r in runs]
+    return mid
+
+
 def test_recovery_in_place_vs_process_restart_vs_torchrun(tmp_path):
     rows = {}
     for model in MODELS:
         for fault, (chaos, spares) in FAULTS.items():
             for in_place in (True, False):
                 name = f"{model}-{fault.replace(' ', '-')}-{'inplace' if in_place else 'restart'}"
-                rows[model, fault, in_place] = _lazarus(tmp_path / name, model, chaos, spares,
-                                                        in_place=in_place)
-        rows[model, "worker crash", "torchrun"] = {"s": _torchrun(tmp_path / f"{model}-torchrun",
-                                                                  model)}
-    print("\n== recovery: fault -> next completed step (2 nodes x 1 rank, gloo, seq 128, "
-          "batch 4, fault at step 17) ==")
+                rows[model, fault, in_place] = _median([
+                    _lazarus(tmp_path / f"{name}-{i}", model, chaos, spares, in_place=in_place)
+                    for i in range(REPS)])
+        rows[model, "worker crash", "torchrun"] = _median([
+            {"s": _torchrun(tmp_path / f"{model}-torchrun-{i}", model)} for i in range(REPS)])
+    for key, row in rows.items():
+        if key[2] is True:  # every in-place run's losses against every restart's
+            restart = rows[key[0], key[1], False]["all_losses"]
+            row["losses_equal"] = all(a == b for a in row["all_losses"] for b in restart)
+    print(f"\n== recovery: fault -> next completed step, median of {REPS} (2 nodes x 1 rank, "
+          f"gloo, seq 128, batch 4, fault at step 17) ==")
     print(f"{'model':<6} {'fault':<13} {'in place':>9} {'restart':>9} {'ratio':>6} "
           f"{'torchrun':>9} {'ratio':>6}  redone  rank 0 kept  losses equal")
     for model in MODELS:
@@ -101,7 +117,7 @@ def test_recovery_in_place_vs_process_restart_vs_torchrun(tmp_path):
             print(f"{model:<6} {fault:<13} {ip['s']:8.2f}s {rs['s']:8.2f}s "
                   f"{ip['s'] / rs['s']:6.2f} {vs_tr}  {ip['redone']:>2}/{rs['redone']:<3}  "
                   f"{'yes' if ip['kept'] else 'NO':<11}  "
-                  f"{'yes' if ip['losses'] == rs['losses'] else 'NO'}")
+                  f"{'yes' if ip['losses_equal'] else 'NO'}")
     if {"tiny", "small"} <= set(MODELS):
         for fault in FAULTS:
             print(f"{fault}, in place: small / tiny = "

@@ -34,9 +34,9 @@ KEPT = Local(kept=True)  # survivors of a stopped round wait for a launch
 VICTIMS = Local(2, alive=True, waiting=True, over_s=1.0)  # ranks that waited on a hung peer
 
 
-def hung(culprit: str, round_: int = 2) -> RunStatus:
+def hung(culprit: str, round_: int = 2, kind: str = "hang") -> RunStatus:
     return RunStatus(job_id="J", state=RECOVERING, round=2, members=["a", "b"], since=1.0,
-                     incident={"kind": "hang", "culprit": culprit, "fault_at": 1.0,
+                     incident={"kind": kind, "culprit": culprit, "fault_at": 1.0,
                                "detected_at": 1.0, "round": round_})
 
 CONVERGE = {
@@ -111,6 +111,11 @@ CONVERGE = {
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a hang on this node: its ranks killed at once": (
         hung("a"), R2, VICTIMS, [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
+    "a crash on another node, its peers here not aware yet: held": (
+        hung("b", kind="worker_crash"), R2, VICTIMS, [Refill()]),
+    "a loss-spike rollback: healthy ranks are not victims, killed at once": (
+        hung("data 1..8", kind="loss_spike"), R2, VICTIMS,
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a hang of an earlier round: nothing held": (
         hung("b", round_=1), R2, VICTIMS,
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
