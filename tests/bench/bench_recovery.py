@@ -7,8 +7,8 @@ batch 4, a snapshot in memory every step, a checkpoint every 10, the fault at st
     process restarts (LAZARUS_IN_PLACE=off: every rank of the next round starts anew);
   - torchrun --max-restarts on the same job and the same kill of one rank (it restarts every
     rank, from the last checkpoint on storage; it has no spare for a lost node).
-Each figure is fault -> next completed step, the median of BENCH_REPS runs (3); the steps redone are the fault's step less the
-step restored. Prints ratios against process restart and torchrun, measured in the same run,
+Each figure is fault -> next completed step, the median of BENCH_REPS runs (3); the steps
+redone are the fault's step less the step restored. Prints ratios against process restart and torchrun, measured in the same run,
 whether rank 0's process survived, and whether the in-place run's losses equal the process
 restart's bit for bit. Nothing here asserts a time: the machine is shared, and the figures
 are for reading.
