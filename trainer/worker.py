@@ -136,6 +136,19 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     return 0
 
 
+def _free_last_round() -> None:
+    """Let the last round's model, optimizer and buffers go before the next round builds its
+    own: they are cycles (modules, hooks, the optimizer's references to the parameters) that
+    only the collector frees, and on a GPU two copies of the state may not fit."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _warm_up() -> None:
     """Run once what a first step would otherwise pay for lazily: building a model on the meta
     device imports torch._dynamo (2-3 s here), and AdamW's first step and DCP's optimizer-state
@@ -197,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         while isinstance(code, WorkerAssignment):  # survived: the next round, same process
             from lazarus.trainer.rankrun import enter
             enter(code)
+            _free_last_round()
             code = run(code, in_place=True)
     except BaseException as e:
         exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
