@@ -78,7 +78,8 @@ def build(agent: Agent) -> NodeStatus:
         preflight=dict(agent.preflight.result) if agent.preflight is not None else {},
         tier0=agent.tier0.holdings(agent._job_id, agent._world_size)
         if agent.tier0 is not None else {},
-        restore_failed=restore_failed, output_tail=_output_tail(agent, g))
+        restore_failed=restore_failed, output_tail=_output_tail(agent, g),
+        in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [])
 
 
 def _output_tail(agent: Agent, g: Group | None) -> str:

@@ -447,12 +447,16 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
         if progressed:
             inc = st.incident
             step = max(s.step for s in progressed)
+            mine = [s for s in statuses if s is not None and s.round == st.round]
+            kept, ranks = sum(len(s.in_place) for s in mine), sum(len(s.pids) for s in mine)
             fields = {**inc, "recovered_at": now, "first_step": step,
                       "recovered_after_s": round(now - inc["fault_at"], 3),
-                      "detected_after_s": round(inc["detected_at"] - inc["fault_at"], 3)}
+                      "detected_after_s": round(inc["detected_at"] - inc["fault_at"], 3),
+                      "in_place_ranks": kept}
             msg = (f"recovered from {inc['kind']} ({inc['culprit']}): "
                    + (f"step {step} done" if step else "every rank joined its process group")
-                   + f" {fields['recovered_after_s']:.1f} s after the fault")
+                   + f" {fields['recovered_after_s']:.1f} s after the fault"
+                   + (f"; {kept} of {ranks} rank(s) in place" if kept else ""))
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})

@@ -476,6 +476,9 @@ class NodeStatus(_Record):
     # The last lines the failed rank printed (its log: stdout and stderr), for the event and
     # `lazarus status` (at most OUTPUT_TAIL_BYTES).
     output_tail: str = ""
+    # The global ranks of the round that run in a process kept from the round before (in-place
+    # recovery: docs/inplace.md); the others started anew.
+    in_place: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

@@ -345,6 +345,9 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 nxt = tail.first_step_after(restart.time) if restart is not None else None
                 back = next((e for e in events if e.kind == "recovered"
                              and restart is not None and e.time >= restart.time), None)
+                if back is not None:
+                    # ranks that went on in their processes (docs/inplace.md)
+                    rec["in_place_ranks"] = back.fields.get("in_place_ranks", 0)
                 if nxt is not None:
                     rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
                     rec["resumed_at_step"] = nxt[1].get("step")

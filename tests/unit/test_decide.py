@@ -197,7 +197,20 @@ def test_recovered_event_after_the_first_new_step():
     d = decide(NOW, v)
     ev = only(d.actions, Emit)
     assert ev.kind == "recovered" and ev.fields["recovered_after_s"] == 3.0
+    assert ev.fields["in_place_ranks"] == 0 and "in place" not in ev.message
     assert only(d.actions, SetStatus).status.incident is None
+
+
+def test_the_recovered_event_counts_the_ranks_that_went_on_in_place():
+    inc = {"kind": "worker_crash", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
+           "round": 1}
+    st = status(RUNNING, round=2, incident=inc, restore_step=10)
+    v = view(status=st, node_status=[ns("a", "running", round=2, step=11, pids=[7, 8],
+                                        in_place=[0, 1]),
+                                     ns("b", "running", round=2, step=11, pids=[9, 10])])
+    ev = only(decide(NOW, v).actions, Emit)
+    assert ev.fields["in_place_ranks"] == 2
+    assert ev.message.endswith("3.0 s after the fault; 2 of 4 rank(s) in place"), ev.message
 
 
 def test_all_members_succeeded_ends_the_run():
