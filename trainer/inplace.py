@@ -21,9 +21,13 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from lazarus.core.contract import IN_PLACE_ENV, WorkerAssignment
 from lazarus.core.errors import UserError
+
+T = TypeVar("T")
 
 # Aborting gloo or NCCL groups takes milliseconds; a bound this long is a wedged driver.
 ABORT_S = 10.0
@@ -95,3 +99,37 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
               flush=True)
         return None
     return nxt
+
+
+def run(main: Callable[[], T]) -> T:
+    """Run a script's `main` -- its whole training: process group, model, restore, step loop --
+    and when it fails because a peer is gone, stay for the next round in this process and run
+    `main` again there (docs/adopting.md, "In place"). `main` must build everything from the
+    environment each time, as under torchrun, and restore the round's state (`Session.restore`
+    or `restore_point`). Outside an agent, with in-place recovery off, or when no next round
+    comes, the failure is raised as it would be without this call."""
+    from lazarus.trainer import rankrun
+    from lazarus.trainer.session import _assignment, connect
+    from lazarus.trainer.worker import _free_last_round, is_peer_failure
+
+    a = _assignment()
+    while True:
+        try:
+            return main()
+        except Exception as e:
+            if a is None or not enabled(a) or not is_peer_failure(e):
+                raise
+            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            print(f"rank {a.rank} round {a.round}: a peer is gone ({why})", file=sys.stderr,
+                  flush=True)
+            # A connection of its own: the script's session is the script's.
+            session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
+            try:
+                nxt = survive(a, session, 0, why)
+            finally:
+                session.close()
+            if nxt is None:
+                raise
+        rankrun.enter(nxt)
+        _free_last_round()
+        a = nxt

@@ -6,7 +6,8 @@ of Lazarus: the e2e tests run it unmodified under `lazarus up --` and `lazarus r
 
 With --lazarus it adopts Lazarus's API (level 1, docs/adopting.md) in the lines marked
 `# level 1`: a step report per epoch and a snapshot in memory, restored from when the round
-restores from memory, before the script's own snapshot file."""
+restores from memory, before the script's own snapshot file; and `lazarus.trainer.run(main)`,
+so that a rank that loses a peer goes on in its process in the next round."""
 
 import argparse
 import os
@@ -79,4 +80,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    if "--lazarus" in sys.argv:                                            # level 1
+        import lazarus.trainer                                             # level 1
+        lazarus.trainer.run(main)  # a lost peer's survivor runs main again, in this process
+    else:
+        main()
