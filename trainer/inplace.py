@@ -10,8 +10,8 @@ are rebuilt around the state the round restores, like every other rank's, so eve
 resumes from the same step by construction.
 
 Whatever does not go to plan ends the process as before (exit PEER_LOST): an abort that does
-not return within ABORT_S, no assignment within RESUME_WAIT_S (the round went on without
-this process, or it changed shape), a malformed one. The next round then starts this rank
+not return within ABORT_S, no assignment within `resume_wait_s()` (the round went on
+without this process, or its node was cut off), a malformed one. The next round then starts this rank
 anew from a parked worker: the process restart every recovery used to be.
 """
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from lazarus.core.contract import IN_PLACE_ENV, WorkerAssignment
+from lazarus.core.contract import AGENT_GRACE_ENV, IN_PLACE_ENV, WorkerAssignment
 from lazarus.core.errors import UserError
 
 T = TypeVar("T")
@@ -32,8 +32,18 @@ T = TypeVar("T")
 # Aborting gloo or NCCL groups takes milliseconds; a bound this long is a wedged driver.
 ABORT_S = 10.0
 # The next round comes within the lease TTL (a lost node) plus the daemon's decision; past
-# this the agent has let the round go on without this process.
+# twice the agent's grace (a lease TTL and a margin: lazarus.agent.service) the round has gone
+# on without this process, or its node was cut off and declared lost: it must not hold its
+# device longer. RESUME_WAIT_S when the agent sets no grace.
 RESUME_WAIT_S = 120.0
+
+
+def resume_wait_s() -> float:
+    try:
+        grace = float(os.environ.get(AGENT_GRACE_ENV) or 0)
+    except ValueError:
+        grace = 0.0
+    return 2 * grace if grace > 0 else RESUME_WAIT_S
 
 
 def enabled(a: WorkerAssignment) -> bool:
@@ -66,9 +76,11 @@ def release_groups(timeout_s: float = ABORT_S) -> bool:
 
 
 def survive(a: WorkerAssignment, session, step: int, reason: str, *,
-            wait_s: float = RESUME_WAIT_S) -> WorkerAssignment | None:
+            wait_s: float | None = None) -> WorkerAssignment | None:
     """Stay for the next round: the assignment to run next, or None when this process
-    should exit as a lost peer's survivor (see the module's doc)."""
+    should exit as a lost peer's survivor (see the module's doc). `wait_s`: how long to wait
+    for it (default: `resume_wait_s()`)."""
+    wait_s = resume_wait_s() if wait_s is None else wait_s
     # Said first: the agent must know not to kill this process when the round ends, which
     # can happen as soon as the daemon has seen the fault.
     session.survived(step, reason)

@@ -167,3 +167,16 @@ def test_a_survivor_without_a_fitting_assignment_gives_up(channel, sent):
             is None
     finally:
         session.close()
+
+
+def test_a_survivor_waits_twice_its_agents_grace_for_the_next_round(monkeypatch):
+    """A node cut off from etcd is declared lost after its lease TTL: its survivors must not
+    hold their devices much past that (tests/e2e/test_partition.py)."""
+    from lazarus.core.contract import AGENT_GRACE_ENV
+    from lazarus.trainer import inplace
+
+    monkeypatch.setenv(AGENT_GRACE_ENV, "8")
+    assert inplace.resume_wait_s() == 16
+    for unset in ("", "soon"):
+        monkeypatch.setenv(AGENT_GRACE_ENV, unset)
+        assert inplace.resume_wait_s() == inplace.RESUME_WAIT_S
