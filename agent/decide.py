@@ -59,7 +59,8 @@ class StopRound:
 
 @dataclass(frozen=True, slots=True)
 class DropKept:
-    """Kill the kept survivors: no round of this node will take them."""
+    """Kill the survivors, kept or still in their round: no round of this node will take
+    them."""
     why: str
 
 
@@ -146,6 +147,17 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
             actions.append(Launch(current))
     actions.append(Refill())
     return actions
+
+
+def cut_off(local: Local, away_s: float, lease_ttl_s: float) -> list:
+    """What a pass does while etcd is away for `away_s`: past the lease TTL the daemon has
+    declared this node lost and gone on without it, so its survivors will never be handed a
+    round: let them go (their device with them). Ranks that train are left alone: an outage
+    of etcd itself stops nobody's training."""
+    if away_s > lease_ttl_s and (local.survivors or local.kept):
+        return [DropKept(f"etcd away {away_s:.0f} s, past the lease TTL: this node is "
+                         "lost to the run")]
+    return []
 
 
 def _victim(node: str, status: RunStatus | None, round_: int) -> bool:

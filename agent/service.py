@@ -365,6 +365,9 @@ class Agent:
                 self.outage.ok()
             except E.EtcdUnavailable as e:
                 self.outage.failed(e)
+                away = time.monotonic() - (self.outage.since or time.monotonic())
+                for action in decide.cut_off(self._local(), away, self.lease_ttl_s):
+                    rounds.act(self, action)
                 stop.wait(0.5)
         for w in self._watches:
             w.cancel()

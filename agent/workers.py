@@ -163,9 +163,12 @@ class Workers:
         return self.group
 
     def drop_kept(self) -> None:
-        """Let the kept survivors go: no round of this node takes them."""
+        """Let the survivors go, kept or still in the current group: no round of this node
+        takes them."""
         kept, self.kept = self.kept, {}
-        self._kill(list(kept.values()))
+        g = self.group
+        waiting = [g.procs[lr] for lr in g.survivors] if g is not None else []
+        self._kill(list(kept.values()) + waiting)
 
     def bound_logs(self) -> None:
         """Keep the current round's rank logs within the bound (see RANK_LOG_BYTES)."""

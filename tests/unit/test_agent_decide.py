@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lazarus.agent.decide import (RELEASE_S, DropKept, Launch, Local, Refill, ReportHang,
-                                  SeeRound, StopRound, WithdrawHang, converge, hang,
-                                  status_due)
+                                  SeeRound, StopRound, WithdrawHang, converge, cut_off,
+                                  hang, status_due)
 from lazarus.core.contract import HangVerdict
 from lazarus.core.records import (CANCELLED, FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS,
                                   RUNNING, SUCCEEDED, RoundRecord, RunStatus)
@@ -168,3 +168,22 @@ def test_status_due(situation):
     now, state, step, pub_state, pub_step, pub_at, force, due = STATUS_DUE[situation]
     assert status_due(now, state, step, published_state=pub_state, published_step=pub_step,
                       published_at=pub_at, period_s=15.0, force=force) is due
+
+
+CUT_OFF = {
+    # situation: (this node's ranks, etcd away for, lease TTL) -> actions
+    "survivors, etcd away past the lease: let go": (
+        SURVIVED2, 6.0, 5.0,
+        [DropKept("etcd away 6 s, past the lease TTL: this node is lost to the run")]),
+    "kept survivors, etcd away past the lease: let go": (
+        KEPT, 6.0, 5.0,
+        [DropKept("etcd away 6 s, past the lease TTL: this node is lost to the run")]),
+    "survivors, etcd away within the lease: kept": (SURVIVED2, 4.0, 5.0, []),
+    "ranks training, etcd away long: they train on": (ALIVE2, 600.0, 5.0, []),
+}
+
+
+@pytest.mark.parametrize("situation", list(CUT_OFF))
+def test_cut_off(situation):
+    local, away, ttl, expected = CUT_OFF[situation]
+    assert cut_off(local, away, ttl) == expected

@@ -180,3 +180,11 @@ def test_a_survivor_waits_twice_its_agents_grace_for_the_next_round(monkeypatch)
     for unset in ("", "soon"):
         monkeypatch.setenv(AGENT_GRACE_ENV, unset)
         assert inplace.resume_wait_s() == inplace.RESUME_WAIT_S
+
+
+def test_survivors_still_in_their_round_are_let_go_too(workers):
+    """A node cut off from etcd past its lease: its survivors have not been stopped into the
+    kept ones (no round end was read), and go all the same."""
+    a, b = _round_two(workers, survivors={0})
+    workers.drop_kept()
+    assert a.wait(timeout=10) is not None and b.poll() is None
