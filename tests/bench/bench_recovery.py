@@ -89,6 +89,7 @@ def _median(runs: list[dict]) -> dict:
     return mid
 
 
+@pytest.mark.timeout(5400)  # 30 local runs of 20-70 s each, one after another
 def test_recovery_in_place_vs_process_restart_vs_torchrun(tmp_path):
     rows = {}
     for model in MODELS:
