@@ -42,8 +42,11 @@ class Local:
 # node kills its ranks on seeing the round end, which resets their sockets and fails the
 # victims' collectives (gloo's abort does not cancel one: docs/inplace.md).
 RELEASE_S = 5.0
-# The faults that end the culprit's processes, and so release their peers elsewhere.
-RELEASING = frozenset({"worker_crash", "node_lost", "hang", "gpu_failed", "peer_lost"})
+# The faults that end the culprit's processes, and so release their peers elsewhere. Not a
+# lost node: its peers noticed a dead one long before its lease ran out, and a node cut off
+# from etcd alone trains on with them -- held, they would train and snapshot past the step
+# the next round restores (tests/e2e/test_partition.py).
+RELEASING = frozenset({"worker_crash", "hang", "gpu_failed", "peer_lost"})
 
 
 # -- actions ---------------------------------------------------------------------------------

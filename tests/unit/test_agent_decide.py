@@ -113,6 +113,9 @@ CONVERGE = {
         hung("a"), R2, VICTIMS, [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a crash on another node, its peers here not aware yet: held": (
         hung("b", kind="worker_crash"), R2, VICTIMS, [Refill()]),
+    "a node lost: its peers noticed long before, the rest are killed at once": (
+        hung("b", kind="node_lost"), R2, VICTIMS,
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a loss-spike rollback: healthy ranks are not victims, killed at once": (
         hung("data 1..8", kind="loss_spike"), R2, VICTIMS,
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
