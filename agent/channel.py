@@ -156,21 +156,16 @@ class Channel:
             yield pending
 
     def broadcast(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
-        with self._lock:
-            conns = list(self._conns.items())
-        for conn, send_lock in conns:
-            try:
-                with send_lock:
-                    conn.sendall(data)
-            except OSError:
-                pass
+        self._send(msg, lambda conn: True)
 
     def send_to(self, pid: int, msg: dict) -> bool:
         """Send `msg` to the connections of process `pid` only: whether one took it."""
+        return self._send(msg, lambda conn: self._pids.get(conn) == pid)
+
+    def _send(self, msg: dict, to: Callable[[socket.socket], bool]) -> bool:
         data = (json.dumps(msg) + "\n").encode()
         with self._lock:
-            conns = [(c, lock) for c, lock in self._conns.items() if self._pids.get(c) == pid]
+            conns = [(c, lock) for c, lock in self._conns.items() if to(c)]
         sent = False
         for conn, send_lock in conns:
             try:

@@ -9,8 +9,8 @@ Each executor does one thing; the agent owns the state. `Agent._host_round_store
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -101,7 +101,7 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
 def resume(agent: Agent, pid: int, a: WorkerAssignment) -> bool:
     """Hand a survivor (lazarus.trainer.inplace) its assignment over the worker channel:
     whether it reached the process."""
-    return agent.channel.send_to(pid, {"type": "resume", "assignment": json.loads(a.to_json())})
+    return agent.channel.send_to(pid, {"type": "resume", "assignment": dataclasses.asdict(a)})
 
 
 def host_round_store(agent: Agent, rec: RoundRecord) -> None:

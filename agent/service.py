@@ -365,7 +365,7 @@ class Agent:
                 self.outage.ok()
             except E.EtcdUnavailable as e:
                 self.outage.failed(e)
-                away = time.monotonic() - (self.outage.since or time.monotonic())
+                away = time.monotonic() - self.outage.since  # set by failed()
                 for action in decide.cut_off(self._local(), away, self.lease_ttl_s):
                     rounds.act(self, action)
                 stop.wait(0.5)

@@ -75,6 +75,30 @@ def release_groups(timeout_s: float = ABORT_S) -> bool:
     return done.wait(timeout_s) and not dist.is_initialized()
 
 
+def peer_gone(a: WorkerAssignment, e: BaseException) -> str:
+    """Say in the rank's log that `e` is a lost peer's; the reason, in one line."""
+    why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    print(f"rank {a.rank} round {a.round}: a peer is gone ({why})", file=sys.stderr, flush=True)
+    return why
+
+
+def enter_next(nxt: WorkerAssignment) -> None:
+    """Become the rank of the next round `nxt` in this process: its log and environment
+    (lazarus.trainer.rankrun.enter), after letting the last round's model, optimizer and
+    buffers go. They are cycles (modules, hooks, the optimizer's references to the
+    parameters) that only the collector frees, and on a GPU two copies may not fit."""
+    import gc
+
+    import torch
+
+    from lazarus.trainer.rankrun import enter
+
+    enter(nxt)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def survive(a: WorkerAssignment, session, step: int, reason: str, *,
             wait_s: float | None = None) -> WorkerAssignment | None:
     """Stay for the next round: the assignment to run next, or None when this process
@@ -120,9 +144,8 @@ def run(main: Callable[[], T]) -> T:
     environment each time, as under torchrun, and restore the round's state (`Session.restore`
     or `restore_point`). Outside an agent, with in-place recovery off, or when no next round
     comes, the failure is raised as it would be without this call."""
-    from lazarus.trainer import rankrun
     from lazarus.trainer.session import _assignment, connect
-    from lazarus.trainer.worker import _free_last_round, is_peer_failure
+    from lazarus.trainer.worker import is_peer_failure
 
     a = _assignment()
     while True:
@@ -131,9 +154,7 @@ def run(main: Callable[[], T]) -> T:
         except Exception as e:
             if a is None or not enabled(a) or not is_peer_failure(e):
                 raise
-            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            print(f"rank {a.rank} round {a.round}: a peer is gone ({why})", file=sys.stderr,
-                  flush=True)
+            why = peer_gone(a, e)
             # A connection of its own: the script's session is the script's.
             session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
             try:
@@ -142,6 +163,5 @@ def run(main: Callable[[], T]) -> T:
                 session.close()
             if nxt is None:
                 raise
-        rankrun.enter(nxt)
-        _free_last_round()
+        enter_next(nxt)
         a = nxt

@@ -122,9 +122,7 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
             raise
         # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
         # os._exit: tearing down a process group whose peer is gone can block.
-        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        print(f"rank {a.rank} round {a.round}: a peer is gone ({why})", file=sys.stderr,
-              flush=True)
+        why = inplace.peer_gone(a, e)
         if inplace.enabled(a):
             nxt = inplace.survive(a, session, session.last_step, why)
             if nxt is not None:
@@ -134,19 +132,6 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
         session.close()
     dist.destroy_process_group()
     return 0
-
-
-def _free_last_round() -> None:
-    """Let the last round's model, optimizer and buffers go before the next round builds its
-    own: they are cycles (modules, hooks, the optimizer's references to the parameters) that
-    only the collector frees, and on a GPU two copies of the state may not fit."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def _warm_up() -> None:
@@ -208,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = run(assignment)
         while isinstance(code, WorkerAssignment):  # survived: the next round, same process
-            from lazarus.trainer.rankrun import enter
-            enter(code)
-            _free_last_round()
+            inplace.enter_next(code)
             code = run(code, in_place=True)
     except BaseException as e:
         exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
