@@ -181,3 +181,16 @@ def test_a_checkpoint_request_goes_to_the_ranks_once_per_new_id(agent):
         pass_on_checkpoint_request(agent, kv(value))
     # the request the agent found at start is not its own; "new", then its deletion, are
     assert agent.channel.sent == [{"type": "checkpoint_requested"}] * 2
+
+
+def test_a_survivor_is_recorded_only_for_its_own_process_rank_and_round(agent):
+    agent.workers.group.procs = {0: SimpleNamespace(pid=100), 1: SimpleNamespace(pid=101)}
+    for bad in ({"type": "survivor", "rank": 4, "round": 1, "pid": 100},    # a stale round
+                {"type": "survivor", "rank": 4, "round": 2, "pid": 999},    # not our rank's
+                {"type": "survivor", "rank": 5, "round": 2, "pid": 100},    # another's rank
+                {"type": "survivor", "rank": "4", "round": 2, "pid": "100"},
+                {"type": "survivor"}):
+        assert on_message(agent, bad) is None
+    assert agent.workers.group.survivors == set()
+    on_message(agent, {"type": "survivor", "rank": 5, "round": 2, "pid": 101, "step": 9})
+    assert agent.workers.group.survivors == {1}
