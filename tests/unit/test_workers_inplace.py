@@ -188,3 +188,16 @@ def test_survivors_still_in_their_round_are_let_go_too(workers):
     a, b = _round_two(workers, survivors={0})
     workers.drop_kept()
     assert a.wait(timeout=10) is not None and b.poll() is None
+
+
+def test_in_place_is_on_under_an_agent_unless_the_job_says_off(monkeypatch):
+    from lazarus.core.contract import IN_PLACE_ENV
+    from lazarus.trainer import inplace
+
+    under_agent = _assignment(0)
+    under_agent.report_socket = "/run/agent.sock"
+    monkeypatch.delenv(IN_PLACE_ENV, raising=False)
+    assert inplace.enabled(under_agent) and not inplace.enabled(_assignment(0))
+    for off in ("off", "OFF"):
+        monkeypatch.setenv(IN_PLACE_ENV, off)
+        assert not inplace.enabled(under_agent)
