@@ -112,7 +112,7 @@ def test_slow_first_step_and_slow_checkpoint_are_no_hang_but_a_hang_still_is(tmp
     loaded machine), every rank pausing 4 s in the first step and inside a checkpoint save
     must stay quiet -- DLRover's false positives -- while a real hang later in the same run
     is caught at that floor."""
-    steps = 24
+    steps = 36  # the 36-step reference of test_recovery and the test above
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "0", "--steps", str(steps),
                           "--hang-floor", "3", "--chaos",
                           "slow-step@1,slow-checkpoint@8,hang@18")

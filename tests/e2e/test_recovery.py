@@ -20,15 +20,10 @@ from tests.e2e.helpers import losses, reference, train_table, wait_for
 
 pytestmark = pytest.mark.e2e
 
-_REFERENCES: dict[int, dict[int, float]] = {}
-
 
 def reference_36(tmp_path_factory) -> dict[int, float]:
-    """The uninterrupted run the 36-step tests compare with: one run for all of them."""
-    if 36 not in _REFERENCES:
-        _REFERENCES[36] = reference(tmp_path_factory.mktemp("ref"), train_table(36), nproc=2,
-                                    dp=2, tp=1)
-    return _REFERENCES[36]
+    """The uninterrupted run the 36-step tests compare with (one run for the session)."""
+    return reference(tmp_path_factory.mktemp("ref"), train_table(36), nproc=2, dp=2, tp=1)
 
 
 def run_up(tmp_path, *argv):
@@ -128,7 +123,7 @@ def _last_step(metrics) -> int:
 
 
 def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
-    steps = 30
+    steps = 36  # the 36-step reference of the other tests
     metrics = tmp_path / "metrics.jsonl"
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=0, steps=steps, metrics=metrics)
