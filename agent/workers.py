@@ -145,6 +145,12 @@ class Workers:
                 kept.add(local_rank)
                 continue
             if survivor is not None:
+                # An operator reading why a recovery was not in place: the survivor died
+                # while it waited (a second fault), or the channel could not reach it.
+                log.warning("round %d rank %d: the survivor kept for it (pid %d) %s; starting "
+                            "it anew", round_, assignment.rank, survivor.pid,
+                            "is gone" if survivor.poll() is not None
+                            else "took no assignment")
                 self.kept[local_rank] = survivor  # let go below, with the others not taken
             proc = self.parked.pop(0) if self.parked else self._spawn()
             line = (assignment.to_json() + "\n").encode()

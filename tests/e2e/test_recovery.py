@@ -7,6 +7,9 @@ Each test starts real processes and kills them by pid, as an operator's worst da
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 
 import pytest
@@ -122,7 +125,8 @@ def _last_step(metrics) -> int:
     return steps[-1] if steps else 0
 
 
-def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
+def test_leader_killed_during_a_recovery_standby_finishes_it_and_a_survivor_killed_there_restarts(
+        tmp_path):
     steps = 36  # the 36-step reference of the other tests
     metrics = tmp_path / "metrics.jsonl"
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
@@ -134,6 +138,13 @@ def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
         wait_for(cluster, lambda st: st.status and st.status.state != "RUNNING",
                  timeout=30, what="the crash to be detected")
         cluster.kill_daemon()  # mid-recovery: the standby must carry on from etcd's state
+        # A second fault inside the recovery: n0's rank survived the crash (docs/inplace.md)
+        # and waits for the next round in its process, which comes only once the standby
+        # leads (a lease TTL from now). Killed there, it is started anew from a parked
+        # worker like the crashed rank, and the run still ends on the reference curve.
+        survivor = _survivor_pid(cluster, "n0")
+        assert cluster.state().status.round == 1
+        os.kill(survivor, signal.SIGKILL)
         # How fast it leads is the benchmarks' to measure (a loaded machine's timings are
         # luck here): this test asks that it does, and finishes the recovery.
         new_leader = wait_for(cluster, lambda st: st.leader_pid not in (None, leader)
@@ -144,8 +155,24 @@ def test_leader_killed_during_a_recovery_standby_finishes_it(tmp_path):
         assert final.state == "SUCCEEDED", final.reason
         assert final.restarts == 1
         assert new_leader != leader
+    starts = [json.loads(line) for line in metrics.open() if '"kind": "start"' in line]
+    assert [(s["round"], s["in_place"]) for s in starts] == [(1, False), (2, False)], starts
+    assert starts[0]["pid"] == survivor != starts[1]["pid"]
     ref = reference(tmp_path / "ref", train_table(steps), nproc=2, dp=2, tp=1)
     assert losses(metrics) == ref
+
+
+def _survivor_pid(cluster: LocalCluster, node: str, timeout: float = 30) -> int:
+    """The pid of `node`'s rank that survived a lost peer and waits for the next round, as
+    its agent logged it."""
+    log = cluster.workdir / f"agent-{node}.log"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = re.search(r"rank \d+ \(pid (\d+)\) survived a lost peer", log.read_text())
+        if m:
+            return int(m[1])
+        time.sleep(0.05)
+    raise AssertionError(f"no rank of {node} survived within {timeout:.0f} s; see {log}")
 
 
 def test_etcd_away_for_four_lease_ttls_evicts_nobody_and_training_goes_on(tmp_path):
