@@ -122,6 +122,9 @@ class Session:
                 pass
             self._detach(sock)
             self._replies.put({"type": "closed"})  # a request waiting for a reply gives up
+            # A survivor waiting for its next round gives up too: the agent that kept it is
+            # gone, and the next one does not know it (its kept survivors live in memory).
+            self._resume.put({"type": "agent_gone"})
             if self._closed or self._grace_s is None:
                 return
             sock = self._await_agent()
@@ -320,16 +323,26 @@ class Session:
         """This rank lost a peer but not itself: its process stays, its process groups are
         gone, and it waits for the next round's assignment (`await_resume`) instead of
         exiting (lazarus.trainer.inplace). `step`: the last step it completed."""
+        while not self._resume.empty():  # what an agent gone before this round said
+            self._resume.get_nowait()
+        if self._path is not None and not self._up.is_set():
+            self._resume.put({"type": "agent_gone"})  # no agent now to tell: none will keep it
         self._send({"type": "survivor", "pid": os.getpid(), "step": int(step),
                     "reason": str(reason)[:500]})
 
     def await_resume(self, timeout_s: float) -> dict | None:
         """The assignment the agent hands this survivor for the next round (a WorkerAssignment
         as a dict), or None when none came within `timeout_s`: the round went on without this
-        process, which then exits as a lost peer's survivor always did."""
+        process, which then exits as a lost peer's survivor always did. None at once when
+        the agent goes away meanwhile: nothing else would hand this process a round, and it
+        must not hold its device for the rest of `timeout_s`."""
         try:
             msg = self._resume.get(timeout=timeout_s)
         except queue.Empty:
+            return None
+        if msg.get("type") == "agent_gone":
+            print(f"rank {self.rank} round {self.round}: the agent that kept this process "
+                  f"for the next round is gone", file=sys.stderr, flush=True)
             return None
         a = msg.get("assignment")
         return a if isinstance(a, dict) else None

@@ -169,6 +169,32 @@ def test_a_survivor_without_a_fitting_assignment_gives_up(channel, sent):
         session.close()
 
 
+def test_a_survivor_whose_agent_goes_away_gives_up_at_once(channel):
+    """The next agent does not know the survivors the last one kept: waiting out the rest of
+    twice the grace would only hold the device."""
+    import threading
+    import time
+
+    from lazarus.trainer import inplace
+    from lazarus.trainer.session import Session
+
+    session = Session(socket_path=channel.path, rank=1, round=2)
+    mine = _assignment(1, round_=2)
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            nxt=inplace.survive(mine, session, 9, "reset", wait_s=120)))
+        t.start()
+        assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got))
+        gone = time.monotonic()
+        channel.close()
+        t.join(30)
+        assert not t.is_alive() and out == {"nxt": None}
+        assert time.monotonic() - gone < 30
+    finally:
+        session.close()
+
+
 def test_a_survivor_waits_twice_its_agents_grace_for_the_next_round(monkeypatch):
     """A node cut off from etcd is declared lost after its lease TTL: its survivors must not
     hold their devices much past that (tests/e2e/test_partition.py)."""
