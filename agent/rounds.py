@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
@@ -72,7 +73,7 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
                                 group_world_size=len(rec.members),
                                 local_world_size=rec.nproc_per_node,
                                 restart_count=rec.restarts,
-                                max_restarts=rec.max_restarts)
+                                max_restarts=rec.max_restarts, issued_at=time.time())
         for local, rank in enumerate(ranks)}
     with agent._lock:
         agent._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}

@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
           hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
           snapshot_dir: str | None = None, round_: int = 0,
           allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None,
-          in_place: bool = False) -> None:
+          handed: float | None = None, in_place: bool = False) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
@@ -140,10 +140,11 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     agent's; None: no tier 0). `allowed_roots`: where the job's paths must lie
     (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
     the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
-    this rank got its assignment (time.perf_counter()): the start line times from it.
+    the agent handed this rank its assignment, `handed`: when the rank took it
+    (time.perf_counter()): the start line times from them.
     `in_place`: this process ran an earlier round (lazarus.trainer.inplace); the start line
     says so."""
-    start = StartTimes(began=time.perf_counter() if began is None else began)
+    start = StartTimes(began=time.perf_counter() if began is None else began, handed=handed)
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
@@ -350,12 +351,17 @@ class StartTimes:
     recovery inside the trainer (docs/architecture.md, "Checkpoints"). One metrics line of
     kind "start" per round, rank 0's; every rank prints its own."""
 
-    PHASES = ("rendezvous", "build", "restore", "setup", "first_step")
+    PHASES = ("handover", "rendezvous", "build", "restore", "setup", "first_step")
 
-    def __init__(self, *, began: float):
+    def __init__(self, *, began: float, handed: float | None = None):
+        """`began`: when the agent handed the assignment over; `handed`: when this process
+        took it (a parked worker busy warming up reads it late; a survivor first lets its
+        last round go)."""
         self._last = began
         self._began = began
         self.seconds: dict[str, float] = {}
+        if handed is not None:
+            self.seconds["handover"], self._last = max(0.0, handed - began), max(began, handed)
         # init_process_group ran before train(): the wait for the round's peers.
         self.mark("rendezvous")
         self.done = False
@@ -367,8 +373,12 @@ class StartTimes:
         self.done = phase == self.PHASES[-1]
 
     def row(self, *, round_: int, step: int, source: str, in_place: bool = False) -> dict:
+        # Wall-clock times, to line a start up with the agents' and the daemon's logs.
+        done_at = time.time() - (time.perf_counter() - self._last)
         return {"kind": "start", "round": round_, "step": step, "from": source,
                 "in_place": in_place, "pid": os.getpid(),
+                "began_at": round(done_at - (self._last - self._began), 3),
+                "done_at": round(done_at, 3),
                 "total_s": round(self._last - self._began, 6),
                 **{f"{p}_s": round(self.seconds.get(p, 0.0), 6) for p in self.PHASES}}
 

@@ -24,6 +24,8 @@ from lazarus.core.trainconfig import TrainConfig
 from lazarus.trainer import exitnote, inplace
 from lazarus.trainer import hooks as phase_hooks
 
+# A hand-over longer than this is a clock stepped between the agent and the rank, not a wait.
+HANDOVER_MAX_S = 600.0
 # How long init waits for the store and for every peer of the round to show up.
 STORE_TIMEOUT = timedelta(seconds=300)
 
@@ -71,7 +73,12 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     # place, so FSDP's warning about in-place ops on views does not apply.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     a = assignment
-    began = time.perf_counter()
+    # The start's clock runs from the agent's hand-over: what came before this line (a parked
+    # worker still warming up when the round came, a survivor letting its last round go) is
+    # part of the recovery too (StartTimes' "handover").
+    handed = time.perf_counter()
+    waited = time.time() - a.issued_at if a.issued_at > 0 else 0.0
+    began = handed - min(max(0.0, waited), HANDOVER_MAX_S)
     if os.environ.get(STACKS_ENV):
         # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
         from lazarus.trainer.flightrec import serve_flight_record
@@ -103,7 +110,8 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     try:
         train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
               snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
-              allowed_roots=a.allowed_roots, began=began, in_place=in_place)
+              allowed_roots=a.allowed_roots, began=began, handed=handed,
+              in_place=in_place)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))

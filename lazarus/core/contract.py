@@ -127,6 +127,7 @@ class WorkerAssignment:
     local_world_size: int = 1    # ranks on this node
     restart_count: int = 0       # recoveries of the run before this round
     max_restarts: int = 0
+    issued_at: float = 0.0       # wall-clock time the agent handed it over (0: not said)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
