@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -58,7 +59,21 @@ def _lazarus(tmp: Path, model: str, chaos: str, spares: int, *, in_place: bool) 
               if '"kind": "start"' in line]
     return {"s": r["recovered_after_s"], "redone": r["fault_step"] - r["restored_step"],
             "tier": r["restored_from_tier"], "kept": len({s["pid"] for s in starts}) == 1,
-            "losses": losses(tmp / "metrics.jsonl")}
+            "losses": losses(tmp / "metrics.jsonl"), "handover": _new_ranks_handover(tmp)}
+
+
+def _new_ranks_handover(tmp: Path) -> float:
+    """How long the next round's new ranks waited for a parked worker to take their
+    assignment (the start line's "handover"): a worker started at the last launch may still
+    be warming up when the fault strikes."""
+    waits = [0.0]
+    for log in (tmp / "nodes" / "logs").glob("*/round-2/rank-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = re.search(r"first step done [\d.]+ s after the assignment \(handover "
+                          r"([\d.]+) s", line)
+            if m and " in place: " not in line:
+                waits.append(float(m[1]))
+    return max(waits)
 
 
 def _torchrun(tmp: Path, model: str) -> float:
@@ -108,7 +123,7 @@ def test_recovery_in_place_vs_process_restart_vs_torchrun(tmp_path):
     print(f"\n== recovery: fault -> next completed step, median of {REPS} (2 nodes x 1 rank, "
           f"gloo, seq 128, batch 4, fault at step 17) ==")
     print(f"{'model':<6} {'fault':<13} {'in place':>9} {'restart':>9} {'ratio':>6} "
-          f"{'torchrun':>9} {'ratio':>6}  redone  rank 0 kept  losses equal")
+          f"{'torchrun':>9} {'ratio':>6}  redone  rank 0 kept  losses equal  handover")
     for model in MODELS:
         for fault in FAULTS:
             ip, rs = rows[model, fault, True], rows[model, fault, False]
@@ -118,11 +133,15 @@ def test_recovery_in_place_vs_process_restart_vs_torchrun(tmp_path):
             print(f"{model:<6} {fault:<13} {ip['s']:8.2f}s {rs['s']:8.2f}s "
                   f"{ip['s'] / rs['s']:6.2f} {vs_tr}  {ip['redone']:>2}/{rs['redone']:<3}  "
                   f"{'yes' if ip['kept'] else 'NO':<11}  "
-                  f"{'yes' if ip['losses_equal'] else 'NO'}")
+                  f"{'yes' if ip['losses_equal'] else 'NO':<12}  "
+                  f"{ip['handover']:.2f}/{rs['handover']:.2f}s")
     if {"tiny", "small"} <= set(MODELS):
         for fault in FAULTS:
             print(f"{fault}, in place: small / tiny = "
                   f"{rows['small', fault, True]['s'] / rows['tiny', fault, True]['s']:.2f} "
                   f"(target 1.2)")
+    print("handover: the new ranks' wait for a parked worker to take the assignment (in "
+          "place / restart run of median time; a worker started at the last launch may still "
+          "be warming up)")
     print(f"targets: worker crash in place < 0.5 s on tiny; node loss within the lease TTL "
           f"+ 0.5 s = {LEASE_TTL_S + 0.5:.1f} s; at most one step redone")

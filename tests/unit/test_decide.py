@@ -201,6 +201,22 @@ def test_recovered_event_after_the_first_new_step():
     assert only(d.actions, SetStatus).status.incident is None
 
 
+def test_the_recovery_is_timed_to_the_status_that_told_of_the_new_step():
+    """Not to the daemon's pass that read it, a watch event and a pass interval later; a
+    time from another host's clock outside the fault .. now is the pass's own."""
+    inc = {"kind": "worker_crash", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
+           "round": 1}
+    st = status(RUNNING, round=2, incident=inc, restore_step=10)
+    for told_at, after in ((NOW - 0.6, 2.4), (NOW + 5, 3.0), (NOW - 4, 3.0)):
+        v = view(status=st, node_status=[ns("a", "running", round=2, step=11,
+                                            updated_at=told_at),
+                                         ns("b", "running", round=2, step=10)])
+        ev = only(decide(NOW, v).actions, Emit)
+        assert ev.fields["recovered_after_s"] == after, told_at
+        assert ev.fields["recovered_at"] == NOW
+        assert f"{after:.1f} s after the fault" in ev.message
+
+
 def test_the_recovered_event_counts_the_ranks_that_went_on_in_place():
     inc = {"kind": "worker_crash", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
            "round": 1}
