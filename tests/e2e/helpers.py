@@ -24,6 +24,20 @@ def losses(metrics: Path) -> dict[int, float]:
     return out
 
 
+def last_step(metrics: Path) -> int:
+    """The step of the metrics file's last step line (0: none yet); a line the rank is still
+    writing counts as not there yet."""
+    last = 0
+    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if is_step(row):
+            last = row["step"]
+    return last
+
+
 def train_table(steps: int, **sections: dict) -> dict:
     """The [train] table of the e2e jobs (the shape `lazarus up` runs with these tests'
     options), for `steps` steps; `sections` add to its sections, e.g. guard={"window": 8}."""

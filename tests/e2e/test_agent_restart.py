@@ -8,17 +8,15 @@ before, and the ranks it left stop by themselves.
 
 from __future__ import annotations
 
-import json
 import signal
 
 import psutil
 import pytest
 
-from lazarus.core.stall import is_step
 from lazarus.core import jobspec
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, reference, train_table, wait_for
+from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -38,11 +36,6 @@ def _start(cluster: LocalCluster, *, spares: int, steps: int, metrics) -> None:
                              "train": {**train, "metrics": str(metrics)}}, source="test")
     cluster.submit(job)
 
-
-def _last_step(metrics) -> int:
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
-    return steps[-1] if steps else 0
 
 
 def _alive(pid: int) -> bool:
@@ -66,14 +59,14 @@ def test_agent_restarts_are_adopted_and_an_agent_that_stays_away_is_a_lost_node(
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=LEASE_TTL_S) as cluster:
         _start(cluster, spares=1, steps=steps, metrics=metrics)
         st = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                      and _last_step(metrics) >= 6 and st, timeout=180,
+                      and last_step(metrics) >= 6 and st, timeout=180,
                       what="the run to reach step 6")
         # The first member's agent also hosts the round's store.
         host, other = st.status.members
         pids = st.node_status[host].pids
         agent_log = cluster.agents[host].log
         for n, sig in enumerate((signal.SIGKILL, signal.SIGTERM), start=1):
-            at = _last_step(metrics)
+            at = last_step(metrics)
             cluster.kill_agent(host, sig)
             cluster.revive_node(host)
             registered = f"registered {host}"

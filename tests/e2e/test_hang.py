@@ -16,8 +16,8 @@ import pytest
 from lazarus.core import jobspec
 from lazarus.core.records import ROLE_ACTIVE
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, reference, train_table, wait_for
-from tests.e2e.test_agent_restart import _finished, _last_step
+from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
+from tests.e2e.test_agent_restart import _finished
 from tests.e2e.test_recovery import run_up
 
 pytestmark = pytest.mark.e2e
@@ -60,13 +60,13 @@ def test_a_rank_frozen_with_sigstop_is_named_alone_at_a_step_and_inside_a_checkp
         cluster.submit(job)
         # at an ordinary step (saves are at multiples of 4)
         st = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                      and _last_step(metrics) >= 9 and not _in_checkpoint("n1")(st)
+                      and last_step(metrics) >= 9 and not _in_checkpoint("n1")(st)
                       and st, timeout=180, what="the run past step 9, outside a save")
         frozen_at = {"n1": _freeze(st.node_status["n1"].pids[0])}
         wait_for(cluster, lambda st: st.status.round == 2 and st.status.state == "RUNNING",
                  timeout=120, what="a new round after the frozen rank at a step")
         # inside the (slow) save of step 20, not the restore at the round's start
-        st = wait_for(cluster, lambda st: st.status.round == 2 and _last_step(metrics) >= 19
+        st = wait_for(cluster, lambda st: st.status.round == 2 and last_step(metrics) >= 19
                       and _in_checkpoint("n0")(st) and st, timeout=180,
                       what="n0's rank in the save of step 20")
         frozen_at["n0"] = _freeze(st.node_status["n0"].pids[0])

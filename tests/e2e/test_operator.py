@@ -13,8 +13,8 @@ import time
 import pytest
 
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, paused_and_stopped, reference, train_table, wait_for
-from tests.e2e.test_recovery import _last_step, _start
+from tests.e2e.helpers import last_step, losses, paused_and_stopped, reference, train_table, wait_for
+from tests.e2e.test_recovery import _start
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         _start(cluster, nodes=2, spares=1, steps=steps, metrics=metrics)
         keys, etcd = cluster.keys, cluster.etcd
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and _last_step(metrics) >= 5, timeout=180, what="step 5")
+                 and last_step(metrics) >= 5, timeout=180, what="step 5")
         assert lazarus(cluster, "drain", "n1").startswith("draining n1")
         st = wait_for(cluster, lambda st: st.status and st.status.round == 2
                       and st.status.state == "RUNNING" and st.status, timeout=120,
@@ -54,9 +54,9 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         st = wait_for(cluster, lambda view: paused_and_stopped(view) and view.status,
                       timeout=120, what="PAUSED, its ranks stopped")
         assert st.restore_step >= step_before
-        paused_at = _last_step(metrics)
+        paused_at = last_step(metrics)
         time.sleep(2)
-        assert _last_step(metrics) == paused_at  # nothing trains while paused
+        assert last_step(metrics) == paused_at  # nothing trains while paused
         assert lazarus(cluster, "resume") == "resuming the run from its last checkpoint\n"
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
                  and st.status.round > 2, timeout=120, what="the resumed round")

@@ -30,8 +30,8 @@ from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, W_IDLE
 from lazarus.sim import netns
 from lazarus.daemon.decide import HANG_REPORT_WAIT_S
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import losses, reference, train_table, wait_for
-from tests.e2e.test_agent_restart import _alive, _finished, _last_step
+from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
+from tests.e2e.test_agent_restart import _alive, _finished
 
 pytestmark = pytest.mark.e2e
 
@@ -109,7 +109,7 @@ def test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers(tmp_path, ne
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=LEASE_TTL_S) as cluster:
         _start(cluster, net, metrics)
         st = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                      and _last_step(metrics) >= 6 and st, timeout=180,
+                      and last_step(metrics) >= 6 and st, timeout=180,
                       what="the run to reach step 6")
         wait_for(cluster, lambda st: all(_warm(cluster, n) for n in NODES), timeout=120,
                  what="every node's parked workers to be warm")
@@ -150,7 +150,7 @@ def test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers(tmp_path, ne
         # daemon has acted on the hang.
         wait_for(cluster, lambda st: all(_warm(cluster, n) for n in NODES), timeout=120,
                  what="every node's parked workers to be warm")
-        at_cut = _last_step(metrics)
+        at_cut = last_step(metrics)
         assert at_cut < STEPS - 20, "the run nearly finished before the cut"
         net.cut("s0", peers=True)
         cut_at = time.time()

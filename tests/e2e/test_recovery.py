@@ -14,12 +14,11 @@ import time
 
 import pytest
 
-from lazarus.core.stall import is_step
 from lazarus.core import jobspec
 from lazarus.sim.localcluster import LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim import up
-from tests.e2e.helpers import losses, reference, train_table, wait_for
+from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -117,13 +116,6 @@ def _start(cluster: LocalCluster, *, nodes: int, spares: int, steps: int, metric
     cluster.submit(job)
 
 
-def _last_step(metrics) -> int:
-    if not metrics.exists():
-        return 0
-    lines = metrics.read_text().splitlines()
-    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
-    return steps[-1] if steps else 0
-
 
 def test_leader_killed_during_a_recovery_standby_finishes_it_and_a_survivor_killed_there_restarts(
         tmp_path):
@@ -132,7 +124,7 @@ def test_leader_killed_during_a_recovery_standby_finishes_it_and_a_survivor_kill
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=0, steps=steps, metrics=metrics)
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and _last_step(metrics) >= 6, timeout=180, what="the run to reach step 6")
+                 and last_step(metrics) >= 6, timeout=180, what="the run to reach step 6")
         leader = cluster.state().leader_pid
         cluster.kill_worker("n1")
         wait_for(cluster, lambda st: st.status and st.status.state != "RUNNING",
@@ -183,14 +175,14 @@ def test_etcd_away_for_four_lease_ttls_evicts_nobody_and_training_goes_on(tmp_pa
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=0, steps=steps, metrics=metrics)
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and _last_step(metrics) >= 5, timeout=180, what="the run to reach step 5")
+                 and last_step(metrics) >= 5, timeout=180, what="the run to reach step 5")
         before = cluster.state().status
         cluster.etcd_server.stop()
-        step_at_outage = _last_step(metrics)
+        step_at_outage = last_step(metrics)
         # four lease TTLs: every lease would have lapsed twice over had etcd counted the
         # outage against them (it restarts their timers when it comes back)
         time.sleep(4 * 3)
-        step_after_outage = _last_step(metrics)
+        step_after_outage = last_step(metrics)
         cluster.etcd_server.start()
         final = wait_for(cluster, lambda st: st.status and st.status.state in
                          ("SUCCEEDED", "FAILED") and st.status, timeout=300,
@@ -210,7 +202,7 @@ def test_a_copy_lost_with_its_peer_restores_from_storage(tmp_path, tmp_path_fact
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=2, steps=steps, metrics=metrics, memory_every=1)
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and _last_step(metrics) >= 10, timeout=180, what="the run to reach step 10")
+                 and last_step(metrics) >= 10, timeout=180, what="the run to reach step 10")
         held = cluster.state().node_status["n0"].tier0
         cluster.kill_node("n0")
         cluster.kill_node("n1")

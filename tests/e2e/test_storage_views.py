@@ -27,15 +27,15 @@ import pytest
 from lazarus.core import jobspec
 from lazarus.core.records import CheckpointRecord
 from lazarus.sim.localcluster import LocalCluster, Placement
-from tests.e2e.helpers import losses, paused_and_stopped, train_table, wait_for
-from tests.e2e.test_recovery import _last_step, _start
+from tests.e2e.helpers import last_step, losses, paused_and_stopped, train_table, wait_for
+from tests.e2e.test_recovery import _start
 
 pytestmark = pytest.mark.e2e
 
 
 def _pause_after(cluster: LocalCluster, metrics, step: int):
     wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-             and _last_step(metrics) >= step, timeout=180, what=f"step {step}")
+             and last_step(metrics) >= step, timeout=180, what=f"step {step}")
     cluster.etcd.put(cluster.keys.pause, b"{}")
 
     def stopped(st):

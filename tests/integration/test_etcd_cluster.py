@@ -24,7 +24,7 @@ from lazarus.core import jobspec
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd
 from lazarus.core.records import ROLE_ACTIVE
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import last_step, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +44,6 @@ def start(cluster: LocalCluster, server, *, steps: int, metrics: Path) -> None:
                   "checkpoint": {"dir": str(cluster.workdir / "ckpt"), "every": 5}}},
         source="test"))
 
-
-def last_step(metrics: Path) -> int:
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    steps = [r["step"] for r in map(json.loads, lines) if is_step(r)]
-    return steps[-1] if steps else 0
 
 
 def wait_steps(metrics: Path, at_least: int, *, timeout: float, what: str) -> None:

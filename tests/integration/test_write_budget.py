@@ -5,7 +5,6 @@ second per node to etcd in steady training, counted from etcd's own revisions.""
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
 
@@ -15,8 +14,8 @@ from lazarus.agent.service import STATUS_PERIOD_S
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.core.records import RUNNING
-from lazarus.core.stall import is_step
 from lazarus.sim.localcluster import LocalCluster
+from tests.e2e.helpers import last_step
 
 # A whole local cluster (etcd, daemon, agents, ranks): `-m "not e2e"` leaves it out.
 pytestmark = pytest.mark.e2e
@@ -47,18 +46,6 @@ def _wait(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _last_step(metrics) -> int:
-    """Rank 0's last step done; a line the rank is still writing counts as not there yet."""
-    steps = [0]
-    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if is_step(row):
-            steps.append(row["step"])
-    return max(steps)
-
 
 def test_steady_training_stays_within_the_write_budget(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
@@ -77,7 +64,7 @@ def test_steady_training_stays_within_the_write_budget(tmp_path):
             # would say it up to a status period (15 s) later.
             st = cluster.state()
             return (st.status is not None and st.status.state == RUNNING
-                    and _last_step(metrics) >= 31)
+                    and last_step(metrics) >= 31)
         _wait(steady, 240, "steady training")
         round_ = cluster.state().status.round
 

@@ -118,22 +118,31 @@ def _wait(pred, timeout=10.0):
     return False
 
 
-def test_a_survivor_tells_its_agent_and_takes_the_assignment_sent_to_its_pid(channel):
-    import os
+def _surviving(channel, mine, session, step: int, reason: str, *, wait_s: float):
+    """`inplace.survive` in a thread, once its agent has heard it: the thread, and the dict
+    that gets its answer under "nxt"."""
     import threading
 
     from lazarus.trainer import inplace
+
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(
+        nxt=inplace.survive(mine, session, step, reason, wait_s=wait_s)))
+    t.start()
+    assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got))
+    return t, out
+
+
+def test_a_survivor_tells_its_agent_and_takes_the_assignment_sent_to_its_pid(channel):
+    import os
+
     from lazarus.trainer.session import Session
 
     session = Session(socket_path=channel.path, rank=1, round=2)
     mine = _assignment(1, round_=2)
     mine.report_socket = channel.path
     try:
-        out = {}
-        t = threading.Thread(target=lambda: out.update(
-            nxt=inplace.survive(mine, session, 17, "Connection reset by peer", wait_s=20)))
-        t.start()
-        assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got))
+        t, out = _surviving(channel, mine, session, 17, "Connection reset by peer", wait_s=20)
         said = next(m for m in channel.got if m.get("type") == "survivor")
         assert (said["pid"], said["rank"], said["round"], said["step"]) == (os.getpid(), 1, 2,
                                                                           17)
@@ -172,20 +181,14 @@ def test_a_survivor_without_a_fitting_assignment_gives_up(channel, sent):
 def test_a_survivor_whose_agent_goes_away_gives_up_at_once(channel):
     """The next agent does not know the survivors the last one kept: waiting out the rest of
     twice the grace would only hold the device."""
-    import threading
     import time
 
-    from lazarus.trainer import inplace
     from lazarus.trainer.session import Session
 
     session = Session(socket_path=channel.path, rank=1, round=2)
     mine = _assignment(1, round_=2)
     try:
-        out = {}
-        t = threading.Thread(target=lambda: out.update(
-            nxt=inplace.survive(mine, session, 9, "reset", wait_s=120)))
-        t.start()
-        assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got))
+        t, out = _surviving(channel, mine, session, 9, "reset", wait_s=120)
         gone = time.monotonic()
         channel.close()
         t.join(30)
