@@ -35,6 +35,15 @@ _PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken 
                "gloo", "nccl error", "timed out", "connectfullmesh")
 
 
+def handover_s(issued_at: object, now: float | None = None) -> float:
+    """Seconds since the agent handed the assignment over at `issued_at` (wall clock): 0 when
+    it did not say (0, not a number) or the clocks disagree; at most HANDOVER_MAX_S."""
+    if isinstance(issued_at, bool) or not isinstance(issued_at, (int, float)) or issued_at <= 0:
+        return 0.0
+    waited = (time.time() if now is None else now) - issued_at
+    return waited if 0.0 <= waited <= HANDOVER_MAX_S else 0.0
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """True when `exc` says a peer (or the round's store) went away, not that this rank broke."""
     import torch.distributed as dist
@@ -77,8 +86,7 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     # worker still warming up when the round came, a survivor letting its last round go) is
     # part of the recovery too (StartTimes' "handover").
     handed = time.perf_counter()
-    waited = time.time() - a.issued_at if a.issued_at > 0 else 0.0
-    began = handed - min(max(0.0, waited), HANDOVER_MAX_S)
+    began = handed - handover_s(a.issued_at)
     if os.environ.get(STACKS_ENV):
         # The agent asks for our stacks (SIGUSR1) before it kills a hung round.
         from lazarus.trainer.flightrec import serve_flight_record

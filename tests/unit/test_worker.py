@@ -23,3 +23,16 @@ def test_optional_fields_default_and_mistakes_are_named():
         WorkerAssignment.from_json('{"ranks": 0}')
     with pytest.raises(UserError, match="not JSON"):
         WorkerAssignment.from_json("rank=0")
+
+
+@pytest.mark.parametrize("issued_at, seconds", [
+    (97.5, 2.5),                  # handed over 2.5 s before the rank took it
+    (0.0, 0.0),                   # an agent that does not say
+    ("soon", 0.0), (None, 0.0), (True, 0.0), (float("nan"), 0.0),
+    (120.0, 0.0),                 # from the future: the clocks disagree
+    (100.0 - 10_000, 0.0),        # hours ago: a clock stepped, not a wait
+])
+def test_the_handover_is_read_from_the_assignment_and_garbage_is_none(issued_at, seconds):
+    from lazarus.trainer.worker import handover_s
+
+    assert handover_s(issued_at, now=100.0) == seconds
