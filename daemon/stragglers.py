@@ -148,4 +148,6 @@ def _judged(view: ClusterView, st: RunStatus) -> bool:
 def _fields(s: Straggler, node: str, step: int, *, swap: str | None) -> dict:
     return {"node": node, "culprit": node, "step": step, "rank": s.rank, "ratio": round(s.ratio, 3),
             "slow_steps": s.slow_steps, "of_steps": s.of_steps,
+            "slow_samples": s.slow_samples or s.slow_steps, "of_samples": s.of_samples or s.of_steps,
+            "span_s": round(s.span_s, 2),
             "gain_s_per_step": round(s.gain_s_per_step, 4), "swap_to": swap}

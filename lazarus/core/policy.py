@@ -7,7 +7,7 @@
     lr_scale = 1.0          # after a rollback, multiply the LR by this ...
     lr_scale_steps = 0      # ... for this many steps (0: not at all)
     straggler_margin = 1.2  # a rank whose own compute time is this many times its peers' ...
-    straggler_steps = 14    # ... in this many of the last 20 steps is a straggler
+    straggler_steps = 14    # ... in this many of its last 20 samples (steps pooled to >= 0.25 s)
     swap_cost_s = 60.0      # what swapping a node costs (checkpoint, rendezvous, restore)
 
 One spike is the trainer guard's business (it skips that batch). Spikes that repeat mean the
@@ -83,7 +83,8 @@ class StragglerPolicy:
         return dataclasses.asdict(self)
 
 
-# The straggler test looks at each rank's last WINDOW steps (the agents keep that many).
+# The straggler test looks at each rank's last WINDOW samples (the agents keep that many;
+# lazarus.core.throughput pools steps shorter than its sample_s into one sample).
 WINDOW = 20
 _POLICIES = (SpikePolicy, StragglerPolicy)
 

@@ -41,6 +41,12 @@ class ThroughputConfig:
     # by the same event (machine-wide contention, a checkpoint flush, another node's
     # preflight): nobody is judged against them until they are back.
     contention: float = 1.15
+    # A sample of the window spans at least this much wall time: steps faster than that are
+    # pooled (their mean), so a full window is at least WINDOW x sample_s of evidence. A
+    # one-rank burst of 1-3 s (a flush, a page-cache storm, a daemon pass on a shared host)
+    # fills 14 of 20 fifty-millisecond steps, and a report needs more than that; steps of
+    # sample_s or longer are samples of their own, as before.
+    sample_s: float = 0.25
 
 
 # A rank is warm, and its steps count, once its pace has stopped falling: WARM_RUN steps in a
@@ -81,30 +87,44 @@ class RankSummary:
     p50_s: float             # median wall step time: what a step costs the run now
     base_s: float | None = None  # its best median work time of the round (None: unknown)
     warmup: int = 0          # steps of the round it took to warm up (held out of work_s)
+    steps: int = 0           # steps the window's samples hold (0: one step per sample)
+    span_s: float = 0.0      # wall time they took (0: unknown)
+
+    @property
+    def steps_per_sample(self) -> float:
+        return self.steps / len(self.work_s) if self.steps and self.work_s else 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Straggler:
     rank: int
     node: str
-    ratio: float             # median of (own time / peers' median) over the slow steps
-    slow_steps: int
-    of_steps: int
+    ratio: float             # median of (own time / peers' median) over the slow samples
+    slow_steps: int          # steps in the slow samples
+    of_steps: int            # steps in the window
     gain_s_per_step: float   # step time saved if the rank ran at its peers' pace
     step_s: float = 0.0      # its median wall step time: what a step of the run takes now
+    slow_samples: int = 0    # samples of the window slower than the margin (0: = slow_steps)
+    of_samples: int = 0
+    span_s: float = 0.0      # wall time of the window
 
     @property
     def reason(self) -> str:
-        return (f"rank {self.rank}{f' on {self.node}' if self.node else ''} is "
-                f"{self.ratio:.2f}x slower than its peers in {self.slow_steps} of the last "
-                f"{self.of_steps} steps")
+        who = f"rank {self.rank}{f' on {self.node}' if self.node else ''}"
+        if self.of_samples in (0, self.of_steps):
+            return (f"{who} is {self.ratio:.2f}x slower than its peers in {self.slow_steps} "
+                    f"of the last {self.of_steps} steps")
+        return (f"{who} is {self.ratio:.2f}x slower than its peers in {self.slow_samples} of "
+                f"its last {self.of_samples} samples ({self.of_steps} steps, "
+                f"{self.span_s:.1f} s)")
 
 
 @dataclass(frozen=True, slots=True)
 class _Step:
-    step_time_s: float
-    tokens: int
-    work_s: float            # compute_s when reported, else step_time_s
+    step_time_s: float       # a sample of several steps: their mean
+    tokens: int              # ... their sum
+    work_s: float            # compute_s when reported, else step_time_s (mean)
+    steps: int = 1
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -151,10 +171,13 @@ def judge(ranks: Iterable[RankSummary], config: ThroughputConfig) -> list[Stragg
         # shared host make some steps of a healthy rank slow, never most of them.
         if len(slow) >= k and _median(r.work_s) > config.margin * peers:
             ratio = _median(slow) / peers
-            out.append(Straggler(rank=r.rank, node=r.node, ratio=ratio, slow_steps=len(slow),
-                                 of_steps=len(r.work_s),
+            per = r.steps_per_sample
+            out.append(Straggler(rank=r.rank, node=r.node, ratio=ratio,
+                                 slow_steps=round(len(slow) * per),
+                                 of_steps=r.steps or len(r.work_s),
                                  gain_s_per_step=r.p50_s * (1 - 1 / ratio),
-                                 step_s=r.p50_s))
+                                 step_s=r.p50_s, slow_samples=len(slow),
+                                 of_samples=len(r.work_s), span_s=r.span_s))
     return out
 
 
@@ -188,19 +211,28 @@ def read_summary(node: str, doc: object, *, window: int = WINDOW) -> list[RankSu
             base = entry.get("base_s")
             base = float(base) if base is not None else None
             warmup = entry.get("warmup", 0)
+            steps, span = entry.get("steps", 0), entry.get("span_s", 0.0)
+            steps = steps if _count(steps) and steps >= len(work) else 0
+            span = float(span) if _count(span) or isinstance(span, float) else 0.0
             out.append(RankSummary(rank=int(rank), node=node, work_s=tuple(sorted(work)),
                                    p50_s=p50 if math.isfinite(p50) else 0.0,
                                    base_s=base if base is not None and math.isfinite(base)
                                    and base > 0 else None,
-                                   warmup=warmup if isinstance(warmup, int) else 0))
+                                   warmup=warmup if _count(warmup) else 0, steps=steps,
+                                   span_s=span if math.isfinite(span) and span > 0 else 0.0))
         except (KeyError, TypeError, ValueError, OverflowError):
             continue
     return out
 
 
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 class ThroughputTracker:
     """A node's ranks' recent steps, per round (`reset` at each). A rank's steps count from
-    the first run of WARM_RUN steady ones (see WARM_RUN); before that they are its warm-up."""
+    the first run of WARM_RUN steady ones (see WARM_RUN); before that they are its warm-up.
+    Steps shorter than `sample_s` are pooled into samples of at least that span."""
 
     def __init__(self, config: ThroughputConfig | None = None):
         self.config = config or ThroughputConfig()
@@ -209,6 +241,7 @@ class ThroughputTracker:
         self._warming: dict[int, deque[_Step]] = {}
         self._warmup: dict[int, int] = {}      # steps held out before the rank was warm
         self._base: dict[int, float] = {}      # best median work time of a half-full window
+        self._pool: dict[int, list[_Step]] = {}  # steps of the sample being filled
 
     def reset(self) -> None:
         self._ranks.clear()
@@ -216,6 +249,7 @@ class ThroughputTracker:
         self._warming.clear()
         self._warmup.clear()
         self._base.clear()
+        self._pool.clear()
 
     def observe(self, *, rank: int, step: int, step_time_s: float, tokens: int,
                 node: str = "", compute_s: float | None = None) -> None:
@@ -234,10 +268,25 @@ class ThroughputTracker:
             # Warm: its last WARM_RUN steps start the window; the steps before were warm-up.
             last = list(warming)[-WARM_RUN:]
             self._warmup[rank] -= len(last)
-            window = self._ranks[rank] = deque(last, maxlen=self.config.window)
+            window = self._ranks[rank] = deque(maxlen=self.config.window)
             del self._warming[rank]
+            for r in last:
+                self._add(rank, window, r)
         else:
-            window.append(rec)
+            self._add(rank, window, rec)
+
+    def _add(self, rank: int, window: deque[_Step], rec: _Step) -> None:
+        pool = self._pool.setdefault(rank, [])
+        pool.append(rec)
+        if sum(r.step_time_s for r in pool) < self.config.sample_s:
+            return
+        del self._pool[rank]
+        if len(pool) > 1:
+            n = len(pool)
+            rec = _Step(step_time_s=sum(r.step_time_s for r in pool) / n,
+                        tokens=sum(r.tokens for r in pool),
+                        work_s=sum(r.work_s for r in pool) / n, steps=n)
+        window.append(rec)
         if len(window) >= self.config.window // 2:
             median = statistics.median(r.work_s for r in window)
             self._base[rank] = min(median, self._base.get(rank, median))
@@ -245,15 +294,16 @@ class ThroughputTracker:
     def rank_stats(self, rank: int) -> RankStats:
         recs = self._ranks[rank]
         times = sorted(r.step_time_s for r in recs)
-        return RankStats(rank=rank, node=self._node[rank], steps=len(recs),
-                         tokens_per_s=sum(r.tokens for r in recs) / sum(times),
+        return RankStats(rank=rank, node=self._node[rank], steps=sum(r.steps for r in recs),
+                         tokens_per_s=(sum(r.tokens for r in recs)
+                                       / sum(r.step_time_s * r.steps for r in recs)),
                          p50_s=statistics.median(times), p90_s=_quantile(times, 0.9),
                          max_s=times[-1])
 
     def node_stats(self) -> dict[str, NodeStats]:
         by_node: dict[str, list[int]] = {}
         for rank, node in sorted(self._node.items()):
-            if rank in self._ranks:  # a rank still warming up has no window yet
+            if self._ranks.get(rank):  # a rank still warming up has no window yet
                 by_node.setdefault(node, []).append(rank)
         out = {}
         for node, ranks in by_node.items():
@@ -269,8 +319,10 @@ class ThroughputTracker:
                             work_s=tuple(sorted(_short(r.work_s) for r in recs)),
                             p50_s=statistics.median(r.step_time_s for r in recs),
                             base_s=_short(self._base[rank]) if rank in self._base else None,
-                            warmup=self._warmup.get(rank, 0))
-                for rank, recs in sorted(self._ranks.items())]
+                            warmup=self._warmup.get(rank, 0),
+                            steps=sum(r.steps for r in recs),
+                            span_s=_short(sum(r.step_time_s * r.steps for r in recs)))
+                for rank, recs in sorted(self._ranks.items()) if recs]
 
     def summary(self) -> dict:
         """What a node status carries: per rank its window's work times (sorted) and median
@@ -278,7 +330,7 @@ class ThroughputTracker:
         and median step time. It is most of a node status's bytes, and etcd keeps each
         rewrite until a compaction."""
         ranks = {str(s.rank): {"work_s": list(s.work_s), "p50_s": _short(s.p50_s),
-                               "warmup": s.warmup,
+                               "warmup": s.warmup, "steps": s.steps, "span_s": s.span_s,
                                **({"base_s": s.base_s} if s.base_s is not None else {})}
                  for s in self.rank_summaries()}
         nodes = list(self.node_stats().values())

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_slow_node_is_flagged_and_swapped_for_the_spare(tmp_path):
-    steps = 60  # time for the detector to judge with steps left to save (CI: 40 was not)
+    # Time for the detector to judge with steps left to save: a window is 20 samples of at
+    # least 0.25 s (core/throughput.py), ~100 of these steps; the reference is shared.
+    steps = 160
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "1", "--steps", str(steps),
                           "--chaos", "slow-rank@6:n1", "--policy", "swap_cost_s=0.1")
     assert summary["final_state"] == "SUCCEEDED", summary
@@ -30,7 +32,8 @@ def test_slow_node_is_flagged_and_swapped_for_the_spare(tmp_path):
     # the detector work of issue 13 removes; until then it costs a log line, not a recovery).
     assert flagged[0]["fields"]["culprit"] == "n1"
     assert all(e["fields"].get("swap_to") is None for e in flagged[1:])
-    assert flagged[0]["fields"]["swap_to"] == "n2" and flagged[0]["fields"]["ratio"] > 1.5
+    # 2x slower, seen as 1.4-2x: on two shared cores the slow rank's burning slows its peer
+    assert flagged[0]["fields"]["swap_to"] == "n2" and flagged[0]["fields"]["ratio"] > 1.3
     rounds = [e["fields"]["members"] for e in events if e["kind"] == "round_started"]
     assert rounds == [["n0", "n1"], ["n0", "n2"]]
     log = "".join((tmp_path / "up" / f"daemon-{i}.log").read_text() for i in (0, 1))

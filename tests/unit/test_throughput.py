@@ -86,7 +86,9 @@ def test_summary_carries_each_ranks_window_sorted_and_reads_back():
     assert sorted(doc["ranks"]) == ["0", "1", "2", "3"]
     assert doc["ranks"]["3"]["work_s"] == [1.0, 1.0, 1.0, 1.0, 1.5]
     # nothing the daemon does not read
-    assert sorted(doc["ranks"]["3"]) == ["base_s", "p50_s", "warmup", "work_s"]
+    assert sorted(doc["ranks"]["3"]) == ["base_s", "p50_s", "span_s", "steps", "warmup",
+                                         "work_s"]
+    assert (doc["ranks"]["3"]["steps"], doc["ranks"]["3"]["span_s"]) == (5, 7.5)
     assert doc["tokens_per_s"] == pytest.approx(4 * 1000 / 1.5, rel=1e-3)
     back = read_summary("b", doc)
     assert {r.rank: r.work_s for r in back} == {r.rank: r.work_s for r in tr.rank_summaries()}
@@ -181,3 +183,63 @@ def test_a_summary_while_ranks_warm_up_holds_only_the_warm_ones():
     tr.reset()
     tr.observe(rank=2, step=1, step_time_s=2.0, tokens=1, node="a")
     assert tr.summary()["ranks"] == {} and tr.stragglers() == []
+
+
+def _run(tr, steps, *, step_s, slow_rank=None, slow_steps=(), factor=1.5):
+    """Synchronous steps of `step_s` wall time; `slow_rank` works `factor` x as long as its
+    peers in `slow_steps`."""
+    for step in range(1, steps + 1):
+        for rank, node in NODES.items():
+            work = step_s / 2 * (factor if rank == slow_rank and step in slow_steps else 1.0)
+            tr.observe(rank=rank, step=step, step_time_s=step_s, tokens=1, node=node,
+                       compute_s=work)
+
+
+def test_fast_steps_are_pooled_into_samples_of_at_least_sample_s():
+    tr = ThroughputTracker(ThroughputConfig(window=20, sample_s=0.25))
+    _run(tr, 400, step_s=0.05)
+    (r0, *_) = tr.rank_summaries()
+    # 20 samples of 5 steps: the window is 100 steps and 5 s of evidence, not 20 steps and 1 s
+    assert (len(r0.work_s), r0.steps, r0.span_s) == (20, 100, pytest.approx(5.0))
+    assert r0.work_s == (0.025,) * 20 and r0.p50_s == pytest.approx(0.05)
+    assert tr.rank_stats(0).steps == 100
+    assert tr.rank_stats(0).tokens_per_s == pytest.approx(1 / 0.05)
+    back = read_summary("a", json.loads(json.dumps(tr.summary())))
+    assert [(r.steps, r.span_s) for r in back] == [(100, pytest.approx(5.0))] * 4
+
+
+def test_a_one_rank_burst_of_fast_steps_is_no_straggler_a_persistent_one_is():
+    # 50 ms steps, one rank 1.5x slower for 30 of them (1.5 s: a flush, a page-cache storm,
+    # a daemon pass beside it on a shared host). Step by step that is 14 of the last 20; as
+    # samples of 0.25 s it is 6 of 20.
+    burst = range(301, 331)
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14, sample_s=0.0))
+    _run(tr, 330, step_s=0.05, slow_rank=3, slow_steps=burst)
+    assert [s.rank for s in tr.stragglers()] == [3]        # what the 20-step window said
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    _run(tr, 330, step_s=0.05, slow_rank=3, slow_steps=burst)
+    assert tr.stragglers() == []
+    # ... while the same slowdown kept up for 3.5 s (14 samples) is named, in seconds
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    _run(tr, 370, step_s=0.05, slow_rank=3, slow_steps=range(301, 371))
+    (s,) = tr.stragglers()
+    assert (s.rank, s.slow_samples, s.slow_steps, s.of_steps) == (3, 14, 70, 100)
+    assert s.ratio == pytest.approx(1.5)
+    assert s.reason == ("rank 3 on b is 1.50x slower than its peers in 14 of its last 20 "
+                        "samples (100 steps, 5.0 s)")
+
+
+def test_slow_steps_are_their_own_samples():
+    tr = ThroughputTracker(ThroughputConfig(window=20, margin=1.2, min_slow=14))
+    _run(tr, 40, step_s=0.5, slow_rank=3, slow_steps=range(21, 41))
+    (s,) = tr.stragglers()
+    assert (s.slow_steps, s.of_steps, s.slow_samples) == (20, 20, 20)
+    assert s.reason == "rank 3 on b is 1.50x slower than its peers in 20 of the last 20 steps"
+
+
+@pytest.mark.parametrize("steps,span", [(-1, 1.0), (True, 1.0), ("5", 1.0), (3, 1.0),
+                                        (5, "x"), (5, float("nan")), (5, -2.0)])
+def test_garbage_window_sizes_in_a_summary_fall_back_to_one_step_per_sample(steps, span):
+    doc = {"ranks": {"0": {"work_s": [1.0] * 5, "p50_s": 1.0, "steps": steps, "span_s": span}}}
+    (r,) = read_summary("a", doc)
+    assert r.steps in (0, 5) and r.span_s >= 0.0 and r.steps_per_sample == 1.0
