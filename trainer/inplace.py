@@ -144,17 +144,22 @@ def run(main: Callable[[], T]) -> T:
     environment each time, as under torchrun, and restore the round's state (`Session.restore`
     or `restore_point`). Outside an agent, with in-place recovery off, or when no next round
     comes, the failure is raised as it would be without this call."""
-    from lazarus.trainer.session import _assignment, connect
+    from lazarus.trainer.session import _assignment, connect, script_sessions
     from lazarus.trainer.worker import is_peer_failure
 
     a = _assignment()
     while True:
+        before = script_sessions()
         try:
             return main()
         except Exception as e:
             if a is None or not enabled(a) or not is_peer_failure(e):
                 raise
             why = peer_gone(a, e)
+            # The sessions this round's `main` opened are its own: closed (a snapshot being
+            # written finishes first), they leave no connection or thread behind.
+            for left in script_sessions() - before:
+                left.close()
             # A connection of its own: the script's session is the script's.
             session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
             try:

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,6 +44,9 @@ _RECONNECT_EVERY_S = 0.2
 # Reports that must reach an agent, even one that restarts: held while none is there and sent
 # to the next one. Step and progress reports are dropped instead: the next one supersedes them.
 _KEEP = ("committed", "checkpoint_failed", "refused", "restore_failed")
+# The connected sessions of this process: lazarus.trainer.run closes those a failed round's
+# `main` left open, or each round would leave its connection and threads in the process.
+_open: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
 
 class Session:
@@ -87,6 +91,7 @@ class Session:
             self._attach(sock)
             threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
                              name="lazarus-session").start()
+            _open.add(self)
 
     def _attach(self, sock: socket.socket) -> None:
         with self._lock:
@@ -421,8 +426,12 @@ class Session:
         return math.isfinite(loss)
 
     def close(self) -> None:
+        _open.discard(self)
         if self._snapshots is not None:
             self._snapshots.close()
+            # ... and off atexit's list, which would keep its buffers for the process's life
+            import atexit
+            atexit.unregister(self._snapshots.close)
         if self._metrics:
             self._metrics.close()
             self._metrics = None
@@ -438,6 +447,11 @@ class Session:
             except OSError:
                 pass
             sock.close()
+
+
+def script_sessions() -> set[Session]:
+    """The script's connected sessions (level 1; not Lazarus's own watch) not closed yet."""
+    return {s for s in list(_open) if s._level >= 1}
 
 
 _script_progress = False  # the script reports its own progress (level 1)

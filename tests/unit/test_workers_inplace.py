@@ -230,3 +230,66 @@ def test_in_place_is_on_under_an_agent_unless_the_job_says_off(monkeypatch):
     for off in ("off", "OFF"):
         monkeypatch.setenv(IN_PLACE_ENV, off)
         assert not inplace.enabled(under_agent)
+
+
+_SCRIPT = """
+import json, sys, threading, time
+import lazarus.trainer
+from lazarus.trainer import session as sessions
+
+calls = []
+
+def main():
+    calls.append(1)
+    if len(calls) == 1:  # a round whose main opened a session and then lost a peer
+        lazarus.trainer.connect().report(step=1, loss=1.0, tokens=1, step_time_s=0.1)
+        raise RuntimeError("Connection reset by peer")
+    end = time.monotonic() + 10  # a closed session's reader ends at once; a hang guard
+    while time.monotonic() < end and any(
+            t.name == "lazarus-session" for t in threading.enumerate()):
+        time.sleep(0.05)
+    print(json.dumps({"calls": len(calls), "open": len(sessions.script_sessions()),
+                      "readers": sum(t.name == "lazarus-session"
+                                     for t in threading.enumerate())}), flush=True)
+
+lazarus.trainer.run(main)
+"""
+
+
+def test_a_scripts_round_run_again_in_place_leaves_no_session_behind(channel, tmp_path):
+    """`lazarus.trainer.run(main)`: the session the failed round's main opened is closed
+    before main runs again -- no connection or reader thread per round left in the process
+    (a week of recoveries would pile them up)."""
+    import os
+    import sys
+
+    from lazarus.core.contract import ASSIGNMENT_ENV, SOCKET_ENV
+
+    mine = _assignment(1, round_=2)
+    mine.report_socket = channel.path
+    env = {**os.environ, ASSIGNMENT_ENV: mine.to_json(), SOCKET_ENV: channel.path,
+           "RANK": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert _wait(lambda: any(m.get("type") == "survivor" for m in channel.got), 60), \
+            proc.stderr.read() if proc.poll() is not None else "no survivor message"
+        # the next round's store, where its hosting agent publishes the round's port
+        import torch.distributed as dist
+
+        from lazarus.core.contract import round_port_key
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store.set(round_port_key(3), "29555")
+        nxt = _assignment(1, round_=3)
+        nxt.report_socket, nxt.store_port = channel.path, store.port
+        assert channel.send_to(proc.pid, {"type": "resume",
+                                          "assignment": json.loads(nxt.to_json())})
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (out, err)
+    assert json.loads(out.splitlines()[-1]) == {"calls": 2, "open": 0, "readers": 0}
