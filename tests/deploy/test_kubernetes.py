@@ -82,3 +82,32 @@ def test_agents_seal_their_tier0_copies_with_a_key_from_a_secret():
     volumes = {v["name"]: v for d in docs if d["kind"] == "DaemonSet"
                for v in d["spec"]["template"]["spec"]["volumes"]}
     assert volumes["replica-key"]["secret"]["secretName"] == "lazarus-replica-key"
+
+
+def test_no_pod_of_lazarus_runs_its_code_as_root():
+    """Issue 23: the agent ran as root, so did every job's code. Only the agent's init step
+    that makes its host workdir its own is root, with just the capabilities that takes."""
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "lazarus.yaml").read_text()) if d]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("Deployment", "DaemonSet")}
+    assert sorted(pods) == ["lazarus-agent", "lazarus-daemon"]
+    for name, pod in pods.items():
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0, name
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+            assert "runAsUser" not in sc and "privileged" not in sc, (name, c["name"])
+        # Secrets readable by the pod's group, nobody else
+        for v in pod["volumes"]:
+            if "secret" in v:
+                assert v["secret"]["defaultMode"] == 0o440, (name, v["name"])
+    (init,) = pods["lazarus-agent"]["initContainers"]
+    assert init["command"][:1] == ["install"] and "0700" in init["command"]
+    assert init["command"][-1] == "/var/lib/lazarus/agent"
+    agent = pods["lazarus-agent"]["containers"][0]
+    assert "--workdir /var/lib/lazarus/agent" in " ".join(agent["args"])
+    assert init["securityContext"]["capabilities"]["drop"] == ["ALL"]

@@ -81,6 +81,15 @@ def test_agent_unit_leaves_the_ranks_to_the_agent_and_always_restarts():
     assert "StartLimitIntervalSec=0" in agent and "StartLimitIntervalSec=0" in daemon
 
 
+def test_neither_unit_runs_as_root():
+    """Issue 23: the agent ran as root, and so did every job's code it starts."""
+    agent = (DEPLOY / "lazarus-agent.service").read_text().splitlines()
+    daemon = (DEPLOY / "lazarus-daemon.service").read_text().splitlines()
+    users = [line.split("=", 1)[1] for line in agent if line.startswith("User=")]
+    assert users == ["lazarus"] and "NoNewPrivileges=yes" in agent
+    assert "DynamicUser=yes" in daemon
+
+
 def test_env_file_sets_every_variable_the_units_use():
     env = {line.split("=", 1)[0] for line in (DEPLOY / "lazarus.env").read_text().splitlines()
            if line and not line.startswith("#")}
