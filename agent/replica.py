@@ -21,8 +21,18 @@ that window a request is taken once: it names its destination (node and port: a 
 captured on its way to one agent is refused by any other, and by the same node's next agent)
 and a nonce the server remembers until the request's date is stale (at most MAX_NONCES; past
 that, requests are refused until some expire). An answer repeats its request's nonce. A
-received shard must also be a snapshot of the rank and step its header names. Nothing is
-encrypted: whoever watches the network reads the shards (docs/security.md).
+received shard must also be a snapshot of the rank and step its header names.
+
+Payloads travel in the clear unless the operator asks (`--replica-encrypt`): then every
+payload an agent sends, and every answer it asks for, is encrypted with AES-256-GCM under a
+key derived from the replica key (HKDF), in chunks of ENC_CHUNK bytes, each sealed with the
+message's tag, its index and whether it is the last as associated data (no chunk can be
+moved, dropped or spliced from another message), under a nonce of the message's random IV
+and the chunk's index. The sealed header says so ("enc", "iv"); an encrypting agent refuses a
+payload in the clear, and one that does not encrypt still takes and answers encrypted
+transfers, so a job can turn it on node by node. An encrypted message's sealed digest is
+zeros (the plaintext's sha256 would be a fingerprint of the shard): the AEAD tags vouch for
+the payload instead, and the snapshot's own checksum still holds after decryption.
 
     message = header length (4) | header (JSON) | payload length (8) | digest (32)
               | MAGIC + tag (36) | payload
@@ -47,6 +57,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lazarus.core import sealed, snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
@@ -86,6 +101,37 @@ CONTEXT = b"lazarus-replica-4\0"
 _SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
 _DIGEST = 32  # sha256, at the end of every snapshot file
 _NO_DIGEST = bytes(_DIGEST)
+# Encryption (see the module's doc): the scheme's name in a header, its chunk size, AES-GCM's
+# tag, and the IV: 8 random bytes per message, the chunk's index in the nonce's last 4.
+ENC = "aes-256-gcm-8m"
+ENC_CHUNK = 8 << 20
+_GCM_TAG = 16
+_IV_BYTES = 8
+
+
+def _cipher(key: bytes) -> AESGCM:
+    """The encryption key, derived from the replica key: never the HMAC key itself."""
+    return AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                       info=b"lazarus-replica-encryption-1").derive(key))
+
+
+def _chunk_aad(seal: bytes, i: int, last: bool) -> bytes:
+    return seal + i.to_bytes(4, "big") + (b"\1" if last else b"\0")
+
+
+def _nonce(iv: bytes, i: int) -> bytes:
+    return iv + i.to_bytes(4, "big")
+
+
+def _wire_size(plain: int) -> int:
+    return plain + _GCM_TAG * -(-plain // ENC_CHUNK)
+
+
+def _plain_size(wire: int) -> int | None:
+    """The plaintext size of `wire` encrypted bytes, or None when no plaintext makes it."""
+    chunks = -(-wire // (ENC_CHUNK + _GCM_TAG))
+    plain = wire - _GCM_TAG * chunks
+    return plain if plain >= 0 and _wire_size(plain) == wire else None
 
 
 def _context(head: bytes, length: int, digest: bytes) -> bytes:
@@ -97,14 +143,50 @@ def _digest(payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def _send(sock: socket.socket, key: bytes, header: dict,
-          payload: bytes | bytearray | memoryview = b"") -> None:
+          payload: bytes | bytearray | memoryview = b"", *, encrypt: bool = False) -> None:
+    encrypt = encrypt and len(payload) > 0
+    iv = secrets.token_bytes(_IV_BYTES) if encrypt else b""
+    if encrypt:
+        header = {**header, "enc": ENC, "iv": iv.hex()}
     head = json.dumps(header, sort_keys=True).encode()
-    digest = _digest(payload)
-    seal = sealed.tag(key, _context(head, len(payload), digest))
-    sock.sendall(len(head).to_bytes(4, "big") + head + len(payload).to_bytes(8, "big")
+    digest = _NO_DIGEST if encrypt else _digest(payload)
+    length = _wire_size(len(payload)) if encrypt else len(payload)
+    seal = sealed.tag(key, _context(head, length, digest))
+    sock.sendall(len(head).to_bytes(4, "big") + head + length.to_bytes(8, "big")
                  + digest + seal)
-    if len(payload):
-        sock.sendall(payload)
+    if not encrypt:
+        if len(payload):
+            sock.sendall(payload)
+        return
+    cipher, view = _cipher(key), memoryview(payload)
+    chunks = -(-len(view) // ENC_CHUNK)
+    for i in range(chunks):
+        part = view[i * ENC_CHUNK:(i + 1) * ENC_CHUNK]
+        sock.sendall(cipher.encrypt(_nonce(iv, i), part, _chunk_aad(seal, i, i == chunks - 1)))
+
+
+def _recv_encrypted(sock: socket.socket, key: bytes, header: dict, seal: bytes,
+                    payload: bytearray, wire: int, deadline: float) -> None:
+    """Receive `wire` encrypted bytes and decrypt them into `payload`, chunk by chunk."""
+    try:
+        iv = bytes.fromhex(header.get("iv", "")) if isinstance(header.get("iv"), str) else b""
+    except ValueError:
+        iv = b""
+    if len(iv) != _IV_BYTES:
+        raise ReplicaError("an encrypted payload without its IV")
+    cipher, buf = _cipher(key), bytearray(min(wire, ENC_CHUNK + _GCM_TAG))
+    chunks, at = -(-wire // (ENC_CHUNK + _GCM_TAG)), 0
+    for i in range(chunks):
+        n = min(ENC_CHUNK + _GCM_TAG, wire - i * (ENC_CHUNK + _GCM_TAG))
+        _recv_into(sock, memoryview(buf)[:n], deadline, "the payload")
+        try:
+            plain = cipher.decrypt(_nonce(iv, i), bytes(buf[:n]),
+                                   _chunk_aad(seal, i, i == chunks - 1))
+        except InvalidTag:
+            raise BadPayload(f"chunk {i} of the encrypted snapshot fails its tag: damaged or "
+                             "altered on the way") from None
+        payload[at:at + len(plain)] = plain
+        at += len(plain)
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str) -> None:
@@ -132,12 +214,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
 
 
 def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float,
-          admit: Callable[[dict], None] = lambda header: None
+          admit: Callable[[dict], None] = lambda header: None, encrypted_only: bool = False
           ) -> tuple[dict, bytearray, dict | None]:
     """(header, payload, the payload's snapshot header or None when it is empty): sealed
     under `key`, fresh, admitted by `admit` (ReplicaError: refused), and a payload that passes
     its checksum, or ReplicaError. The seal is checked before the payload is read;
-    `header_s`: the time the sealed part may take."""
+    `header_s`: the time the sealed part may take. `encrypted_only`: a payload in the clear
+    is refused unread."""
     deadline = time.monotonic() + header_s
     size = int.from_bytes(_recv_exact(sock, 4, deadline, "the header"), "big")
     if size > MAX_HEADER:
@@ -150,24 +233,36 @@ def _recv(sock: socket.socket, key: bytes, *, max_payload: int, header_s: float,
         sealed.check(key, _context(head, length, digest), seal)
     except sealed.Forged as e:
         raise ReplicaError(f"refused an unauthenticated message: {e}") from None
-    # From here on the sender holds the key: its announced size is trusted up to the limit.
-    if length > max_payload:
-        raise ReplicaError(f"a payload of {length} bytes, not 0..{max_payload}")
     try:
         header = json.loads(head)
     except (ValueError, RecursionError) as e:
         raise ReplicaError(f"a header that is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ReplicaError("a header that is not a JSON object")
+    enc = header.get("enc")
+    if enc is not None and enc != ENC:
+        raise ReplicaError(f"a payload encrypted as {str(enc)[:40]!r}, not {ENC}")
+    if enc is None and length and encrypted_only:
+        raise ReplicaError("a payload in the clear: this agent takes encrypted copies only "
+                           "(--replica-encrypt)")
+    plain = length if enc is None else _plain_size(length)
+    if plain is None or (enc is not None and (plain == 0 or digest != _NO_DIGEST)):
+        raise ReplicaError(f"an encrypted payload of {length} bytes: no chunking makes that")
+    # From here on the sender holds the key: its announced size is trusted up to the limit.
+    if plain > max_payload:
+        raise ReplicaError(f"a payload of {plain} bytes, not 0..{max_payload}")
     _fresh(header)  # a replay is refused before its payload costs memory
     admit(header)
-    payload = bytearray(length)
-    _recv_into(sock, memoryview(payload),
-               time.monotonic() + BODY_FLOOR_S + length / BODY_RATE, "the payload")
+    payload = bytearray(plain)
+    deadline = time.monotonic() + BODY_FLOOR_S + length / BODY_RATE
+    if enc is None:
+        _recv_into(sock, memoryview(payload), deadline, "the payload")
+    else:
+        _recv_encrypted(sock, key, header, seal, payload, length, deadline)
     snap = None
     if payload:
         try:  # the seal covers the digest: the payload is the sender's only if this holds
-            if _digest(payload) != digest:
+            if enc is None and _digest(payload) != digest:
                 raise SnapshotError("the snapshot received does not end with the digest "
                                     "it was sealed with: damaged on the way")
             snap = snapshotfile.verify(payload, "the snapshot received")
@@ -252,14 +347,15 @@ class ReplicaServer:
     round)` stores a verified copy (ReplicaError: refused); `find(job, rank, step)` is the path of one, or None.
     `max_bytes`: the largest snapshot taken (the store's limit). `node`: the name requests
     must be addressed to (this agent's node). At most MAX_CONNECTIONS transfers at once;
-    each must deliver its sealed header within HEADER_S."""
+    each must deliver its sealed header within HEADER_S. `encrypt`: take encrypted copies
+    only, and send every copy encrypted (else only to those who ask)."""
 
     def __init__(self, host: str, *, key: bytes,
                  accept: Callable[[str, int, int, bytes, int], None],
                  find: Callable[[str, int, int], Path | None], max_bytes: int,
-                 node: str = ""):
+                 node: str = "", encrypt: bool = False):
         self.key, self.accept, self.find, self.max_bytes = key, accept, find, max_bytes
-        self.node = node
+        self.node, self.encrypt = node, encrypt
         self._nonces = _Nonces()
         server = self
 
@@ -284,7 +380,8 @@ class ReplicaServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             header, payload, got = _recv(sock, self.key, max_payload=self.max_bytes,
-                                         header_s=HEADER_S, admit=self._admit)
+                                         header_s=HEADER_S, admit=self._admit,
+                                         encrypted_only=self.encrypt)
         except BadPayload as e:
             sock.settimeout(TIMEOUT_S)
             _send(sock, self.key, {"ok": False, "error": str(e), "time": time.time()})
@@ -315,7 +412,8 @@ class ReplicaServer:
                                        "error": f"no copy of rank {rank} step {step} here"})
                 return
             _send(sock, self.key, {"ok": True, "time": time.time(), "re": re_, "job": job,
-                                   "rank": rank, "step": step}, path.read_bytes())
+                                   "rank": rank, "step": step}, path.read_bytes(),
+                  encrypt=self.encrypt or header.get("want_enc") is True)
         else:
             raise ReplicaError(f"unknown op {header.get('op')!r}")
 
@@ -325,13 +423,16 @@ class ReplicaServer:
 
 
 def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
-             max_bytes: int) -> tuple[dict, bytes]:
+             max_bytes: int, encrypt: bool = False) -> tuple[dict, bytes]:
     nonce = secrets.token_hex(16)
+    if encrypt:
+        header = {**header, "want_enc": True}  # the answer's payload too
     try:
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
             _send(sock, key, {**header, "port": port, "nonce": nonce, "time": time.time()},
-                  payload)
-            answer, data, _ = _recv(sock, key, max_payload=max_bytes, header_s=TIMEOUT_S)
+                  payload, encrypt=encrypt)
+            answer, data, _ = _recv(sock, key, max_payload=max_bytes, header_s=TIMEOUT_S,
+                                    encrypted_only=encrypt)
     except OSError as e:
         raise ReplicaError(f"{host}:{port}: {e}") from None
     if answer.get("ok") is not True:
@@ -342,20 +443,21 @@ def _request(host: str, port: int, key: bytes, header: dict, payload: bytes, *,
 
 
 def push(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-         data: bytes | memoryview, round_: int, to: str = "") -> None:
+         data: bytes | memoryview, round_: int, to: str = "", encrypt: bool = False) -> None:
     """Send a snapshot file, taken in round `round_`, to the agent of node `to` at host:port
-    (ReplicaError if it did not take it)."""
+    (ReplicaError if it did not take it); `encrypt`: on the wire as the module's doc says."""
     _request(host, port, key, {"op": "put", "from": node, "to": to, "job": job, "rank": rank,
-                               "step": step, "round": round_}, data, max_bytes=0)
+                               "step": step, "round": round_}, data, max_bytes=0,
+             encrypt=encrypt)
 
 
 def fetch(host: str, port: int, key: bytes, *, node: str, job: str, rank: int, step: int,
-          max_bytes: int, to: str = "") -> bytearray:
+          max_bytes: int, to: str = "", encrypt: bool = False) -> bytearray:
     """A snapshot file from the agent of node `to` at host:port, checked to be the one asked
-    for."""
+    for; `encrypt`: asked for, and taken only, encrypted."""
     answer, data = _request(host, port, key, {"op": "get", "from": node, "to": to, "job": job,
                                               "rank": rank, "step": step}, b"",
-                            max_bytes=max_bytes)
+                            max_bytes=max_bytes, encrypt=encrypt)
     if not data:
         raise ReplicaError(f"{host}:{port} answered without the snapshot")
     got = snapshotfile.read_header(data, f"rank {rank} step {step} from {host}:{port}")

@@ -43,6 +43,8 @@ class Tier0Options:
     # The directory's parent is this user's alone too (the default /dev/shm/lazarus-UID,
     # a name anyone could take first); a --tier0-dir's parent may be /dev/shm itself.
     private_parent: bool = False
+    # Copies on the wire encrypted (lazarus.agent.replica), and none taken in the clear.
+    encrypt: bool = False
 
 
 def default_dir(workdir: Path, node: str) -> Path:
@@ -64,6 +66,10 @@ def add_tier0_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-key-file", default=None,
                    help=f"the key the job's agents share to send snapshots to each other "
                         f"(default: ${KEY_ENV}; without one, none are sent)")
+    p.add_argument("--replica-encrypt", action="store_true",
+                   help="encrypt the snapshots sent to and fetched from peers (AES-256-GCM "
+                        "under a key derived from the replica key), and take none in the "
+                        "clear; costs a pass over each copy on both sides")
 
 
 def tier0_options(args: argparse.Namespace, workdir: Path) -> Tier0Options | None:
@@ -72,9 +78,12 @@ def tier0_options(args: argparse.Namespace, workdir: Path) -> Tier0Options | Non
     if not args.tier0_memory_mb > 0:
         raise UserError("--tier0-memory-mb must be positive")
     key = sealed.load_key(file=args.replica_key_file, env=KEY_ENV, what="--replica-key-file")
+    if args.replica_encrypt and key is None:
+        raise UserError("--replica-encrypt needs a replica key (--replica-key-file or "
+                        f"${KEY_ENV}): it is what the encryption key is derived from")
     return Tier0Options(directory=args.tier0_dir or default_dir(workdir, args.node),
                         limit_bytes=int(args.tier0_memory_mb * (1 << 20)), key=key,
-                        private_parent=args.tier0_dir is None)
+                        private_parent=args.tier0_dir is None, encrypt=args.replica_encrypt)
 
 
 def ring_peer(members: list[str], node: str) -> str | None:
@@ -97,6 +106,7 @@ class Tier0:
                  on_kept: Callable[[int, int, bool], None] = lambda rank, step, durable: None):
         self.node = node
         self.key = options.key
+        self.encrypt = options.encrypt
         self.lookup = lookup
         self.on_kept = on_kept
         try:
@@ -108,8 +118,10 @@ class Tier0:
                             "writable directory in host memory, or --tier0 off)") from None
         self.server = (replica.ReplicaServer(host, key=self.key, accept=self._accept,
                                              find=self._find, max_bytes=options.limit_bytes,
-                                             node=node)
+                                             node=node, encrypt=options.encrypt)
                        if self.key is not None else None)
+        if self.encrypt:
+            log.info("tier 0: copies to and from peers encrypted on the wire (%s)", replica.ENC)
         if self.key is None:
             log.warning("tier 0: no replica key (--replica-key-file or $%s): snapshots stay "
                         "on this node; a lost node's ranks restore from storage", KEY_ENV)
@@ -171,7 +183,8 @@ class Tier0:
                 continue  # dropped meanwhile (a newer one follows), or empty
             try:
                 replica.push(peer[1], peer[2], self.key, node=self.node, to=peer[0], job=job,
-                             rank=rank, step=step, data=data, round_=self._round or 0)
+                             rank=rank, step=step, data=data, round_=self._round or 0,
+                             encrypt=self.encrypt)
             except replica.ReplicaError as e:
                 log.warning("tier 0: rank %d step %d not sent to %s: %s", rank, step, peer[0], e)
                 self.on_kept(rank, step, False)
@@ -256,7 +269,7 @@ class Tier0:
         try:
             data = replica.fetch(registered.host, registered.replica_port, self.key,
                                  node=self.node, to=source, job=job, rank=rank, step=step,
-                                 max_bytes=self.store.limit_bytes)
+                                 max_bytes=self.store.limit_bytes, encrypt=self.encrypt)
         except (replica.ReplicaError, ValueError) as e:
             return f"fetch from {source} failed ({e})"
         self.store.add_replica(job, rank, step, data)

@@ -108,6 +108,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "(default: the agent's, 3)")
     p.add_argument("--hang-floor", type=float, default=None,
                    help="agents: ... and never before this many seconds (default: the agent's, 10)")
+    p.add_argument("--replica-encrypt", action="store_true",
+                   help="agents: encrypt the tier-0 copies they send each other")
     p.add_argument("--monitors", choices=("on", "off"), default="on",
                    help="agents' GPU, host, hang and throughput monitors and the workers' "
                         "progress reports; 'off' exists to measure what they cost")
@@ -185,6 +187,8 @@ def _agent_args(args: argparse.Namespace) -> list[str]:
         if not args.hang_floor > 0:
             raise UserError(f"--hang-floor must be positive, got {args.hang_floor:g}")
         out += ["--hang-floor", repr(args.hang_floor)]
+    if args.replica_encrypt:
+        out.append("--replica-encrypt")
     return out
 
 

@@ -39,9 +39,13 @@ def run_up(tmp_path, *argv):
 
 def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_path_factory):
     steps = 36
-    # A snapshot in memory every step: newer than any checkpoint on storage (every 4).
+    # A snapshot in memory every step: newer than any checkpoint on storage (every 4); the
+    # copies peers swap are encrypted on the wire (agent --replica-encrypt). The model, mesh
+    # and lease TTL are up's defaults, typed as a user would.
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "1", "--steps", str(steps),
-                          "--memory-every", "1", "--chaos", "kill-worker@8:n1,kill-node@18:n1")
+                          "--model", "tiny", "--dp", "2", "--lease-ttl", "3",
+                          "--memory-every", "1", "--replica-encrypt",
+                          "--chaos", "kill-worker@8:n1,kill-node@18:n1")
     assert summary["final_state"] == "SUCCEEDED", summary
     assert summary["steps_completed"] == steps
     crash, lost = summary["recoveries"]
@@ -59,7 +63,9 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
     events = (tmp_path / "up" / "daemon-0.log").read_text() + (
         tmp_path / "up" / "daemon-1.log").read_text()
     assert "promote n2" in events
-    assert "rank 1 step" in (tmp_path / "up" / "agent-n2.log").read_text()  # fetched from n0
+    spare = (tmp_path / "up" / "agent-n2.log").read_text()
+    assert "rank 1 step" in spare and "fetched from n0" in spare  # n1's copy, held by n0
+    assert "encrypted on the wire" in spare
 
     # In place (docs/inplace.md): rank 0, on n0 both times, lost its peer and stayed; each
     # next round ran in its process, with only the lost ranks started anew.

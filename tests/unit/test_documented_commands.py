@@ -47,7 +47,9 @@ NAMED = {'"deploy" / "systemd"': [ROOT / "deploy" / "systemd" / f"lazarus-{p}.se
 
 PREFIX = re.compile(r"^(?:\.venv/bin/)?lazarus\s+(\S+)(.*)$")
 SPAN = re.compile(r"`([^`]+)`")
-FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)(?:[ =]([^\s\[\]]+))?")
+# A flag's value never starts with "-": in `--nodes --spares` both are flags (a value there
+# once hid every other option of a list from this check).
+FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)(?:[ =]([^\s\[\]-][^\s\[\]]*))?")
 CHOICE = re.compile(r"^[a-z][a-z0-9-]*$")   # a literal value, not a placeholder like HOST:PORT
 
 
