@@ -84,7 +84,13 @@ def _step(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
             st = agent._step
+            first = st["step"] == 0
             st["step"] = max(st["step"], int(msg.get("step", 0)))
+            if first and st["step"] > 0:
+                # The round's first step makes the node "running" (nodestatus.workers_state):
+                # written at once, not at the loop's next tick, since the daemon's RUNNING and
+                # its recovery figure wait for it.
+                agent.wake.set()
             spike = msg.get("spike")
             # Every rank skips the same steps (the guard's verdict is global): global rank 0's
             # node alone reports them, so a skip is one status write in the whole cluster,

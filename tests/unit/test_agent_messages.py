@@ -111,7 +111,18 @@ def test_an_unknown_message_is_ignored(agent, msg):
     assert agent._step["step"] == 0
 
 
+def test_the_rounds_first_step_wakes_the_agent_to_publish_the_others_do_not(agent):
+    on_message(agent, step(4, 1))
+    assert agent.wake.is_set()   # "running" is written now, not at the next tick
+    agent.wake.clear()
+    on_message(agent, step(5, 1))
+    on_message(agent, step(4, 2))
+    assert not agent.wake.is_set()
+
+
 def test_spikes_come_from_global_rank_0_alone_and_are_bounded(agent):
+    on_message(agent, step(4, 2))
+    agent.wake.clear()  # the round's first step wakes the agent (the test above)
     on_message(agent, step(4, 3, spike={"window": [0, 1], "loss": 50.0, "reason": "x"}))
     assert agent._spikes == [] and not agent.wake.is_set()
     agent.workers.group = Group(round=2, procs={}, ranks={0: 0, 1: 1})
