@@ -7,8 +7,10 @@ straggler test uses it when present. Without it the test falls back to the wall 
 which only separates ranks that do not wait for each other every step.
 
 Each agent tracks its own ranks and publishes `summary()` in its node status: per rank the
-work times of its last WINDOW steps, sorted (no step numbers: nothing is compared step by step
-any more), and its median step time. The daemon reads every member's summary back with
+work times of its last WINDOW samples, sorted (no step numbers: nothing is compared step by
+step any more), the steps and seconds they span, and its median step time. A sample is one
+step, or the mean of consecutive steps pooled until they span `sample_s`: the evidence a
+report rests on is at least WINDOW x sample_s seconds, however short the steps. The daemon reads every member's summary back with
 `read_summary()` and `judge()`s all ranks at once: a rank's peers are the median of every
 other rank's median work, one sort for the whole run (O(ranks log ranks)), and the rank is a
 straggler when at least `min_slow` of its window's steps took longer than `margin` x that. A
