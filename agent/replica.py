@@ -180,7 +180,7 @@ def _recv_encrypted(sock: socket.socket, key: bytes, header: dict, seal: bytes,
         n = min(ENC_CHUNK + _GCM_TAG, wire - i * (ENC_CHUNK + _GCM_TAG))
         _recv_into(sock, memoryview(buf)[:n], deadline, "the payload")
         try:
-            plain = cipher.decrypt(_nonce(iv, i), bytes(buf[:n]),
+            plain = cipher.decrypt(_nonce(iv, i), memoryview(buf)[:n],
                                    _chunk_aad(seal, i, i == chunks - 1))
         except InvalidTag:
             raise BadPayload(f"chunk {i} of the encrypted snapshot fails its tag: damaged or "
