@@ -1,6 +1,6 @@
 """README.md's first command, `lazarus up` with its defaults, as a new user runs it: the run
-recovers from its two faults, each from memory, and prints what README's "What `lazarus up`
-shows" block says it prints -- the block is checked against the real output, line by line and
+recovers from its two faults, never from further back than the last checkpoint, and prints
+what README's "What `lazarus up` shows" block says it prints -- the block is checked against the real output, line by line and
 in order, so the README cannot drift from the program (numbers, pids, times and `...` vary)."""
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ def test_lazarus_up_with_its_defaults_does_what_the_readme_shows(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_state"] == "SUCCEEDED"
     for r in summary["recoveries"]:
-        # from memory, as the README shows. How many steps a node loss redoes is not bounded
-        # here: with the default (automatic) snapshot period the lost node's copies at its peer
-        # lagged the fault by 3 steps in one CI run (tests/e2e/test_recovery.py bounds it
-        # with a snapshot every step)
-        assert r["restored_from_tier"] == 0, r
+        # From memory on an idle machine; with the default (automatic) snapshot period a
+        # loaded one stretches the period past a checkpoint, and then the checkpoint is the
+        # newest step (a CI run restored step 10 from storage for the crash at step 12). Never
+        # further back than two of up's checkpoint periods (--ckpt-every 5): the last one may
+        # still be being written at the fault (one restored step 25 for a node lost at 30).
+        # tests/e2e/test_recovery.py bounds the steps redone from memory with a snapshot
+        # every step.
+        assert r["restored_from_tier"] in (0, 1), r
+        assert r["fault_step"] - 10 <= r["restored_step"] <= r["fault_step"], r
