@@ -5,7 +5,9 @@ byte of it, move its chunks about, or send a copy in the clear to a node that wa
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,24 @@ def node(tmp_path, request):
     server.close()
 
 
+def logged(caplog, text: str) -> bool:
+    """Whether the receiving agent logged `text`: its handler thread logs the refusal after
+    hanging up, so the sender may see the end first (a hang guard, not a timing)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        if text in caplog.text:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _refusals_logged(caplog):
+    # The agent's logger at WARNING whatever a test before this one (a CLI run in this
+    # process) set it to.
+    caplog.set_level(logging.WARNING, logger="lazarus.agent.replica")
+
+
 def push(server, data: bytes, *, encrypt: bool) -> None:
     replica.push("127.0.0.1", server.port, KEY, node="n0", to="n1", job="j", rank=1, step=5,
                  data=data, round_=2, encrypt=encrypt)
@@ -122,7 +142,7 @@ def test_a_copy_in_the_clear_to_a_node_that_encrypts_is_refused_unread(node, cap
     with pytest.raises(replica.ReplicaError):
         push(node, shard(), encrypt=False)
     assert node.taken == []
-    assert "a payload in the clear: this agent takes encrypted copies only" in caplog.text
+    assert logged(caplog, "a payload in the clear: this agent takes encrypted copies only")
 
 
 def _flip(at: int):
@@ -145,7 +165,7 @@ def test_a_byte_flipped_or_chunks_swapped_on_the_way_is_refused(node, wire, monk
     wire["alter"] = _flip(sealed_part + 1500)  # in the second chunk's ciphertext
     with pytest.raises(replica.ReplicaError):  # the receiver hangs up on it, saying why:
         push(node, shard(step=6), encrypt=True)
-    assert "chunk 1 of the encrypted snapshot fails its tag" in caplog.text
+    assert logged(caplog, "chunk 1 of the encrypted snapshot fails its tag")
     caplog.clear()
 
     chunk = 1024 + 16
@@ -153,7 +173,7 @@ def test_a_byte_flipped_or_chunks_swapped_on_the_way_is_refused(node, wire, monk
     wire["alter"] = _swap_first_two(chunk)
     with pytest.raises(replica.ReplicaError):
         push(node, shard(step=7), encrypt=True)
-    assert "chunk 0 of the encrypted snapshot fails its tag" in caplog.text
+    assert logged(caplog, "chunk 0 of the encrypted snapshot fails its tag")
     assert node.taken == [("j", 1, 5)]  # only the copy that crossed untouched
 
 
