@@ -67,23 +67,15 @@ def _run(workdir, chaos_spec: str, *extra: str) -> tuple[dict, list[dict], float
 
 
 def _seconds_after(workdir, step: int, event: dict) -> float:
-    """Wall seconds from the end of `step` (rank 0's metrics) to `event`."""
-    t, done = None, 0.0
+    """Wall seconds of rank 0's steps after `step` up to the one `event` names (its metrics)."""
+    done, ended = 0.0, {}
     for line in (workdir / "metrics.jsonl").open():
         row = json.loads(line)
         if "step_time_s" in row:
             done += row["step_time_s"]
-            if row["step"] == step:
-                t = done
-    slowed = event["fields"]["step"]
-    done = 0.0
-    for line in (workdir / "metrics.jsonl").open():
-        row = json.loads(line)
-        if "step_time_s" in row:
-            done += row["step_time_s"]
-            if row["step"] == slowed:
-                return done - (t or 0.0)
-    return float("nan")
+            ended[row["step"]] = done
+    named = event["fields"]["step"]
+    return ended[named] - ended.get(step, 0.0) if named in ended else float("nan")
 
 
 def _flags(flagged: list[dict]) -> str:

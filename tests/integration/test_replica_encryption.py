@@ -17,6 +17,7 @@ from lazarus.agent.tier0 import Tier0Store
 from lazarus.agent.tier0_agent import add_tier0_args, tier0_options
 from lazarus.core import snapshotfile
 from lazarus.core.errors import UserError
+from tests.integration.test_replica_replay import _Tap
 
 KEY = b"k" * 32
 SECRET = b"model-weights-nobody-else-may-read:"
@@ -28,41 +29,13 @@ def shard(step: int = 5, size: int = 5000) -> bytes:
                               "step": step}, body, min_saving=2.0)  # stored as it is
 
 
-class _Wire:
-    """A client socket whose traffic someone on the path sees (`sent`, `got`) and may change
-    on its way out (`alter(bytes so far, chunk) -> chunk`)."""
-
-    def __init__(self, sock: socket.socket, log: dict, alter=None):
-        self._sock, self._log, self._alter = sock, log, alter
-
-    def sendall(self, data) -> None:
-        data = bytes(data)
-        if self._alter is not None:
-            data = self._alter(b"".join(self._log["sent"]), data)
-        self._log["sent"].append(data)
-        self._sock.sendall(data)
-
-    def recv_into(self, view, n=0):
-        k = self._sock.recv_into(view, n)
-        self._log["got"].append(bytes(view[:k]))
-        return k
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._sock.close()
-
-
 @pytest.fixture
 def wire(monkeypatch):
     log: dict = {"sent": [], "got": [], "alter": None}
     real = socket.create_connection
     monkeypatch.setattr(replica.socket, "create_connection",
-                        lambda *a, **kw: _Wire(real(*a, **kw), log, log["alter"]))
+                        lambda *a, **kw: _Tap(real(*a, **kw), log["sent"], log["got"],
+                                              log["alter"]))
     return log
 
 

@@ -24,14 +24,26 @@ def shard(job: str = "j", step: int = 5, rank: int = 1, size: int = 700) -> byte
 
 
 class _Tap:
-    """A socket that keeps what the client sends: what anyone on the path sees."""
+    """A socket that keeps what the client sends (`sent`) and, given `got`, what it receives:
+    what anyone on the path sees; `alter(bytes sent so far, chunk) -> chunk` changes what it
+    sends on the way."""
 
-    def __init__(self, sock: socket.socket, sent: list[bytes]):
-        self._sock, self._sent = sock, sent
+    def __init__(self, sock: socket.socket, sent: list[bytes], got: list[bytes] | None = None,
+                 alter=None):
+        self._sock, self._sent, self._got, self._alter = sock, sent, got, alter
 
     def sendall(self, data) -> None:
-        self._sent.append(bytes(data))
+        data = bytes(data)
+        if self._alter is not None:
+            data = self._alter(b"".join(self._sent), data)
+        self._sent.append(data)
         self._sock.sendall(data)
+
+    def recv_into(self, view, n=0):
+        k = self._sock.recv_into(view, n)
+        if self._got is not None:
+            self._got.append(bytes(view[:k]))
+        return k
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
