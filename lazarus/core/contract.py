@@ -168,8 +168,10 @@ DEVICE_ENV = "LAZARUS_DEVICE"
 # peer's error: the rank dies by SIGABRT and cannot say that a peer went away. 2 (CleanUpOnly)
 # aborts the communicators and raises in the rank instead, which exits PEER_LOST
 # (lazarus.trainer.worker, lazarus.trainer.rankrun); a SIGABRT that still comes is read from
-# the rank's log (lazarus.agent.workers).
-NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+# the rank's log (lazarus.agent.workers). Communicators are made blocking (torch's default,
+# pinned): with non-blocking creation, aborting a group whose communicator waits for a lost
+# rank wedged on an H200 (docs/inplace.md), and a survivor that cannot abort is restarted.
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}
 
 
 def torchrun_env(a: WorkerAssignment, master_port: int) -> dict[str, str]:

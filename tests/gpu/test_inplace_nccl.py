@@ -8,8 +8,10 @@ that dies mid-collective cannot be staged here. What can be, and is:
   CUDA stream is usable afterwards, and the next round's group (new port, as the next round's
   environment gives it) trains the kept model on;
 - a collective waiting on a peer that never comes (a two-rank world whose second rank is
-  gone before the communicator exists): the abort releases it, in NCCL's blocking and
-  non-blocking communicator creation alike.
+  gone before the communicator exists): with NCCL's blocking communicator creation the abort
+  returns and the next round's group forms; with the non-blocking one the abort wedges, and
+  `release_groups` says so within its bound (the survivor then exits, and a parked worker
+  takes its rank).
 Each case runs in its own process, so that a wedge fails its test and not the session."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from lazarus.core.contract import NCCL_DEFAULTS
+from lazarus.trainer.inplace import ABORT_S
 
 PRELUDE = """
 import time
@@ -193,20 +196,29 @@ def test_a_collective_waiting_on_a_peer_that_never_comes_is_released(tmp_path, n
     ok = release_groups()
     abort_s = time.perf_counter() - t
     waiter.join(15)
-    print(f"RELEASED ok={ok} abort_s={abort_s:.3f} waiter_done={not waiter.is_alive()} "
-          f"phase={result['phase']} how={result['how']}")
-    # The process goes on: a next round of one rank forms and reduces.
-    join_round()
-    y = torch.ones(8, device=DEV)
-    dist.all_reduce(y)
-    sync()
-    print(f"NEXT allreduce={y[0].item():.0f}")
-    dist.destroy_process_group()
+    print(f"RELEASED ok={ok} abort_s={abort_s:.3f} initialized={dist.is_initialized()} "
+          f"waiter_done={not waiter.is_alive()} phase={result['phase']} how={result['how']}")
     sys.stdout.flush()
+    if ok:
+        # The process goes on: a next round of one rank forms and reduces.
+        join_round()
+        y = torch.ones(8, device=DEV)
+        dist.all_reduce(y)
+        sync()
+        print(f"NEXT allreduce={y[0].item():.0f}")
+        dist.destroy_process_group()
+        sys.stdout.flush()
     os._exit(0)                         # a waiter NCCL never let go must not hold the exit
     """, tmp_path, env={"TORCH_NCCL_USE_COMM_NONBLOCKING": nonblocking}, timeout=90)
-    released, nxt = _fields(out, "RELEASED"), _fields(out, "NEXT")
-    assert released["ok"] == "True" and float(released["abort_s"]) < 10.0, out
+    released = _fields(out, "RELEASED")
     assert released["phase"] == "collective", out    # init did not wait for the lost rank
-    assert released["waiter_done"] == "True", out
-    assert nxt["allreduce"] == "1", out
+    # The bound holds, and says the truth: True exactly when the groups are gone.
+    assert float(released["abort_s"]) < ABORT_S + 1, out
+    assert (released["ok"] == "True") == (released["initialized"] == "False"), out
+    if nonblocking == "1":
+        return      # measured 2026-11-27: the abort wedged; the survivor exits (docs/inplace.md)
+    # NCCL's default, blocking creation, which ranks run with (contract.NCCL_DEFAULTS): the
+    # abort returns and the next round's group forms in the same process. The thread inside
+    # ncclCommInitRank is not released by it (measured: still there 15 s later).
+    assert released["ok"] == "True", out
+    assert _fields(out, "NEXT")["allreduce"] == "1", out
