@@ -80,6 +80,14 @@ class Launch:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseVictims:
+    """Tell this node's ranks of `round` that a peer elsewhere is gone: each aborts its
+    process groups (on NCCL: over NVLink or shared memory a collective waiting on a dead or
+    frozen peer never notices by itself) and survives (docs/inplace.md)."""
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
 class Refill:
     """Top up the warm parked workers."""
 
@@ -133,9 +141,9 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
         if (newer or (not live and local.alive)) and useful and local.waiting \
                 and local.over_s < RELEASE_S and _victim(node, status, running):
             # Not killed yet: these ranks lost a peer on another node, or wait in a collective
-            # for a hang's culprit there, and survive once they notice. Nothing starts
-            # meanwhile.
-            return [Refill()]
+            # for a hang's culprit there, and survive once they notice -- told, so that they
+            # need not notice by themselves. Nothing starts meanwhile.
+            return [ReleaseVictims(running), Refill()]
         if newer or (not live and local.alive):
             keep = local.survivors if useful else frozenset()
             actions.append(StopRound(running, f"round {status.round} is current" if newer else

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
-from lazarus.agent.decide import DropKept, Launch, Refill, SeeRound, StopRound
+from lazarus.agent.decide import DropKept, Launch, Refill, ReleaseVictims, SeeRound, StopRound
 from lazarus.agent.workers import rank_log
 from lazarus.core.contract import WorkerAssignment, round_port_key
 from lazarus.core.records import NodeStatus, RecordError, RoundRecord
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lazarus.agent")
 
 
-def act(agent: Agent, action: StopRound | DropKept | SeeRound | Launch | Refill) -> None:
+def act(agent: Agent,
+        action: StopRound | DropKept | SeeRound | Launch | ReleaseVictims | Refill) -> None:
     if isinstance(action, StopRound):
         log.info("stopping round %d workers (%s)%s", action.round, action.why,
                  f"; keeping the survivors of local ranks {sorted(action.keep)} for the next "
@@ -43,6 +44,10 @@ def act(agent: Agent, action: StopRound | DropKept | SeeRound | Launch | Refill)
             agent.tier0.round_seen(action.record)
     elif isinstance(action, Launch):
         launch(agent, action.record)
+    elif isinstance(action, ReleaseVictims):
+        # Every pass of the victims' window: a rank that heard it once ignores the rest, and
+        # one connected late (a slow start) still hears it.
+        agent.channel.broadcast({"type": "abort_groups", "round": action.round})
     elif isinstance(action, Refill):
         agent.workers.refill()
     else:

@@ -51,6 +51,14 @@ def enabled(a: WorkerAssignment) -> bool:
     return bool(a.report_socket) and os.environ.get(IN_PLACE_ENV, "on").lower() != "off"
 
 
+# One abort at a time: the agent's word (`told_by_agent`) and the rank's own failure may
+# both come.
+_abort_lock = threading.Lock()
+# The round this process runs (None: its first, as started), and the round whose groups its
+# agent said to abort.
+_rounds: dict[str, int | None] = {"now": None, "told": None}
+
+
 def release_groups(timeout_s: float = ABORT_S) -> bool:
     """Abort every process group of this process, the default one included: True when that
     returned within `timeout_s`. Afterwards c10d's registry is empty and its group counter
@@ -61,18 +69,53 @@ def release_groups(timeout_s: float = ABORT_S) -> bool:
     done = threading.Event()
 
     def abort() -> None:
-        try:
-            if dist.is_initialized():
-                c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 -- a group the failure left half-made: destroy it
+        with _abort_lock:
             try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 -- gone either way
-                pass
+                if dist.is_initialized():
+                    c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 -- a group the failure left half-made: destroy it
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 -- gone either way
+                    pass
         done.set()
 
     threading.Thread(target=abort, daemon=True, name="lazarus-abort").start()
     return done.wait(timeout_s) and not dist.is_initialized()
+
+
+def told_by_agent(round_: int) -> None:
+    """The agent says a peer of round `round_` on another node is gone (its `abort_groups`
+    message: lazarus.agent.decide.ReleaseVictims); called on the session's reader thread.
+
+    On NCCL the groups are aborted at once: over NVLink or shared memory a collective that
+    waits on a dead or frozen peer never fails by itself, and the abort makes it (and every
+    later one) raise, which the rank takes as a lost peer (`lost_peer`). On gloo nothing is
+    aborted: gloo's abort does not cancel a collective in progress, and the culprit's end
+    resets the sockets its peers wait on, which fails theirs (docs/inplace.md)."""
+    from lazarus.trainer.collprogress import uses_nccl
+
+    if _rounds["told"] == round_ or _rounds["now"] not in (None, round_):
+        return  # said before, or of a round this process has left
+    _rounds["told"] = round_
+    nccl = uses_nccl()
+    print(f"round {round_}: the agent says a peer on another node is gone"
+          f"{'; aborting the process groups' if nccl else ''}", file=sys.stderr, flush=True)
+    if nccl:
+        threading.Thread(target=release_groups, daemon=True, name="lazarus-told").start()
+
+
+def was_told() -> bool:
+    """Whether the agent said a peer of this process's round is gone."""
+    return _rounds["told"] is not None and _rounds["told"] == (_rounds["now"] or _rounds["told"])
+
+
+def lost_peer(a: WorkerAssignment, e: BaseException) -> bool:
+    """Whether `e` ends this rank's round because a peer is gone: its text says so, or the
+    agent said so first (after which any failure is the abort's)."""
+    from lazarus.trainer.worker import is_peer_failure
+
+    return is_peer_failure(e) or _rounds["told"] == a.round
 
 
 def peer_gone(a: WorkerAssignment, e: BaseException) -> str:
@@ -94,6 +137,7 @@ def enter_next(nxt: WorkerAssignment) -> None:
     from lazarus.trainer.rankrun import enter
 
     enter(nxt)
+    _rounds["now"] = nxt.round
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -145,7 +189,6 @@ def run(main: Callable[[], T]) -> T:
     or `restore_point`). Outside an agent, with in-place recovery off, or when no next round
     comes, the failure is raised as it would be without this call."""
     from lazarus.trainer.session import _assignment, connect, script_sessions
-    from lazarus.trainer.worker import is_peer_failure
 
     a = _assignment()
     while True:
@@ -153,7 +196,7 @@ def run(main: Callable[[], T]) -> T:
         try:
             return main()
         except Exception as e:
-            if a is None or not enabled(a) or not is_peer_failure(e):
+            if a is None or not enabled(a) or not lost_peer(a, e):
                 raise
             why = peer_gone(a, e)
             # The sessions this round's `main` opened are its own: closed (a snapshot being

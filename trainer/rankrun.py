@@ -171,8 +171,9 @@ def _run_python(command: list[str]) -> int:
         return 130
     except BaseException as e:  # the script's own error: shown as the interpreter would
         traceback.print_exc()
+        from lazarus.trainer.inplace import was_told
         from lazarus.trainer.worker import is_peer_failure
-        if isinstance(e, Exception) and is_peer_failure(e):
+        if isinstance(e, Exception) and (is_peer_failure(e) or was_told()):
             # A collective failed because a peer is gone: said in the exit code, so that the
             # daemon names the peer, not this rank (as the built-in trainer does).
             print(f"lazarus: a peer of rank {os.environ.get('RANK')} is gone; exiting with "

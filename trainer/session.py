@@ -117,6 +117,10 @@ class Session:
                             self._checkpoint_requested.set()
                         elif msg.get("type") == "resume":
                             self._resume.put(msg)
+                        elif msg.get("type") == "abort_groups":
+                            if msg.get("round") == self.round and not self._closed:
+                                from lazarus.trainer import inplace
+                                inplace.told_by_agent(self.round)
                         elif msg.get("type") == "snapshot_kept":
                             if msg.get("rank") == self.rank:
                                 self._kept.put((msg.get("step"), msg.get("durable") is True,

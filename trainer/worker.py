@@ -134,7 +134,7 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
         session.close()  # sends what is held before the exit
         exitnote.exit_now(exitcodes.BAD_CHECKPOINT)
     except Exception as e:
-        if not is_peer_failure(e):
+        if not inplace.lost_peer(a, e):
             raise
         # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
         # os._exit: tearing down a process group whose peer is gone can block.

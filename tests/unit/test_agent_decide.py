@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus.agent.decide import (RELEASE_S, DropKept, Launch, Local, Refill, ReportHang,
-                                  SeeRound, StopRound, WithdrawHang, converge, cut_off,
-                                  hang, status_due)
+from lazarus.agent.decide import (RELEASE_S, DropKept, Launch, Local, Refill, ReleaseVictims,
+                                  ReportHang, SeeRound, StopRound, WithdrawHang, converge,
+                                  cut_off, hang, status_due)
 from lazarus.core.contract import HangVerdict
 from lazarus.core.records import (CANCELLED, FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS,
                                   RUNNING, SUCCEEDED, RoundRecord, RunStatus)
@@ -102,17 +102,17 @@ CONVERGE = {
                                               [SeeRound(R3), Launch(R3), Refill()]),
     # a hang: the victims wait in a collective for the culprit's node to kill it
     "a hang on another node, victims not released yet: held": (
-        hung("b"), R2, VICTIMS, [Refill()]),
+        hung("b"), R2, VICTIMS, [ReleaseVictims(2), Refill()]),
     "a hang on another node, victims released in part: still held": (
         hung("b"), R2, Local(2, alive=True, survivors=frozenset({0}), waiting=True),
-        [Refill()]),
+        [ReleaseVictims(2), Refill()]),
     "a hang on another node, victims never released: killed": (
         hung("b"), R2, Local(2, alive=True, waiting=True, over_s=RELEASE_S),
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a hang on this node: its ranks killed at once": (
         hung("a"), R2, VICTIMS, [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a crash on another node, its peers here not aware yet: held": (
-        hung("b", kind="worker_crash"), R2, VICTIMS, [Refill()]),
+        hung("b", kind="worker_crash"), R2, VICTIMS, [ReleaseVictims(2), Refill()]),
     "a node lost: its peers noticed long before, the rest are killed at once": (
         hung("b", kind="node_lost"), R2, VICTIMS,
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),

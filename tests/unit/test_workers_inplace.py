@@ -293,3 +293,72 @@ def test_a_scripts_round_run_again_in_place_leaves_no_session_behind(channel, tm
         proc.kill()
     assert proc.returncode == 0, (out, err)
     assert json.loads(out.splitlines()[-1]) == {"calls": 2, "open": 0, "readers": 0}
+
+
+_TOLD = """
+import json, sys, time
+import torch, torch.distributed as dist
+from lazarus.core.contract import WorkerAssignment
+from lazarus.trainer import collprogress, inplace
+from lazarus.trainer.session import Session
+
+collprogress.uses_nccl = lambda: {nccl}  # gloo's groups, taken for NCCL's
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+session = Session(socket_path=sys.argv[1], rank=0, round=2)
+a = WorkerAssignment(rank=0, world_size=1, local_rank=0, round=2, store_host="127.0.0.1",
+                     store_port=1, train={{}})
+
+def state():
+    try:
+        dist.all_reduce(torch.ones(1))
+        raised = None
+    except Exception as e:
+        raised = type(e).__name__
+    return {{"told": inplace._rounds["told"], "initialized": dist.is_initialized(),
+            "lost_peer": inplace.lost_peer(a, ValueError("anything")), "raised": raised}}
+
+print("ready", flush=True)
+sys.stdin.readline()                 # the agent spoke of round 1 only
+print(json.dumps(state()), flush=True)
+end = time.monotonic() + 10
+while time.monotonic() < end and (inplace._rounds["told"] != 2 or dist.is_initialized() == {nccl}):
+    time.sleep(0.02)
+print(json.dumps(state()), flush=True)
+session.close()
+"""
+
+
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl", "gloo"])
+def test_a_rank_told_that_a_peer_elsewhere_is_gone_aborts_its_groups_on_nccl(channel, tmp_path,
+                                                                           nccl):
+    """The agent's `abort_groups` (decide.ReleaseVictims) for the rank's round: on NCCL the
+    groups are aborted (a collective waiting on the gone peer would never fail by itself
+    there), so the next collective fails, and any failure then counts as a lost peer's. On
+    gloo the groups are left alone. A message of another round changes nothing."""
+    import sys
+
+    script = tmp_path / "told.py"
+    script.write_text(_TOLD.format(nccl=nccl))
+    proc = subprocess.Popen([sys.executable, str(script), channel.path], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert _wait(lambda: any(m.get("type") == "hello" for m in channel.got))
+        channel.broadcast({"type": "abort_groups", "round": 1})
+        import time
+        time.sleep(0.5)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        before = json.loads(proc.stdout.readline())
+        assert before == {"told": None, "initialized": True, "lost_peer": False, "raised": None}
+        channel.broadcast({"type": "abort_groups", "round": 2})
+        after = json.loads(proc.stdout.readline())
+        assert after["told"] == 2 and after["lost_peer"] is True
+        if nccl:
+            assert after["initialized"] is False and after["raised"] is not None, after
+        else:
+            assert after["initialized"] is True and after["raised"] is None, after
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
