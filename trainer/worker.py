@@ -106,6 +106,9 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     device = device_type()
     if device == "cuda":
         torch.cuda.set_device(local_cuda_device(a.local_rank))
+    # What peers send through torch's object collectives (DCP's plans) is unpickled narrowly.
+    from lazarus.trainer import peerpickle
+    peerpickle.install()
     # Connected before the rendezvous: from here on a rank whose agent is gone for good stops
     # itself (lazarus.trainer.session), even while it waits for peers that never come.
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
