@@ -46,6 +46,7 @@ class MetricsTail:
         self._offset = 0
         self.latest: dict | None = None
         self.seen: list[tuple[float, dict]] = []  # (arrival wall time, record)
+        self._starts: dict[int, int] = {}  # round -> step lines before rank 0's start line
 
     def poll(self) -> list[dict]:
         if not self.path.exists():
@@ -64,6 +65,9 @@ class MetricsTail:
                 rec = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(rec, dict) and rec.get("kind") == "start" \
+                    and isinstance(rec.get("round"), int):
+                self._starts.setdefault(rec["round"], len(self.seen))
             if not isinstance(rec, dict) or not is_step(rec):
                 continue  # a checkpoint's stall line: the report reads those
             out.append(rec)
@@ -73,6 +77,14 @@ class MetricsTail:
 
     def first_step_after(self, t: float) -> tuple[float, dict] | None:
         return next(((at, rec) for at, rec in self.seen if at > t), None)
+
+    def last_step_before_round(self, round_: int) -> int | None:
+        """The newest step done before rank 0 started round `round_`, in the file's order (no
+        clock: a fault's kill lands a step or two after the injector saw the step it read)."""
+        n = self._starts.get(round_)
+        if n is None:
+            return None
+        return max((rec.get("step", 0) for _, rec in self.seen[:n]), default=None)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -342,6 +354,9 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 rec["detected_as"] = det.fields.get("kind", det.kind)
                 restart = None if f.kind == "disk-full" else next(  # the run goes on
                     (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
+                if restart is not None:
+                    # the step the fault's round had reached: what a restore may go up to
+                    rec["last_step"] = tail.last_step_before_round(restart.round)
                 if restart is not None and "restore_tier" in restart.fields:
                     # which tier the round restored from, and its step (lazarus.daemon.tier0)
                     rec["restored_from_tier"] = restart.fields["restore_tier"]

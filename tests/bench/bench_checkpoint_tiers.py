@@ -206,7 +206,9 @@ def recover(tmp: Path, name: str, fault: str, tier: str) -> dict:
     return {"start": start, "workdir": workdir, "detected": rec.get("detected_after_s"),
             "recovered": rec.get("recovered_after_s"), "fault_step": rec["fault_step"],
             "restored": restored, "from": rec.get("restored_from_tier"),
-            "redone": None if restored is None else rec["fault_step"] - restored,
+            # steps done before the fault's round ended that the next one did again
+            "redone": None if restored is None else (rec.get("last_step") or rec["fault_step"])
+            - restored,
             "step_s": statistics.median(steps), "peak_gb": watch.peak_gb, "t0": memory}
 
 

@@ -57,7 +57,9 @@ def _lazarus(tmp: Path, model: str, chaos: str, spares: int, *, in_place: bool) 
     (r,) = summary["recoveries"]
     starts = [json.loads(line) for line in (tmp / "metrics.jsonl").open()
               if '"kind": "start"' in line]
-    return {"s": r["recovered_after_s"], "redone": r["fault_step"] - r["restored_step"],
+    # steps done before the fault's round ended that the next one did again
+    return {"s": r["recovered_after_s"],
+            "redone": (r.get("last_step") or r["fault_step"]) - r["restored_step"],
             "tier": r["restored_from_tier"], "kept": len({s["pid"] for s in starts}) == 1,
             "losses": losses(tmp / "metrics.jsonl"), "handover": _new_ranks_handover(tmp)}
 

@@ -81,5 +81,9 @@ def test_lazarus_up_with_its_defaults_does_what_the_readme_shows(tmp_path):
         # still be being written at the fault (one restored step 25 for a node lost at 30).
         # tests/e2e/test_recovery.py bounds the steps redone from memory with a snapshot
         # every step.
+        # The kill lands a step or two after the step the injector saw (a CI run restored
+        # step 14 for a kill fired at step 13): a restore goes up to the step the round had
+        # done, in the metrics' order.
         assert r["restored_from_tier"] in (0, 1), r
-        assert r["fault_step"] - 10 <= r["restored_step"] <= r["fault_step"], r
+        assert r["fault_step"] <= r["last_step"], r
+        assert r["fault_step"] - 10 <= r["restored_step"] <= r["last_step"], r
