@@ -45,8 +45,14 @@ def _pause_after(cluster: LocalCluster, metrics, step: int):
         # checkpoint the records do not show yet: CI once flipped a byte in the one before).
         if not paused_and_stopped(st) or cluster.etcd.get_prefix(cluster.keys.claims).kvs:
             return None
-        return max((c.step for c in st.checkpoints if c.job_id == st.status.job_id and c.good),
-                   default=None)
+        # The records as read after the claims were seen gone: `st` is older than that read,
+        # and a claim recorded in between is missing from it (CI once returned 16, the
+        # checkpoint before the pause's, for a pause at step 19).
+        now = cluster.state()
+        if not paused_and_stopped(now):
+            return None
+        return max((c.step for c in now.checkpoints if c.job_id == now.status.job_id
+                    and c.good), default=None)
     return wait_for(cluster, stopped, timeout=120, what="PAUSED, its ranks stopped")
 
 
