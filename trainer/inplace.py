@@ -107,7 +107,7 @@ def told_by_agent(round_: int) -> None:
 
 def was_told() -> bool:
     """Whether the agent said a peer of this process's round is gone."""
-    return _rounds["told"] is not None and _rounds["told"] == (_rounds["now"] or _rounds["told"])
+    return _rounds["told"] is not None and _rounds["now"] in (None, _rounds["told"])
 
 
 def lost_peer(a: WorkerAssignment, e: BaseException) -> bool:
