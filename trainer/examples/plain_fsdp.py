@@ -1,6 +1,7 @@
 """A user's own FSDP2 training loop that adopts Lazarus's trainer hooks: copy it as a start.
 
-Run it on CPU with gloo (any torchrun launch works; Lazarus's etcd rendezvous is the second):
+Run it with any torchrun launch (Lazarus's etcd rendezvous is the second); it trains on the
+node's GPUs over NCCL where CUDA is, one per local rank, and on the CPU over gloo elsewhere:
 
     torchrun --standalone --nproc-per-node 2 trainer/examples/plain_fsdp.py --ckpt-dir /tmp/fsdp
     export LAZARUS_RDZV_KEY=$(openssl rand -hex 32)   # the same on every node of the job
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     p.add_argument("--dim", type=int, default=16, help="width of the toy model")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to train: auto is cuda (NCCL) where CUDA is, else cpu (gloo)")
     args = p.parse_args(argv)
     for name in ("steps", "ckpt_every", "batch", "dim"):
         if getattr(args, name) < 1:
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lr must be positive, got {args.lr}")
     if "RANK" not in os.environ:
         p.error(f"not started by torchrun (RANK is unset); run: {LAUNCH}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device here")
     return args
 
 
@@ -77,22 +84,30 @@ def batch(step: int, rank: int, n: int, dim: int) -> tuple[torch.Tensor, torch.T
     return x, torch.tanh(x @ a) @ b / dim**0.5
 
 
-def any_rank(flag: bool) -> bool:
+def any_rank(flag: bool, device: torch.device) -> bool:
     # A save is collective: the daemon's request can reach the ranks' agents a step apart, so
     # every rank takes it if one has it.
-    t = torch.tensor(int(flag))
+    t = torch.tensor(int(flag), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(f"{world} ranks on {device.type} over {dist.get_backend()}", flush=True)
     torch.manual_seed(0)  # the same initial weights on every rank, before FSDP shards them
     hidden = 4 * args.dim
     model = nn.Sequential(nn.Linear(args.dim, hidden), nn.GELU(), nn.Linear(hidden, args.dim))
-    mesh = init_device_mesh("cpu", (world,))
+    model.to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -113,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         while step < args.steps:
             step += 1
             t0 = time.perf_counter()
-            x, y = batch(step, rank, args.batch, args.dim)
+            x, y = (t.to(device) for t in batch(step, rank, args.batch, args.dim))
             loss_t = nn.functional.mse_loss(model(x), y)
             loss_t.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
@@ -133,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"step {step} loss {loss:.5f} grad_norm {norm:.4f}"
                       + (f" skipped: {reason}" if reason else ""), flush=True)
             wanted = session.should_checkpoint(step, every=args.ckpt_every)  # lazarus
-            if checkpointer is not None and any_rank(wanted or step == args.steps):
+            if checkpointer is not None and any_rank(wanted or step == args.steps, device):
                 extra = {"step": step, "guard": guard.state_dict()}
                 checkpointer.save(step, model, optimizer, extra,  # lazarus
                                   commit_gate=session.may_commit,
