@@ -79,7 +79,15 @@ def build(agent: Agent) -> NodeStatus:
         tier0=agent.tier0.holdings(agent._job_id, agent._world_size)
         if agent.tier0 is not None else {},
         restore_failed=restore_failed, output_tail=_output_tail(agent, g),
-        in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [])
+        in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [],
+        anew=_anew(g))
+
+
+def _anew(g: Group | None) -> dict[str, list[int]]:
+    by_why: dict[str, list[int]] = {}
+    for lr, why in (g.anew.items() if g else ()):
+        by_why.setdefault(why, []).append(g.ranks[lr])
+    return {why: sorted(ranks) for why, ranks in by_why.items()}
 
 
 def _output_tail(agent: Agent, g: Group | None) -> str:

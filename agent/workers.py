@@ -58,6 +58,18 @@ def tail(path: Path, nbytes: int) -> str:
     return data.decode("utf-8", errors="replace").strip()
 
 
+# Why a rank of a round started in a fresh process rather than in its survivor's (in-place
+# recovery, docs/inplace.md); said in the node's status and the recovery's event.
+ANEW_NEW = "new on this node"                   # no process of this node ran it in the last round
+ANEW_FAILED = "failed first"                    # the fault: its process exited or was killed first
+ANEW_PEER_LOST = "exited on a lost peer"      # did not stay (in place off, abort past its bound)
+ANEW_EXITED = "exited with the round"
+ANEW_STOPPED = "stopped with the round"         # running, not a survivor: a frozen or hung rank
+ANEW_LET_GO = "survivor let go"                 # the agent let its survivor go (no round for it)
+ANEW_SURVIVOR_GONE = "survivor died waiting"
+ANEW_NOT_REACHED = "survivor took no assignment"
+
+
 @dataclass(slots=True)
 class Group:
     """The workers of one round on this node."""
@@ -71,6 +83,9 @@ class Group:
     # process (lazarus.trainer.inplace)
     survivors: set[int] = field(default_factory=set)
     kept: set[int] = field(default_factory=set)  # local ranks in a survivor's process
+    # local rank -> why it started in a fresh process, not kept from the round before (ANEW_*):
+    # what a recovery's event says of the ranks that did not go on in place
+    anew: dict[int, str] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -108,6 +123,9 @@ class Workers:
         # local rank -> the process of a survivor of the stopped round, until the next
         # round's launch takes it or lets it go
         self.kept: dict[int, subprocess.Popen | AdoptedRank] = {}
+        # local rank -> why its process of the stopped round did not survive it (ANEW_*),
+        # until the next launch reads it
+        self.ended: dict[int, str] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
@@ -134,7 +152,10 @@ class Workers:
         assignment)` (the worker channel) when that reaches it; parked workers take the
         rest, and survivors not taken are let go."""
         assert self.group is None or not self.group.alive, "stop the old round first"
-        procs, ranks, kept = {}, {}, set()
+        procs, ranks, kept, anew = {}, {}, set(), {}
+        ended, self.ended = self.ended, {}
+        if self.group is not None:  # every rank of it exited: never stopped
+            ended = {lr: ended_why(self.group, lr) for lr in self.group.procs}
         self.parked = [p for p in self.parked if p.poll() is None]
         for local_rank, assignment in sorted(assignments.items()):
             survivor = self.kept.pop(local_rank, None)
@@ -144,13 +165,15 @@ class Workers:
                 ranks[local_rank] = assignment.rank
                 kept.add(local_rank)
                 continue
+            anew[local_rank] = ended.get(local_rank, ANEW_NEW)
             if survivor is not None:
                 # An operator reading why a recovery was not in place: the survivor died
                 # while it waited (a second fault), or the channel could not reach it.
+                gone = survivor.poll() is not None
+                anew[local_rank] = ANEW_SURVIVOR_GONE if gone else ANEW_NOT_REACHED
                 log.warning("round %d rank %d: the survivor kept for it (pid %d) %s; starting "
                             "it anew", round_, assignment.rank, survivor.pid,
-                            "is gone" if survivor.poll() is not None
-                            else "took no assignment")
+                            "is gone" if gone else "took no assignment")
                 self.kept[local_rank] = survivor  # let go below, with the others not taken
             proc = self.parked.pop(0) if self.parked else self._spawn()
             line = (assignment.to_json() + "\n").encode()
@@ -165,13 +188,14 @@ class Workers:
             procs[local_rank] = proc
             ranks[local_rank] = assignment.rank
         self.drop_kept()
-        self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept)
+        self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept, anew=anew)
         return self.group
 
     def drop_kept(self) -> None:
         """Let the survivors go, kept or still in the current group: no round of this node
         takes them."""
         kept, self.kept = self.kept, {}
+        self.ended.update(dict.fromkeys(kept, ANEW_LET_GO))
         g = self.group
         waiting = [g.procs[lr] for lr in g.survivors] if g is not None else []
         self._kill(list(kept.values()) + waiting)
@@ -241,6 +265,7 @@ class Workers:
             proc = g.procs.get(local_rank)
             if local_rank in g.survivors and proc is not None and proc.poll() is None:
                 self.kept[local_rank] = proc
+        self.ended = {lr: ended_why(g, lr) for lr in g.procs if lr not in self.kept}
         self._kill([p for lr, p in g.procs.items() if lr not in self.kept])
         self.group = None
 
@@ -274,3 +299,17 @@ class Workers:
         for proc in self.parked:
             proc.wait()
         self.parked = []
+
+
+def ended_why(g: Group, local_rank: int) -> str:
+    """Why the process of `local_rank` in `g` does not go on to the next round (ANEW_*)."""
+    if local_rank == g.first_failure:
+        return ANEW_FAILED
+    if local_rank in g.survivors:
+        return ANEW_LET_GO
+    code = g.exit_codes.get(local_rank)
+    if code is None:
+        code = g.procs[local_rank].poll()
+    if code is None:
+        return ANEW_STOPPED
+    return ANEW_PEER_LOST if code == exitcodes.PEER_LOST else ANEW_EXITED

@@ -429,6 +429,22 @@ def _rendezvous(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> D
     return Decision([], f"round {st.round}: waiting for {', '.join(missing)} to start")
 
 
+# How many ranks of each reason a recovered event lists (its fields) and names (its message).
+ANEW_RANKS_SHOWN = 8
+ANEW_RANKS_SAID = 3
+
+
+def _anew_said(anew: dict[str, list[int]]) -> str:
+    """The ranks that started anew and why, shortest first: "rank 1 failed first, 2 ranks
+    new on this node"."""
+    def which(some: list[int]) -> str:
+        if len(some) > ANEW_RANKS_SAID:
+            return f"{len(some)} ranks"
+        return ("rank " if len(some) == 1 else "ranks ") + ", ".join(map(str, sorted(some)))
+    return ", ".join(f"{which(some)} {why}" for why, some in
+                     sorted(anew.items(), key=lambda kv: (len(kv[1]), kv[0])))
+
+
 def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
     fault = _check_faults(now, view, st)
     if fault is not None:
@@ -449,6 +465,10 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
             step = max(s.step for s in progressed)
             mine = [s for s in statuses if s is not None and s.round == st.round]
             kept, ranks = sum(len(s.in_place) for s in mine), sum(len(s.pids) for s in mine)
+            anew: dict[str, list[int]] = {}
+            for s in mine:
+                for why, some in s.anew.items():
+                    anew.setdefault(why, []).extend(some)
             # When the step was done: the agent's status that told of it was made then (its
             # ranks' report plus at most an agent pass), where this pass comes a watch event
             # and a pass interval later (0.2-0.7 s measured here). A time outside the fault
@@ -459,11 +479,16 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
             fields = {**inc, "recovered_at": now, "first_step": step, "step_done_at": done_at,
                       "recovered_after_s": round(done_at - inc["fault_at"], 3),
                       "detected_after_s": round(inc["detected_at"] - inc["fault_at"], 3),
-                      "in_place_ranks": kept}
+                      "in_place_ranks": kept, "path": "in_place" if kept else "restart",
+                      # bounded: a few ranks per reason, at any size of job
+                      "anew": {why: len(some) for why, some in anew.items()},
+                      "anew_ranks": {why: sorted(some)[:ANEW_RANKS_SHOWN]
+                                     for why, some in anew.items()}}
             msg = (f"recovered from {inc['kind']} ({inc['culprit']}): "
                    + (f"step {step} done" if step else "every rank joined its process group")
                    + f" {fields['recovered_after_s']:.1f} s after the fault"
-                   + (f"; {kept} of {ranks} rank(s) in place" if kept else ""))
+                   + (f"; {kept} of {ranks} rank(s) in place" if kept else "")
+                   + (f"{', ' if kept else '; '}anew: {_anew_said(anew)}" if anew else ""))
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})

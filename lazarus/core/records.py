@@ -479,6 +479,8 @@ class NodeStatus(_Record):
     # The global ranks of the round that run in a process kept from the round before (in-place
     # recovery: docs/inplace.md); the others started anew.
     in_place: list[int] = field(default_factory=list)
+    # Why the others started anew: reason (lazarus.agent.workers ANEW_*) -> global ranks.
+    anew: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

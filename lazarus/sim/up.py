@@ -367,6 +367,7 @@ def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 if back is not None:
                     # ranks that went on in their processes (docs/inplace.md)
                     rec["in_place_ranks"] = back.fields.get("in_place_ranks", 0)
+                    rec["anew"] = back.fields.get("anew", {})  # why the others started anew
                 if nxt is not None:
                     rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
                     rec["resumed_at_step"] = nxt[1].get("step")

@@ -181,6 +181,8 @@ def test_the_same_script_with_the_level_1_lines_recovers_from_memory(tmp_path):
         ("kill-worker", 0), ("kill-node", 0)], recoveries
     # lazarus.trainer.run(main): n0's rank lost its peer both times and went on in place
     assert [r.get("in_place_ranks") for r in recoveries] == [1, 1], recoveries
+    assert [r.get("anew") for r in recoveries] == [{"failed first": 1},
+                                                   {"new on this node": 1}], recoveries
     # rank 0's step reports are the run's story: steps in the summary, the report's page
     assert result["steps_completed"] == epochs
     assert all(r.get("resumed_at_step") for r in recoveries), recoveries

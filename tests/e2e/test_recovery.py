@@ -52,6 +52,9 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
     assert (crash["kind"], crash["detected_as"], crash["culprit"]) == (
         "kill-worker", "worker_crash", "n1")
     assert (lost["kind"], lost["detected_as"], lost["culprit"]) == ("kill-node", "node_lost", "n1")
+    # the recovered events say why the ranks not in place started anew (docs/inplace.md)
+    assert (crash["anew"], lost["anew"]) == ({"failed first": 1}, {"new on this node": 1}), (
+        crash, lost)
     for r in (crash, lost):
         assert r["recovered_after_s"] is not None and r["recovered_after_s"] > 0
         # from memory (tier 0), a step or two redone (the copy sent to the peer may lag the

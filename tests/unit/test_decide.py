@@ -223,10 +223,33 @@ def test_the_recovered_event_counts_the_ranks_that_went_on_in_place():
     st = status(RUNNING, round=2, incident=inc, restore_step=10)
     v = view(status=st, node_status=[ns("a", "running", round=2, step=11, pids=[7, 8],
                                         in_place=[0, 1]),
-                                     ns("b", "running", round=2, step=11, pids=[9, 10])])
+                                     ns("b", "running", round=2, step=11, pids=[9, 10],
+                                        anew={"failed first": [3],
+                                              "exited with the round": [2]})])
     ev = only(decide(NOW, v).actions, Emit)
-    assert ev.fields["in_place_ranks"] == 2
-    assert ev.message.endswith("3.0 s after the fault; 2 of 4 rank(s) in place"), ev.message
+    assert ev.fields["in_place_ranks"] == 2 and ev.fields["path"] == "in_place"
+    assert ev.fields["anew"] == {"failed first": 1, "exited with the round": 1}
+    assert ev.message.endswith("3.0 s after the fault; 2 of 4 rank(s) in place, anew: rank 2 "
+                               "exited with the round, rank 3 failed first"), ev.message
+
+
+def test_the_recovered_event_says_why_ranks_started_anew_within_a_bound():
+    """A process restart of every rank (in place off, or 4,096 nodes' worth) is counted by
+    reason; the event lists a few ranks of each, never all."""
+    inc = {"kind": "hang", "culprit": "b", "fault_at": NOW - 3, "detected_at": NOW - 2.9,
+           "round": 1}
+    st = status(RUNNING, round=2, incident=inc, restore_step=10)
+    v = view(status=st, node_status=[
+        ns("a", "running", round=2, step=11, pids=list(range(8)),
+           anew={"exited on a lost peer": list(range(8))}),
+        ns("b", "running", round=2, step=11, pids=list(range(8, 16)),
+           anew={"stopped with the round": [8], "exited on a lost peer": list(range(9, 16))})])
+    ev = only(decide(NOW, v).actions, Emit)
+    assert ev.fields["path"] == "restart" and ev.fields["in_place_ranks"] == 0
+    assert ev.fields["anew"] == {"exited on a lost peer": 15, "stopped with the round": 1}
+    assert ev.fields["anew_ranks"]["exited on a lost peer"] == list(range(8))
+    assert ev.message.endswith("after the fault; anew: rank 8 stopped with the round, "
+                               "15 ranks exited on a lost peer"), ev.message
 
 
 def test_all_members_succeeded_ends_the_run():

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from lazarus.agent import workers as W
 from lazarus.agent.workers import Group, Workers
 from lazarus.core.contract import WorkerAssignment
 
@@ -58,6 +59,7 @@ def test_a_survivor_outlives_its_round_and_takes_the_next_one(workers):
     assert sent == [(a.pid, 3)]
     assert g.procs[0] is a and g.kept == {0}  # the same process, now rank 0 of round 3
     assert g.procs[1] is workers.spawned[0] and workers.kept == {}
+    assert g.anew == {1: W.ANEW_STOPPED}  # running, never said it survived: killed
 
 
 def test_a_survivor_killed_while_it_waits_is_replaced_by_a_fresh_worker(workers):
@@ -70,6 +72,7 @@ def test_a_survivor_killed_while_it_waits_is_replaced_by_a_fresh_worker(workers)
                        resume=lambda pid, asg: sent.append(pid) or True)
     assert g.procs[0] is workers.spawned[0] and g.kept == {1}
     assert len(sent) == 1
+    assert g.anew == {0: W.ANEW_SURVIVOR_GONE}
 
 
 def test_a_survivor_the_channel_cannot_reach_is_let_go(workers):
@@ -77,7 +80,34 @@ def test_a_survivor_the_channel_cannot_reach_is_let_go(workers):
     workers.stop(keep={0})
     g = workers.launch(3, {0: _assignment(0)}, resume=lambda pid, asg: False)
     assert g.procs[0] is workers.spawned[0] and g.kept == set()
+    assert g.anew == {0: W.ANEW_NOT_REACHED}
     assert a.wait(timeout=10) is not None  # killed, not left behind
+
+
+def test_each_rank_started_anew_says_why(workers):
+    """What the recovered event says of the ranks not in place (daemon/decide.py): the
+    fault's own rank, a rank that exited on its lost peer, survivors the agent let go, a rank
+    this node did not run before."""
+    a, b = _round_two(workers, survivors=set())
+    workers.group.procs[2] = _sleeper()
+    workers.group.ranks[2] = 2
+    a.kill()
+    a.wait()
+    workers.poll()  # rank 0 failed first
+    b.kill()
+    b.wait()
+    workers.group.exit_codes[1] = 75  # exitcodes.PEER_LOST: did not stay for the next round
+    workers.stop()
+    g = workers.launch(3, {lr: _assignment(lr) for lr in range(4)})
+    assert g.anew == {0: W.ANEW_FAILED, 1: W.ANEW_PEER_LOST, 2: W.ANEW_STOPPED, 3: W.ANEW_NEW}
+    workers.stop()
+
+    _round_two(workers, survivors={0, 1})
+    workers.stop(keep={0, 1})
+    workers.drop_kept()  # the agent's decision: no round of this node takes them
+    g = workers.launch(4, {0: _assignment(0, 4), 1: _assignment(1, 4)},
+                       resume=lambda pid, asg: True)
+    assert g.kept == set() and g.anew == {0: W.ANEW_LET_GO, 1: W.ANEW_LET_GO}
 
 
 def test_survivors_no_round_takes_are_killed(workers):
