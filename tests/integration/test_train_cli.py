@@ -19,6 +19,7 @@ from lazarus.core.stall import is_step
 from lazarus.core.exitcodes import INJECTED_FAULT
 from lazarus.sim.trainer_faults import worker_env
 from lazarus.trainer.launch import job_from_args
+from tests.forkedcli import run_cli_forked
 
 N = 3  # steps before the crash; the runs go to 2N
 COMMON = ["--model", "tiny", "--steps", str(2 * N), "--global-batch", "8", "--micro-batch", "2",
@@ -48,19 +49,7 @@ def losses(metrics: Path) -> dict[int, float]:
 
 # ---- bad input: one clear line, exit 2, nothing touched ----
 
-@pytest.fixture
-def existing(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text('{"step": 1}\n')
-    incomplete = tmp_path / "ckpt" / "step-00000004"
-    incomplete.mkdir(parents=True)
-    (incomplete / "__0_0.distcp").write_bytes(b"partial")
-    bad_toml = tmp_path / "job.toml"
-    bad_toml.write_text('[train]\nmodel = "tiny"\nsteps = = 3\n')
-    return tmp_path
-
-
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--nproc", "3", "--dp", "2", "--tp", "2"], "mesh dp=2 x tp=2 = 4 ranks does not match --nproc 3"),
     (["--nproc", "4", "--dp", "4", "--global-batch", "10"], "global batch 10 is not divisible by dp=4"),
     (["--model", "huge"], "unknown model size 'huge'"),
@@ -68,17 +57,36 @@ def existing(tmp_path):
     (["--resume", "{tmp}/ckpt/step-00000004"], "is incomplete: no manifest.json"),
     (["--resume", "--ckpt-dir", "{tmp}/ckpt"], "no committed checkpoint in {tmp}/ckpt"),
     (["--config", "{tmp}/job.toml"], "job.toml is not valid TOML: .*line 3"),
-])
-def test_bad_input_is_one_line_and_exit_2(existing, args, message):
-    tmp = str(existing)
-    before = {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()}
-    result = lazarus_train([a.format(tmp=tmp) for a in args] + ["--metrics", f"{tmp}/metrics.jsonl"])
-    assert result.returncode == 2
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """(the files before, what each case of BAD_INPUT did, the files after, the dir): every
+    case against the same metrics file, incomplete checkpoint and broken job file."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "metrics.jsonl").write_text('{"step": 1}\n')
+    incomplete = tmp / "ckpt" / "step-00000004"
+    incomplete.mkdir(parents=True)
+    (incomplete / "__0_0.distcp").write_bytes(b"partial")
+    (tmp / "job.toml").write_text('[train]\nmodel = "tiny"\nsteps = = 3\n')
+    files = lambda: {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    done = run_cli_forked([["train", *[a.format(tmp=tmp) for a in args], "--metrics",
+                            f"{tmp}/metrics.jsonl"] for args, _ in BAD_INPUT])
+    return before, done, files(), tmp
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(refused, case):
+    before, done, after, tmp = refused
+    result, message = done[case], BAD_INPUT[case][1]
+    assert result.returncode == 2, (result.returncode, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("lazarus train: error: ")
     assert re.search(message.format(tmp=tmp), lines[0]), lines[0]
-    assert {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()} == before
+    assert after == before  # nothing written, nothing removed
 
 
 def test_flags_override_the_job_file(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from lazarus.sim import chaos
+from tests.forkedcli import run_cli_forked
 from lazarus.core.errors import UserError
 from lazarus.core.etcd import parse_endpoint
 from lazarus.core.records import NodeStatus, RecordError, RunStatus
@@ -120,38 +121,6 @@ BAD_COMMAND_LINES = [
 ]
 
 
-# Each case is `python -m lazarus.cli ARGS` as a process of its own -- its exit code and all it
-# writes on stderr, however written -- forked from one that has imported the CLI's modules:
-# a fresh interpreter and `import torch` per case took 2 s each, 80 s for the table.
-_FORKED = r"""
-import importlib, json, os, sys, tempfile, traceback
-from lazarus import cli
-for module, _func, _ in cli.COMMANDS.values():
-    importlib.import_module(module)
-out = []
-for argv in json.loads(sys.stdin.read()):
-    err = tempfile.TemporaryFile()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(err.fileno(), 2)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stderr.flush()
-        os._exit(code or 0)
-    _, status = os.waitpid(pid, 0)
-    err.seek(0)
-    out.append({"code": os.waitstatus_to_exitcode(status),
-                "stderr": err.read().decode(errors="replace")})
-print(json.dumps(out))
-"""
-
-
 def _argv(args: list[str], workdir) -> list[str]:
     if args[0] == "up":
         return [*args, "--workdir", str(workdir)]
@@ -165,11 +134,7 @@ def refused(tmp_path_factory) -> dict[int, subprocess.CompletedProcess]:
     """Case index -> what `lazarus ARGS` did, every case of BAD_COMMAND_LINES."""
     root = tmp_path_factory.mktemp("bad-command-lines")
     argvs = [_argv(args, root / str(i)) for i, (args, _) in enumerate(BAD_COMMAND_LINES)]
-    proc = subprocess.run([sys.executable, "-c", _FORKED], input=json.dumps(argvs),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {i: subprocess.CompletedProcess(argv, r["code"], "", r["stderr"])
-            for i, (argv, r) in enumerate(zip(argvs, json.loads(proc.stdout)))}
+    return dict(enumerate(run_cli_forked(argvs)))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_COMMAND_LINES)),

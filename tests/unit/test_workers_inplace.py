@@ -195,15 +195,21 @@ def test_a_survivor_without_a_fitting_assignment_gives_up(channel, sent):
 
     session = Session(socket_path=channel.path, rank=1, round=2)
     mine = _assignment(1, round_=2)
+    mine.report_socket = channel.path
     try:
         assert _wait(lambda: channel._pids)  # connected
         body = {"another local rank": json.loads(_assignment(0, round_=3).to_json()),
                 "an older round": json.loads(_assignment(1, round_=2).to_json()),
                 "garbage": {"rank": "one"}}.get(sent)
-        if body is not None:
-            channel.send_to(os.getpid(), {"type": "resume", "assignment": body})
-        assert inplace.survive(mine, session, 5, "reset", wait_s=0.5 if body is None else 20) \
-            is None
+        if body is None:
+            assert inplace.survive(mine, session, 5, "reset", wait_s=0.5) is None
+            return
+        # Sent once the survivor waits (what came before is an earlier agent's, dropped):
+        # it is the assignment that is refused, long before the wait would run out.
+        t, out = _surviving(channel, mine, session, 5, "reset", wait_s=120)
+        assert channel.send_to(os.getpid(), {"type": "resume", "assignment": body})
+        t.join(60)
+        assert not t.is_alive() and out["nxt"] is None
     finally:
         session.close()
 
