@@ -26,7 +26,7 @@ MODULES = {"nvidia-ml-py": "pynvml", "grpcio": "grpc", "protobuf": "google.proto
 GPU_IMPORTS = ["lazarus.cli", "lazarus.trainer.launch", "lazarus.trainer.worker",
                "lazarus.trainer.train", "lazarus.trainer.flightrec", "lazarus.trainer.snapshot",
                "lazarus.agent.stacks", "lazarus.agent.gpu", "lazarus.trainer.kernels",
-               "lazarus.core.flops", "lazarus.trainer.models"]
+               "lazarus.core.flops", "lazarus.trainer.models", "lazarus.agent.preflight_cli"]
 
 
 def _carried() -> set[str]:
@@ -64,6 +64,24 @@ def test_the_gpu_tests_import_nothing_the_machine_lacks():
                           timeout=120)
     assert proc.returncode == 0, (f"a GPU test imports one of {absent}, which the GPU machine "
                                   f"lacks: add it to tests/gpu/wheels.txt\n{proc.stderr[-2000:]}")
+
+
+def test_preflight_runs_with_only_what_the_gpu_machine_has(tmp_path):
+    """tests/gpu/test_preflight_nvml.py runs the whole command there: what it imports while it
+    runs (not only at the top of its modules) must be on that machine too."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    blocked = [MODULES.get(n, n.replace("-", "_")) for n in map(_name, deps)
+               if n not in IN_IMAGE | _carried()]
+    (tmp_path / "work").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    argv = ["preflight", "--workdir", str(tmp_path / "work"), "--checkpoint-dir",
+            str(tmp_path / "ckpt"), "--skip", "clock", "--json"]
+    code = ("import sys\n"
+            + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
+            + f"from lazarus import cli\nsys.exit(cli.main({argv!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and '"state": "passed"' in proc.stdout, proc.stderr[-2000:]
 
 
 def test_a_missing_wheel_is_named_before_anything_is_installed(tmp_path):
