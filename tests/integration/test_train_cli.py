@@ -70,11 +70,14 @@ def refused(tmp_path_factory):
     incomplete.mkdir(parents=True)
     (incomplete / "__0_0.distcp").write_bytes(b"partial")
     (tmp / "job.toml").write_text('[train]\nmodel = "tiny"\nsteps = = 3\n')
-    files = lambda: {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()}  # noqa: E731
-    before = files()
+    before = _files(tmp)
     done = run_cli_forked([["train", *[a.format(tmp=tmp) for a in args], "--metrics",
                             f"{tmp}/metrics.jsonl"] for args, _ in BAD_INPUT])
-    return before, done, files(), tmp
+    return before, done, _files(tmp), tmp
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(a) for a, _ in BAD_INPUT])

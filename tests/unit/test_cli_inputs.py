@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,10 +9,10 @@ import sys
 import pytest
 
 from lazarus.sim import chaos
-from tests.forkedcli import run_cli_forked
 from lazarus.core.errors import UserError
 from lazarus.core.etcd import parse_endpoint
 from lazarus.core.records import NodeStatus, RecordError, RunStatus
+from tests.forkedcli import run_cli_forked
 
 
 def lazarus(*args, env=None):
@@ -79,6 +78,14 @@ def test_garbage_run_status_is_a_record_error(raw, expect):
 def test_record_round_trip():
     ns = NodeStatus(node="n0", round=3, workers="running", step=7, exit_codes={"1": -9})
     assert NodeStatus.from_json(ns.to_json()) == ns
+
+
+@pytest.mark.parametrize("anew", ['["failed first"]', '{"failed first": 1}',
+                                  '{"failed first": ["1"]}'])
+def test_a_garbled_reason_for_ranks_started_anew_is_a_record_error(anew):
+    raw = ('{"node": "n0", "round": 3, "workers": "running", "anew": %s}' % anew).encode()
+    with pytest.raises(RecordError, match="field 'anew' has the wrong type"):
+        NodeStatus.from_json(raw)
 
 
 BAD_COMMAND_LINES = [

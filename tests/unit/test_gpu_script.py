@@ -52,16 +52,24 @@ def test_every_wheel_is_pinned():
     assert lines and all("==" in line for line in lines), lines
 
 
-def test_the_gpu_tests_import_nothing_the_machine_lacks():
+def _absent() -> list[str]:
+    """Our dependencies the GPU machine has neither in its image nor as a carried wheel."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    absent = [_name(d) for d in deps if _name(d) not in IN_IMAGE | _carried()]
-    assert absent, "every dependency is on the GPU machine: drop this test's premise"
-    blocked = [MODULES.get(d, d.replace("-", "_")) for d in absent]
-    code = ("import sys\n"
-            + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
-            + "".join(f"import {m}\n" for m in GPU_IMPORTS))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    return [n for n in map(_name, deps) if n not in IN_IMAGE | _carried()]
+
+
+def _without_absent(body: str) -> subprocess.CompletedProcess:
+    """Python `body` run with every module of `_absent()` made unimportable."""
+    blocked = [MODULES.get(d, d.replace("-", "_")) for d in _absent()]
+    code = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked) + body
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
+
+
+def test_the_gpu_tests_import_nothing_the_machine_lacks():
+    absent = _absent()
+    assert absent, "every dependency is on the GPU machine: drop this test's premise"
+    proc = _without_absent("".join(f"import {m}\n" for m in GPU_IMPORTS))
     assert proc.returncode == 0, (f"a GPU test imports one of {absent}, which the GPU machine "
                                   f"lacks: add it to tests/gpu/wheels.txt\n{proc.stderr[-2000:]}")
 
@@ -69,18 +77,11 @@ def test_the_gpu_tests_import_nothing_the_machine_lacks():
 def test_preflight_runs_with_only_what_the_gpu_machine_has(tmp_path):
     """tests/gpu/test_preflight_nvml.py runs the whole command there: what it imports while it
     runs (not only at the top of its modules) must be on that machine too."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    blocked = [MODULES.get(n, n.replace("-", "_")) for n in map(_name, deps)
-               if n not in IN_IMAGE | _carried()]
     (tmp_path / "work").mkdir()
     (tmp_path / "ckpt").mkdir()
     argv = ["preflight", "--workdir", str(tmp_path / "work"), "--checkpoint-dir",
             str(tmp_path / "ckpt"), "--skip", "clock", "--json"]
-    code = ("import sys\n"
-            + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
-            + f"from lazarus import cli\nsys.exit(cli.main({argv!r}))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    proc = _without_absent(f"from lazarus import cli\nsys.exit(cli.main({argv!r}))\n")
     assert proc.returncode == 0 and '"state": "passed"' in proc.stdout, proc.stderr[-2000:]
 
 
