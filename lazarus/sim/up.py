@@ -313,69 +313,83 @@ def _seen_as(kind: str) -> str:
             "disk-full": "host_alert"}.get(kind, "fault_detected")
 
 
+# Stalls every rank sits out: they must raise nothing, so neither does one close another
+# fault's window nor may it take a detection another fault explains (CI: chaos struck
+# kill-node late, a slow-step fired before the loss was seen and took its detection).
+QUIET_STALLS = ("slow-step", "slow-checkpoint")
+
+
 def _recoveries(faults: list[chaos.Fault], events: list, tail: MetricsTail,
                 leader_changes: list[tuple[float, int]]) -> list[dict]:
-    out = []
-    for f in faults:
-        if f.fired_at is None or f.kind in ("revive-node", "loss-spike", "disk-free"):
-            continue  # a revival is no fault; a single spike is skipped by the trainer
-        rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
-               "detected_after_s": None, "recovered_after_s": None, "culprit": None}
-        if f.kind == "kill-daemon":
-            new = next((t for t, _pid in leader_changes if t > f.fired_at), None)
-            if new is not None:
-                rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
-                rec["culprit"] = f.hit
-        else:
-            # A detection belongs to this fault if it comes before the next fault that would
-            # be seen the same way struck (a stall that raised nothing must not take a later
-            # hang's detection as its own); a fault of another kind meanwhile -- a worker
-            # killed while the disk is full -- leaves the window open.
-            until = min((g.fired_at for g in faults if g.fired_at is not None
-                         and g.fired_at > f.fired_at and g.kind != "revive-node"
-                         and (_seen_as(g.kind) == _seen_as(f.kind)
-                              or (f.kind, g.kind) == ("disk-full", "disk-free"))),
-                        default=float("inf"))
-            seen_as = _seen_as(f.kind)
-            det = next((e for e in events if e.kind == seen_as
-                        and f.fired_at - 0.5 <= e.time < until), None)
-            if det is not None:
-                # Counted as the daemon and the report count (docs/architecture.md, "Failure
-                # classes"): from the fault's time as the control plane dates it -- a crash
-                # when its agent saw the exit, a lost node one lease TTL before the loss was
-                # seen -- to the detection; from the injection only where it dates none.
-                fault_at = det.fields.get("fault_at")
-                detected_at = det.fields.get("detected_at", det.time)
-                if not isinstance(fault_at, (int, float)) or isinstance(fault_at, bool):
-                    fault_at = f.fired_at
-                rec["detected_after_s"] = round(max(0.0, detected_at - fault_at), 3)
-                rec["injected_to_detected_s"] = round(max(0.0, det.time - f.fired_at), 3)
-                rec["culprit"] = det.fields.get("culprit", det.fields.get("node"))
-                rec["detected_as"] = det.fields.get("kind", det.kind)
-                restart = None if f.kind == "disk-full" else next(  # the run goes on
-                    (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
-                if restart is not None:
-                    # the step the fault's round had reached: what a restore may go up to
-                    rec["last_step"] = tail.last_step_before_round(restart.round)
-                if restart is not None and "restore_tier" in restart.fields:
-                    # which tier the round restored from, and its step (lazarus.daemon.tier0)
-                    rec["restored_from_tier"] = restart.fields["restore_tier"]
-                    rec["restored_step"] = restart.fields.get("restore_step")
-                nxt = tail.first_step_after(restart.time) if restart is not None else None
-                back = next((e for e in events if e.kind == "recovered"
-                             and restart is not None and e.time >= restart.time), None)
-                if back is not None:
-                    # ranks that went on in their processes (docs/inplace.md)
-                    rec["in_place_ranks"] = back.fields.get("in_place_ranks", 0)
-                    rec["anew"] = back.fields.get("anew", {})  # why the others started anew
-                if nxt is not None:
-                    rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
-                    rec["resumed_at_step"] = nxt[1].get("step")
-                elif back is not None and not tail.seen:
-                    # no metrics of the script's own: the daemon's word that the round runs
-                    rec["recovered_after_s"] = back.fields.get("recovered_after_s")
-        out.append(rec)
-    return out
+    by_fault = {}
+    taken: set[int] = set()  # ids of detections a fault has claimed
+    for f in sorted(faults, key=lambda g: g.kind in QUIET_STALLS):  # stalls claim last
+        by_fault[id(f)] = _recovery(f, faults, events, tail, leader_changes, taken)
+    return [by_fault[id(f)] for f in faults if by_fault[id(f)] is not None]
+
+
+def _recovery(f: chaos.Fault, faults: list[chaos.Fault], events: list, tail: MetricsTail,
+              leader_changes: list[tuple[float, int]], taken: set[int]) -> dict | None:
+    if f.fired_at is None or f.kind in ("revive-node", "loss-spike", "disk-free"):
+        return None  # a revival is no fault; a single spike is skipped by the trainer
+    rec = {"kind": f.kind, "fault_step": f.fired_step, "target": f.hit,
+           "detected_after_s": None, "recovered_after_s": None, "culprit": None}
+    if f.kind == "kill-daemon":
+        new = next((t for t, _pid in leader_changes if t > f.fired_at), None)
+        if new is not None:
+            rec["detected_after_s"] = rec["recovered_after_s"] = round(new - f.fired_at, 3)
+            rec["culprit"] = f.hit
+    else:
+        # A detection belongs to this fault if it comes before the next fault that would
+        # be seen the same way struck (a stall that raised nothing must not take a later
+        # hang's detection as its own); a fault of another kind meanwhile -- a worker
+        # killed while the disk is full -- leaves the window open.
+        until = min((g.fired_at for g in faults if g.fired_at is not None
+                     and g.fired_at > f.fired_at
+                     and g.kind not in ("revive-node", *QUIET_STALLS)
+                     and (_seen_as(g.kind) == _seen_as(f.kind)
+                          or (f.kind, g.kind) == ("disk-full", "disk-free"))),
+                    default=float("inf"))
+        seen_as = _seen_as(f.kind)
+        det = next((e for e in events if e.kind == seen_as and id(e) not in taken
+                    and f.fired_at - 0.5 <= e.time < until), None)
+        if det is not None:
+            taken.add(id(det))
+            # Counted as the daemon and the report count (docs/architecture.md, "Failure
+            # classes"): from the fault's time as the control plane dates it -- a crash
+            # when its agent saw the exit, a lost node one lease TTL before the loss was
+            # seen -- to the detection; from the injection only where it dates none.
+            fault_at = det.fields.get("fault_at")
+            detected_at = det.fields.get("detected_at", det.time)
+            if not isinstance(fault_at, (int, float)) or isinstance(fault_at, bool):
+                fault_at = f.fired_at
+            rec["detected_after_s"] = round(max(0.0, detected_at - fault_at), 3)
+            rec["injected_to_detected_s"] = round(max(0.0, det.time - f.fired_at), 3)
+            rec["culprit"] = det.fields.get("culprit", det.fields.get("node"))
+            rec["detected_as"] = det.fields.get("kind", det.kind)
+            restart = None if f.kind == "disk-full" else next(  # the run goes on
+                (e for e in events if e.kind == "round_started" and e.time >= det.time), None)
+            if restart is not None:
+                # the step the fault's round had reached: what a restore may go up to
+                rec["last_step"] = tail.last_step_before_round(restart.round)
+            if restart is not None and "restore_tier" in restart.fields:
+                # which tier the round restored from, and its step (lazarus.daemon.tier0)
+                rec["restored_from_tier"] = restart.fields["restore_tier"]
+                rec["restored_step"] = restart.fields.get("restore_step")
+            nxt = tail.first_step_after(restart.time) if restart is not None else None
+            back = next((e for e in events if e.kind == "recovered"
+                         and restart is not None and e.time >= restart.time), None)
+            if back is not None:
+                # ranks that went on in their processes (docs/inplace.md)
+                rec["in_place_ranks"] = back.fields.get("in_place_ranks", 0)
+                rec["anew"] = back.fields.get("anew", {})  # why the others started anew
+            if nxt is not None:
+                rec["recovered_after_s"] = round(nxt[0] - fault_at, 3)
+                rec["resumed_at_step"] = nxt[1].get("step")
+            elif back is not None and not tail.seen:
+                # no metrics of the script's own: the daemon's word that the round runs
+                rec["recovered_after_s"] = back.fields.get("recovered_after_s")
+    return rec
 
 
 def run(args: argparse.Namespace) -> dict:

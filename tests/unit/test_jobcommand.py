@@ -171,3 +171,23 @@ def test_a_chaos_item_waits_for_the_round_that_answers_the_one_before():
     assert _unanswered(schedule, [])
     assert not _unanswered(schedule, [EventRecord(time=time.time(), kind="round_started",
                                                   message="round 2")])
+
+
+def test_a_stall_neither_ends_a_lost_nodes_window_nor_takes_its_detection(tmp_path):
+    """CI: chaos struck kill-node@10 late, the trainer's slow-step@13 fired before the loss
+    was seen, and the summary lost the node's detection (the stall closed its window)."""
+    from lazarus.core.records import EventRecord
+    from lazarus.sim.up import MetricsTail, _recoveries
+
+    schedule = chaos.parse_schedule("kill-node@10:n1,revive-node@11:n1,slow-step@13,hang@20")
+    kill, _revive, stall, hang = schedule
+    t = 1000.0
+    kill.fired_at, stall.fired_at, hang.fired_at = t, t + 1, t + 30
+    kill.fired_step, stall.fired_step, hang.fired_step = 10, 13, 20
+    events = [EventRecord(time=t + 4, kind="fault_detected", message="n1 lost",
+                          fields={"kind": "node_lost", "node": "n1"}),
+              EventRecord(time=t + 40, kind="fault_detected", message="hang",
+                          fields={"kind": "hang", "culprit": "n0"})]
+    got = _recoveries(schedule, events, MetricsTail(tmp_path / "none.jsonl"), [])
+    assert [(r["kind"], r.get("detected_as"), r["culprit"]) for r in got] == [
+        ("kill-node", "node_lost", "n1"), ("slow-step", None, None), ("hang", "hang", "n0")]
