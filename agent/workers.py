@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
+from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
 from lazarus.core import exitcodes
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 
@@ -118,7 +119,11 @@ class Workers:
         self.log_dir = log_dir
         self.notes_dir = notes_dir
         self.park = park
-        self.parked: list[subprocess.Popen] = []
+        self.parked: list[subprocess.Popen | ForkedWorker] = []
+        # Parked workers are forked from a zygote that imported everything once
+        # (lazarus.trainer.zygote); while it starts, or after it failed, cold ones.
+        self.zygote: Zygote | None = None
+        self._zygote_failed_at = -ZYGOTE_RETRY_S
         self.group: Group | None = None
         # local rank -> the process of a survivor of the stopped round, until the next
         # round's launch takes it or lets it go
@@ -129,7 +134,8 @@ class Workers:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
-        out = open(self.log_dir / f"worker-{time.time_ns()}.log", "ab")
+        """A cold worker: its own interpreter, imports and all."""
+        out = open(self._worker_log(), "ab")
         try:
             # A session of its own: a signal to the agent's process group (a terminal's
             # Ctrl-C, a supervisor's stop) does not reach the ranks.
@@ -139,11 +145,39 @@ class Workers:
         finally:
             out.close()
 
+    def _worker_log(self) -> Path:
+        return self.log_dir / f"worker-{time.time_ns()}.log"
+
+    def _live_zygote(self) -> Zygote | None:
+        """The zygote, started if there is none; None while a failed one waits out its
+        ZYGOTE_RETRY_S (cold workers meanwhile)."""
+        z = self.zygote
+        if z is not None and (z.dead or z.stuck()):
+            log.warning("worker zygote (pid %d) %s: cold workers for %.0f s", z.proc.pid,
+                        "gone" if z.dead else "stuck", ZYGOTE_RETRY_S)
+            z.kill()
+            self.zygote = z = None
+            self._zygote_failed_at = time.monotonic()
+        if z is None and time.monotonic() - self._zygote_failed_at >= ZYGOTE_RETRY_S:
+            self.zygote = z = Zygote(env=self.env, log_path=self.log_dir / "zygote.log",
+                                     notes_dir=self.notes_dir)
+        return z
+
     def refill(self) -> None:
-        """Top the parked pool up to nproc (cheap: the imports happen in the children)."""
+        """Top the parked pool up to nproc without waiting: forks of the zygote when it is
+        up (what they ask for arrives on a later call), cold workers when it failed."""
         self.parked = [p for p in self.parked if p.poll() is None]
-        while self.park and len(self.parked) < self.nproc:
-            self.parked.append(self._spawn())
+        if not self.park:
+            return
+        z = self._live_zygote()
+        if z is None:
+            while len(self.parked) < self.nproc:
+                self.parked.append(self._spawn())
+            return
+        self.parked += z.take()
+        if z.ready:
+            for _ in range(self.nproc - len(self.parked) - z.in_flight):
+                z.spawn(self._worker_log())
 
     def launch(self, round_: int, assignments: dict[int, WorkerAssignment], *,
                resume: Callable[[int, WorkerAssignment], bool] | None = None) -> Group:
@@ -156,6 +190,8 @@ class Workers:
         ended, self.ended = self.ended, {}
         if self.group is not None:  # every rank of it exited: never stopped
             ended = {lr: ended_why(self.group, lr) for lr in self.group.procs}
+        if self.zygote is not None and not self.zygote.dead:
+            self.parked += self.zygote.take()
         self.parked = [p for p in self.parked if p.poll() is None]
         for local_rank, assignment in sorted(assignments.items()):
             survivor = self.kept.pop(local_rank, None)
@@ -294,11 +330,16 @@ class Workers:
         if not leave_ranks:
             self.stop()
         self.drop_kept()
+        if self.zygote is not None:
+            self.parked += self.zygote.take()
         for proc in self.parked:
             proc.kill()
         for proc in self.parked:
             proc.wait()
         self.parked = []
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
 
 def ended_why(g: Group, local_rank: int) -> str:

@@ -207,13 +207,13 @@ def test_ranks_get_none_of_the_agents_secrets(etcd, keys, tmp_path, monkeypatch)
     agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path / "agent",
                   park=True)
     try:
-        agent.workers.refill()  # a parked worker: the process a rank runs in
-        (worker,) = agent.workers.parked
-        for _ in range(200):  # until it has exec'd: a child still in vfork shows no environ
-            environ = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
-            if any(environ):
+        for _ in range(2400):  # a parked worker, the process a rank runs in, forked from
+            agent.workers.refill()  # the zygote once that has imported everything
+            if agent.workers.parked:
                 break
             time.sleep(0.05)
+        (worker,) = agent.workers.parked
+        environ = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
         names = {entry.partition(b"=")[0].decode() for entry in environ if entry}
         assert "LAZARUS_AGENT_SOCKET" in names and not names & set(secrets)
         # and a share of the host's cores for its intra-op threads, not one thread per core

@@ -1,0 +1,187 @@
+"""The agent's side of the worker zygote (lazarus.trainer.zygote): start it, ask it for parked
+workers without ever waiting on it, and follow the workers it forked.
+
+The agent's loop must not stall on the zygote: a spawn is a message sent, its pid arrives on a
+later pass (`pump`). A zygote that dies, or answers nothing in time (stopped, say),
+is killed and replaced at most once per ZYGOTE_RETRY_S; meanwhile lazarus.agent.workers starts
+cold workers as it always could. The workers it forked are not the agent's children: their
+exit codes come from the zygote, which reaps them, and without it from the notes ranks leave
+and /proc, as for ranks adopted from a previous agent (lazarus.agent.adopt).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lazarus.agent.adopt import VANISHED, AdoptedRank, read_note, start_time
+
+log = logging.getLogger(__name__)
+
+ZYGOTE_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--zygote"]
+# How long a started zygote may take to import everything (5 s of CPU here; a loaded node
+# stretches that), and to answer a spawn (a fork: milliseconds), before it is taken for stuck.
+ZYGOTE_START_S = 120.0
+ZYGOTE_ANSWER_S = 30.0
+ZYGOTE_RETRY_S = 60.0
+# A forked worker seen exited that the zygote has not reported yet: the zygote is slow or
+# stopped. After this long its code comes from the rank's note instead.
+REPORT_GRACE_S = 1.0
+MAX_CODES = 1024
+
+
+class ForkedWorker(AdoptedRank):
+    """A parked worker the zygote forked, behind the part of Popen's interface the agent
+    uses (`stdin`: the pipe its assignment line goes down)."""
+
+    def __init__(self, pid: int, stdin, zygote: Zygote, notes_dir: Path):
+        super().__init__(pid, start_time(pid) or 0.0, notes_dir)
+        self.stdin = stdin
+        self.zygote = zygote
+        self._unreported_since: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        code = self.zygote.exit_code(self.pid)
+        if code is not None:
+            self.returncode = code
+        elif not self._alive():
+            # Exited (a zombie the zygote has not reaped, or reaped by init after the zygote
+            # went): the zygote's word if it comes soon, else the rank's own note.
+            now = time.monotonic()
+            if self._unreported_since is None:
+                self._unreported_since = now
+            if self.zygote.dead or now - self._unreported_since >= REPORT_GRACE_S:
+                code = read_note(self.notes_dir, self.pid, self.started)
+                self.returncode = VANISHED if code is None else code
+        return self.returncode
+
+    def kill(self) -> None:
+        super().kill()
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+
+
+class Zygote:
+    """One zygote process and what it said so far."""
+
+    def __init__(self, *, env: dict[str, str], log_path: Path, notes_dir: Path):
+        self.notes_dir = notes_dir
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen([*ZYGOTE_CMD, str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+        self.started = time.monotonic()
+        self.ready = False
+        self.dead = False
+        self._waiting: list[tuple[float, object]] = []  # spawns sent: (when, stdin), in order
+        self._forked: list[ForkedWorker] = []           # pids come, not yet taken
+        self._codes: dict[int, int] = {}                # pid -> exit code, not yet read
+        log.info("worker zygote started (pid %d)", self.proc.pid)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
+    def stuck(self, now: float | None = None) -> bool:
+        """Alive but answering nothing: not ready long after its start, or a spawn long
+        unanswered."""
+        now = time.monotonic() if now is None else now
+        oldest = self._waiting[0][0] if self._waiting else None
+        return not self.dead and ((not self.ready and now - self.started > ZYGOTE_START_S)
+                                  or (oldest is not None and now - oldest > ZYGOTE_ANSWER_S))
+
+    def spawn(self, log_path: Path) -> None:
+        """Ask for one parked worker with its output in `log_path`; `take` hands it over once
+        its pid came."""
+        r, w = os.pipe()
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        except OSError:
+            os.close(r)
+            os.close(w)
+            raise
+        try:
+            socket.send_fds(self.sock, [b"spawn"], [r, fd])
+        except OSError as e:
+            os.close(w)
+            self._gone(f"cannot ask it for a worker: {e}")
+            return
+        finally:
+            os.close(r)
+            os.close(fd)
+        self._waiting.append((time.monotonic(), open(w, "wb", buffering=0)))
+
+    def pump(self) -> None:
+        """Read what the zygote said since the last call; never blocks."""
+        while not self.dead:
+            try:
+                msg = self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._gone(str(e))
+                return
+            if not msg:
+                self._gone("it exited" if self.proc.poll() is not None else "it closed")
+                return
+            word, _, rest = msg.decode("ascii", "replace").partition(" ")
+            if word == "ready":
+                self.ready = True
+            elif word == "pid" and self._waiting:
+                _, stdin = self._waiting.pop(0)
+                self._forked.append(ForkedWorker(int(rest), stdin, self, self.notes_dir))
+            elif word == "exit":
+                pid, _, code = rest.partition(" ")
+                self._codes[int(pid)] = int(code)
+                if len(self._codes) > MAX_CODES:  # codes nobody asks for: workers whose
+                    del self._codes[next(iter(self._codes))]  # end was read elsewhere
+
+    def take(self) -> list[ForkedWorker]:
+        """The workers forked since the last call."""
+        self.pump()
+        out, self._forked = self._forked, []
+        return out
+
+    def exit_code(self, pid: int) -> int | None:
+        self.pump()
+        return self._codes.pop(pid, None)
+
+    def _gone(self, why: str) -> None:
+        if not self.dead:
+            log.warning("worker zygote (pid %d) gone: %s", self.proc.pid, why)
+        self.dead = True
+        for _, stdin in self._waiting:  # a spawn it may or may not have made: the child's
+            stdin.close()               # stdin closes, so it ends before taking any work
+        self._waiting = []
+
+    def close(self) -> None:
+        """End the zygote (not its children: ranks outlive the agent)."""
+        self.dead = True
+        self._gone("closed")
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.close()

@@ -1,0 +1,149 @@
+"""The agent's parked workers forked from a zygote (lazarus.trainer.zygote, lazarus.agent.zygote):
+they train what they are given as a cold worker would, their exits are read whatever happens
+to the zygote, and a zygote killed or stopped leaves the agent with cold workers, not none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from lazarus.agent import workers as W
+from lazarus.agent import zygote as Z
+from lazarus.agent.adopt import VANISHED
+from lazarus.agent.workers import Workers
+from lazarus.core.contract import WorkerAssignment, round_port_key
+from lazarus.core.trainconfig import DataConfig, TrainConfig
+
+
+def _workers(tmp_path, nproc: int = 1) -> Workers:
+    return Workers(nproc=nproc, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   log_dir=tmp_path / "logs", notes_dir=tmp_path / "notes", park=True)
+
+
+def _until(cond, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _parked(w: Workers, n: int) -> list:
+    def full():
+        w.refill()
+        return len(w.parked) >= n
+    _until(full, f"{n} parked worker(s)")
+    return list(w.parked)
+
+
+def _stores(round_: int):
+    """The agent's long-lived store and the round's own, its port published in the first."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    round_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(round_port_key(round_), str(round_store.port))
+    return store, round_store
+
+
+def test_a_forked_worker_trains_like_a_cold_one_and_outlives_the_agent(tmp_path):
+    w = _workers(tmp_path, nproc=2)
+    store, _round_store = _stores(7)
+    try:
+        first, second = _parked(w, 2)
+        zygote = w.zygote.proc.pid
+        for worker in (first, second):
+            assert isinstance(worker, Z.ForkedWorker)
+            proc = psutil.Process(worker.pid)
+            # a fork of the zygote, in a session of its own as a cold worker is
+            assert proc.ppid() == zygote and os.getsid(worker.pid) == worker.pid
+        metrics = tmp_path / "m.jsonl"
+        train = TrainConfig(steps=2, data=DataConfig(seq_len=32, global_batch=2),
+                            metrics=str(metrics)).to_dict()
+        trains = WorkerAssignment(rank=0, world_size=1, local_rank=0, round=7,
+                                  store_host="127.0.0.1", store_port=store.port, train=train)
+        group = w.launch(7, {0: trains})
+        _until(lambda: w.poll() and not group.alive, "the round to end")
+        assert group.exit_codes == {0: 0} and group.succeeded
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows if "kind" not in r] == [1, 2]
+
+        # A rank that runs a program of its own replaces the forked process (exec), and it
+        # goes on when the agent goes: the zygote ends, the rank does not.
+        sleeps = WorkerAssignment(rank=0, world_size=1, local_rank=0, round=7,
+                                  store_host="127.0.0.1", store_port=store.port,
+                                  train={}, command=["sleep", "60"])
+        (rank,) = w.launch(7, {0: sleeps}).procs.values()
+        _until(lambda: psutil.Process(rank.pid).name() == "sleep", "the rank to exec")
+        w.shutdown(leave_ranks=True)
+        assert not psutil.pid_exists(zygote) or \
+            psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
+        assert psutil.Process(rank.pid).status() != psutil.STATUS_ZOMBIE
+        os.kill(rank.pid, signal.SIGKILL)
+    finally:
+        w.shutdown()
+
+
+def test_exits_are_read_with_the_zygote_killed_and_cold_workers_fill_in(tmp_path, monkeypatch):
+    w = _workers(tmp_path, nproc=2)
+    try:
+        first, second = _parked(w, 2)
+        os.kill(first.pid, signal.SIGKILL)
+        assert _until(first.poll, "the killed worker's exit") == -signal.SIGKILL  # the zygote's word
+
+        zygote = w.zygote.proc
+        zygote.kill()
+        zygote.wait()
+        w.refill()  # notices, and fills the pool with cold workers meanwhile
+        assert w.zygote is None
+        cold = [p for p in w.parked if isinstance(p, subprocess.Popen)]
+        assert len(cold) == 1 and second in w.parked
+        # the orphan's end, with nobody left to report it: from /proc and its (absent) note
+        os.kill(second.pid, signal.SIGKILL)
+        assert _until(lambda: second.poll() is not None, "the orphan's exit") and \
+            second.poll() == VANISHED
+
+        monkeypatch.setattr(W, "ZYGOTE_RETRY_S", 0.0)  # the retry comes at once
+        w._zygote_failed_at = -1.0
+        _until(lambda: (w.refill(), w.zygote is not None and w.zygote.ready)[1],
+               "a new zygote")
+        assert w.zygote.proc.pid != zygote.pid
+    finally:
+        w.shutdown()
+
+
+def test_a_stopped_zygote_is_replaced(tmp_path, monkeypatch):
+    w = _workers(tmp_path)
+    try:
+        (first,) = _parked(w, 1)
+        stopped = w.zygote.proc
+        monkeypatch.setattr(Z, "ZYGOTE_ANSWER_S", 1.0)
+        monkeypatch.setattr(W, "ZYGOTE_RETRY_S", 0.0)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        first.kill()  # its exit is read without the zygote; the spawn that replaces it is
+        _until(lambda: first.poll() is not None, "the worker's exit")  # never answered
+        w.refill()
+        assert w.zygote.in_flight == 1
+        (fresh,) = _parked(w, 1)
+        assert stopped.poll() == -signal.SIGKILL  # killed while stopped
+        assert w.zygote.proc.pid != stopped.pid and fresh.poll() is None
+    finally:
+        w.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_strays():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+            and p.status() != psutil.STATUS_ZOMBIE]
+    for p in left:
+        p.kill()
+    assert not left, f"left running: {[' '.join(p.cmdline()) for p in left]}"
