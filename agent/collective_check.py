@@ -65,19 +65,19 @@ _RESULT = "lazarus-collective-result "
 
 
 def collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: float,
-               timeout_s: float = 30.0) -> tuple[bool, str]:
+               timeout_s: float = 30.0, zygote=None) -> tuple[bool, str]:
     """All-reduce `nbytes` between the ranks at `peers` (HOST:PORT each; rank 0's hosts the
     rendezvous store on its port). With one address given twice, both ranks run here, in one
     child process (NCCL when it sees a GPU per rank), which gets `timeout_s` for the test
     and CHILD_START_S to start before it is killed."""
     return in_child("collective", {"peers": list(peers), "rank": rank, "nbytes": nbytes,
                                    "min_bus_gbps": min_bus_gbps, "timeout_s": timeout_s},
-                    timeout_s + CHILD_START_S)
+                    timeout_s + CHILD_START_S, zygote=zygote)
 
 
 def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes: int,
               min_bus_gbps: float, timeout_s: float = 30.0,
-              ack_s: float = ACK_S) -> tuple[bool, str]:
+              ack_s: float = ACK_S, zygote=None) -> tuple[bool, str]:
     """Rank 1 of a gloo all-reduce with `peer`'s agent (rank 0), which hosts the store at
     `store_host:store_port`; this node's side binds `host`, in a child process (as
     `collective`)."""
@@ -85,7 +85,20 @@ def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes:
                                   "store_port": store_port, "host": host, "nbytes": nbytes,
                                   "min_bus_gbps": min_bus_gbps, "timeout_s": timeout_s,
                                   "ack_s": ack_s},
-                    timeout_s + ack_s + CHILD_START_S)
+                    timeout_s + ack_s + CHILD_START_S, zygote=zygote)
+
+
+def checkpoint(directory: str, *, zygote) -> tuple[bool, str]:
+    """The checkpoint round trip (lazarus.agent.preflight) in a child forked from the agent's
+    zygote: the agent itself then never loads torch."""
+    return in_child("checkpoint", {"directory": directory}, CHILD_START_S, zygote=zygote)
+
+
+def _checkpoint(directory: str) -> tuple[bool, str]:
+    from pathlib import Path
+
+    from lazarus.agent.preflight import checkpoint_round_trip
+    return checkpoint_round_trip(Path(directory))
 
 
 def child_command() -> list[str]:
@@ -93,14 +106,20 @@ def child_command() -> list[str]:
     return [sys.executable, "-m", __name__]
 
 
-def in_child(test: str, args: dict, limit_s: float) -> tuple[bool, str]:
+def in_child(test: str, args: dict, limit_s: float, *, zygote=None) -> tuple[bool, str]:
     """Run `test` with `args` in a child process and return its verdict; a child that has
-    none within `limit_s` is killed, and one that dies is a failure with its last words."""
+    none within `limit_s` is killed, and one that dies is a failure with its last words.
+    With the agent's `zygote` (lazarus.agent.zygote) the child is forked from it, which has
+    imported torch already (docs/constraints.md, "Worker starts"); else a cold one."""
+    request = json.dumps({"test": test, **args})
     # Files, not pipes: a chatty child (NCCL_DEBUG=INFO) must not block on a full pipe
     # while this side waits for its exit.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([*child_command(), json.dumps({"test": test, **args})],
-                                 stdin=subprocess.PIPE, stdout=out, stderr=err)
+        child = None if zygote is None else zygote.run(
+            __name__, [request], stdout=out.fileno(), stderr=err.fileno())
+        if child is None:
+            child = subprocess.Popen([*child_command(), request], stdin=subprocess.PIPE,
+                                     stdout=out, stderr=err)
         try:
             child.wait(limit_s)
         except subprocess.TimeoutExpired:
@@ -133,7 +152,8 @@ def _main(request: str) -> None:
 
     threading.Thread(target=lifeline, daemon=True).start()
     args = json.loads(request)
-    test = {"collective": _collective, "with_peer": _with_peer}[args.pop("test")]
+    test = {"collective": _collective, "with_peer": _with_peer,
+            "checkpoint": _checkpoint}[args.pop("test")]
     try:
         ok, reason = test(**args)
     except Exception as e:  # a failed test's verdict, with the reason

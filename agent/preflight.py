@@ -81,6 +81,9 @@ class PreflightConfig:
     pair: tuple[str, str, int] | None = None  # (node, store host, port): test with its agent
     expected_gpus: int = 0
     skip: frozenset[str] = frozenset()
+    # The agent's worker zygote (lazarus.agent.zygote): the checkpoint and collective tests
+    # then run in children forked from it; without one, in this process and a cold child.
+    zygote: object = None
 
 
 def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
@@ -247,12 +250,16 @@ def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list
     steps: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
         ("gpu", gpu_check),
         ("storage", lambda: storage(dirs, c.storage_bytes)),
-        ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)),
+        ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)
+         if c.zygote is None else coll.checkpoint(str(c.checkpoint_dir or c.workdir),
+                                                  zygote=c.zygote)),
         ("clock", lambda: clock(etcd, c.skew_limit_s, now=now)),
         ("collective", lambda: coll.with_peer(*c.pair, host=c.host, nbytes=c.collective_bytes,
-                                              min_bus_gbps=c.min_bus_gbps) if c.pair else
+                                              min_bus_gbps=c.min_bus_gbps, zygote=c.zygote)
+         if c.pair else
          coll.collective(c.peers or coll.loopback_peers(c.host), c.rank,
-                         nbytes=c.collective_bytes, min_bus_gbps=c.min_bus_gbps)),
+                         nbytes=c.collective_bytes, min_bus_gbps=c.min_bus_gbps,
+                         zygote=c.zygote)),
     ]
     for name, fn in steps:
         if name in c.skip:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lazarus.agent import preflight as pre
+from lazarus.agent.zygote import ZYGOTE_START_S
 from lazarus.core import etcd as E
 from lazarus.core.records import NodeRecord, RecordError, RoundRecord
 
@@ -30,7 +31,10 @@ def checks(agent: Agent) -> list[pre.Check]:
                                  checkpoint_dir=Path(ckpt) if ckpt else None,
                                  host=agent.host, expected_gpus=agent.nproc,
                                  pair=(peer.node, peer.host, peer.store_port) if peer
-                                 else None)
+                                 else None,
+                                 # its tests' processes are forked: no torch import of their
+                                 # own, none in the agent (docs/constraints.md)
+                                 zygote=agent.workers.ready_zygote(ZYGOTE_START_S))
     gpu = agent.health.gpu
     done = pre.run_checks(config, etcd=agent.etcd,
                           gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -124,6 +125,7 @@ class Workers:
         # (lazarus.trainer.zygote); while it starts, or after it failed, cold ones.
         self.zygote: Zygote | None = None
         self._zygote_failed_at = -ZYGOTE_RETRY_S
+        self._zygote_lock = threading.Lock()  # the preflight thread asks for it too
         self.group: Group | None = None
         # local rank -> the process of a survivor of the stopped round, until the next
         # round's launch takes it or lets it go
@@ -148,9 +150,29 @@ class Workers:
     def _worker_log(self) -> Path:
         return self.log_dir / f"worker-{time.time_ns()}.log"
 
+    def ready_zygote(self, wait_s: float) -> Zygote | None:
+        """The zygote once it has imported everything, waiting up to `wait_s` for it (from
+        another thread than the agent's loop: preflight's); None without one."""
+        deadline = time.monotonic() + wait_s
+        while self.park:
+            z = self._live_zygote()
+            if z is None or z.dead:
+                return None
+            z.pump()
+            if z.ready:
+                return z
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return None
+
     def _live_zygote(self) -> Zygote | None:
         """The zygote, started if there is none; None while a failed one waits out its
         ZYGOTE_RETRY_S (cold workers meanwhile)."""
+        with self._zygote_lock:
+            return self._zygote_now()
+
+    def _zygote_now(self) -> Zygote | None:
         z = self.zygote
         if z is not None and (z.dead or z.stuck()):
             log.warning("worker zygote (pid %d) %s: cold workers for %.0f s", z.proc.pid,

@@ -11,11 +11,14 @@ and /proc, as for ranks adopted from a previous agent (lazarus.agent.adopt).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +69,15 @@ class ForkedWorker(AdoptedRank):
         super().kill()
         self._close_stdin()
 
+    def wait(self, timeout: float | None = None) -> int:
+        """As Popen.wait: the exit code, or subprocess.TimeoutExpired after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(ZYGOTE_CMD, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
     def _close_stdin(self) -> None:
         try:
             self.stdin.close()
@@ -73,8 +85,12 @@ class ForkedWorker(AdoptedRank):
             pass
 
 
+PARK = ("lazarus.cli", ["worker", "--park"])  # what a parked worker runs
+
+
 class Zygote:
-    """One zygote process and what it said so far."""
+    """One zygote process and what it said so far. Thread-safe: the agent's loop asks for
+    parked workers, its preflight thread for test processes."""
 
     def __init__(self, *, env: dict[str, str], log_path: Path, notes_dir: Path):
         self.notes_dir = notes_dir
@@ -90,92 +106,138 @@ class Zygote:
         self.started = time.monotonic()
         self.ready = False
         self.dead = False
-        self._waiting: list[tuple[float, object]] = []  # spawns sent: (when, stdin), in order
-        self._forked: list[ForkedWorker] = []           # pids come, not yet taken
+        self._lock = threading.RLock()
+        # requests sent, in order: [when, stdin, the worker once its pid came or None]; the
+        # parked ones among them go to `take` (`for_pool`)
+        self._waiting: list[list] = []
+        self._forked: list[ForkedWorker] = []           # parked ones come, not yet taken
         self._codes: dict[int, int] = {}                # pid -> exit code, not yet read
         log.info("worker zygote started (pid %d)", self.proc.pid)
 
     @property
     def in_flight(self) -> int:
-        return len(self._waiting)
+        with self._lock:
+            return sum(1 for w in self._waiting if w[3])
 
     def stuck(self, now: float | None = None) -> bool:
-        """Alive but answering nothing: not ready long after its start, or a spawn long
+        """Alive but answering nothing: not ready long after its start, or a request long
         unanswered."""
         now = time.monotonic() if now is None else now
-        oldest = self._waiting[0][0] if self._waiting else None
-        return not self.dead and ((not self.ready and now - self.started > ZYGOTE_START_S)
-                                  or (oldest is not None and now - oldest > ZYGOTE_ANSWER_S))
+        with self._lock:
+            oldest = self._waiting[0][0] if self._waiting else None
+            return not self.dead and (
+                (not self.ready and now - self.started > ZYGOTE_START_S)
+                or (oldest is not None and now - oldest > ZYGOTE_ANSWER_S))
 
     def spawn(self, log_path: Path) -> None:
         """Ask for one parked worker with its output in `log_path`; `take` hands it over once
         its pid came."""
-        r, w = os.pipe()
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         try:
-            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
-        except OSError:
-            os.close(r)
-            os.close(w)
-            raise
-        try:
-            socket.send_fds(self.sock, [b"spawn"], [r, fd])
-        except OSError as e:
-            os.close(w)
-            self._gone(f"cannot ask it for a worker: {e}")
-            return
+            self._request(*PARK, stdout=fd, stderr=fd, session=True, for_pool=True)
         finally:
-            os.close(r)
             os.close(fd)
-        self._waiting.append((time.monotonic(), open(w, "wb", buffering=0)))
+
+    def run(self, module: str, argv: list[str], *, stdout: int, stderr: int,
+            wait_s: float = ZYGOTE_ANSWER_S) -> ForkedWorker | None:
+        """`python -m module argv...` as a child of the zygote, with this stdout and stderr
+        (descriptors; they stay open here); None if the zygote did not fork it within
+        `wait_s`. Its stdin is a pipe: closing the returned worker's `stdin` is its EOF."""
+        entry = self._request(module, argv, stdout=stdout, stderr=stderr, session=False,
+                              for_pool=False)
+        deadline = time.monotonic() + wait_s
+        while entry is not None and time.monotonic() < deadline:
+            with self._lock:
+                self.pump()
+                if entry[2] is not None or self.dead or entry not in self._waiting:
+                    return entry[2]
+            try:
+                select.select([self.sock], [], [], 0.05)
+            except (OSError, ValueError):  # closed by the agent meanwhile
+                break
+        if entry is not None:
+            with self._lock:
+                if entry[2] is None:
+                    entry[1].close()  # if it forks after all: its stdin is closed, it ends
+        return entry[2] if entry is not None else None
+
+    def _request(self, module: str, argv: list[str], *, stdout: int, stderr: int,
+                 session: bool, for_pool: bool) -> list | None:
+        msg = b"run " + json.dumps({"module": module, "argv": argv,
+                                    "session": session}).encode()
+        r, w = os.pipe()
+        with self._lock:
+            try:
+                socket.send_fds(self.sock, [msg], [r, stdout, stderr])
+            except OSError as e:
+                os.close(w)
+                self._gone(f"cannot ask it for a process: {e}")
+                return None
+            finally:
+                os.close(r)
+            entry = [time.monotonic(), open(w, "wb", buffering=0), None, for_pool]
+            self._waiting.append(entry)
+            return entry
 
     def pump(self) -> None:
         """Read what the zygote said since the last call; never blocks."""
-        while not self.dead:
-            try:
-                msg = self.sock.recv(64)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                self._gone(str(e))
-                return
-            if not msg:
-                self._gone("it exited" if self.proc.poll() is not None else "it closed")
-                return
-            word, _, rest = msg.decode("ascii", "replace").partition(" ")
-            if word == "ready":
-                self.ready = True
-            elif word == "pid" and self._waiting:
-                _, stdin = self._waiting.pop(0)
-                self._forked.append(ForkedWorker(int(rest), stdin, self, self.notes_dir))
-            elif word == "exit":
-                pid, _, code = rest.partition(" ")
-                self._codes[int(pid)] = int(code)
-                if len(self._codes) > MAX_CODES:  # codes nobody asks for: workers whose
-                    del self._codes[next(iter(self._codes))]  # end was read elsewhere
+        with self._lock:
+            while not self.dead:
+                try:
+                    msg = self.sock.recv(64)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as e:
+                    self._gone(str(e))
+                    return
+                if not msg:
+                    self._gone("it exited" if self.proc.poll() is not None else "it closed")
+                    return
+                word, _, rest = msg.decode("ascii", "replace").partition(" ")
+                if word == "ready":
+                    self.ready = True
+                elif word == "pid" and self._waiting:
+                    entry = self._waiting.pop(0)
+                    pid = int(rest)
+                    if pid <= 0:  # refused
+                        entry[1].close()
+                        continue
+                    entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir)
+                    if entry[3]:
+                        self._forked.append(entry[2])
+                elif word == "exit":
+                    pid, _, code = rest.partition(" ")
+                    self._codes[int(pid)] = int(code)
+                    if len(self._codes) > MAX_CODES:  # codes nobody asks for: workers whose
+                        del self._codes[next(iter(self._codes))]  # end was read elsewhere
 
     def take(self) -> list[ForkedWorker]:
-        """The workers forked since the last call."""
-        self.pump()
-        out, self._forked = self._forked, []
-        return out
+        """The parked workers forked since the last call."""
+        with self._lock:
+            self.pump()
+            out, self._forked = self._forked, []
+            return out
 
     def exit_code(self, pid: int) -> int | None:
-        self.pump()
-        return self._codes.pop(pid, None)
+        with self._lock:
+            self.pump()
+            return self._codes.pop(pid, None)
 
     def _gone(self, why: str) -> None:
-        if not self.dead:
-            log.warning("worker zygote (pid %d) gone: %s", self.proc.pid, why)
-        self.dead = True
-        for _, stdin in self._waiting:  # a spawn it may or may not have made: the child's
-            stdin.close()               # stdin closes, so it ends before taking any work
-        self._waiting = []
+        with self._lock:
+            if not self.dead:
+                log.warning("worker zygote (pid %d) gone: %s", self.proc.pid, why)
+            self.dead = True
+            for entry in self._waiting:  # a request it may or may not have forked: the
+                entry[1].close()         # child's stdin closes, so it ends before any work
+            self._waiting = []
 
     def close(self) -> None:
         """End the zygote (not its children: ranks outlive the agent)."""
-        self.dead = True
-        self._gone("closed")
-        self.sock.close()
+        with self._lock:
+            self.dead = True
+            self._gone("closed")
+            self.sock.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

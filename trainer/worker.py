@@ -195,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="import everything, print a 'parked' JSON line, then wait for one "
                              "assignment line on stdin and run its command as that rank")
     parser.add_argument("--zygote", metavar="CONTROL_FD", type=int,
-                        help="import everything once, then fork a parked worker for each "
-                             "request on the agent's socket CONTROL_FD (lazarus.trainer.zygote)")
+                        help="import everything once, then fork a child for each request on "
+                             "the agent's socket CONTROL_FD (lazarus.trainer.zygote)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.zygote is not None:
-        from lazarus.trainer.zygote import serve
-        serve(args.zygote)  # returns in a forked child only: a parked worker from here
-        args.park = True
+        from lazarus.trainer.zygote import run_child, serve
+        run_child(*serve(args.zygote))  # serve returns in a forked child only
+        return 0
     if args.park:
         # Every command of a job, this trainer's too, starts here (lazarus.trainer.rankrun).
         from lazarus.trainer.rankrun import run_rank

@@ -16,10 +16,13 @@ What it must not do before a fork, and why:
     is set here (and taken out again in each child that did not have it).
   - start threads: fork copies only the thread that calls it.
 
-Protocol, over a SOCK_SEQPACKET socket the agent passes as --control-fd (lazarus.agent.zygote):
-  agent -> zygote  b"spawn" with two descriptors: the child's stdin (the read end of the pipe
-                   its assignment line comes on) and its log (stdout and stderr)
-  zygote -> agent  b"ready" once imported; b"pid N" per spawn, in order; b"exit N CODE" when
+Protocol, over a SOCK_SEQPACKET socket the agent passes as --zygote FD (lazarus.agent.zygote):
+  agent -> zygote  b"run " + JSON {"module": M, "argv": [...], "session": bool}, with three
+                   descriptors: the child's stdin, stdout and stderr. The child is then
+                   `python -m M ARGV...` without the interpreter's start or the imports: a
+                   parked worker (`lazarus.cli worker --park`), a preflight test
+                   (lazarus.agent.collective_check). "session": in a session of its own.
+  zygote -> agent  b"ready" once imported; b"pid N" per request, in order; b"exit N CODE" when
                    a child ends (CODE as Popen.returncode: -SIGNAL for a signal)
 The agent closing the socket ends the zygote and nothing else: its running children are
 ranks, which outlive the agent (lazarus.agent.adopt); parked ones end when their stdin closes.
@@ -29,12 +32,14 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import select
 import signal
 import socket
 import sys
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+MAX_REQUEST = 64 << 10
 
 
 def _imports() -> None:
@@ -57,9 +62,9 @@ def _threads() -> int:
         return 1
 
 
-def serve(control_fd: int) -> None:
-    """Fork a child per request until the agent goes; returns only in a child, which then
-    goes on as a parked worker (its stdin and output are its own by then)."""
+def serve(control_fd: int) -> tuple[str, list[str]]:
+    """Fork a child per request until the agent goes; returns only in a child, with the
+    module to run as __main__ and its arguments (its stdin and output are its own by then)."""
     had_nvml_check = NVML_CHECK in os.environ
     os.environ.setdefault(NVML_CHECK, "1")
     _imports()
@@ -90,25 +95,40 @@ def serve(control_fd: int) -> None:
         if sock not in ready:
             continue
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 64, 2)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 3)
         except InterruptedError:
             continue
         if not msg:
             os._exit(0)  # the agent is gone; its ranks go on without us
-        if msg != b"spawn" or len(fds) != 2:
+        request = _request(msg, fds)
+        if request is None:
             for fd in fds:
                 os.close(fd)
+            sock.send(b"pid 0")  # refused: the agent's waiting request ends
             continue
-        stdin_fd, log_fd = fds
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _become_child(sock, wake_r, wake_w, stdin_fd, log_fd, had_nvml_check)
-            return
-        os.close(stdin_fd)
-        os.close(log_fd)
+            _become_child(sock, wake_r, wake_w, fds, request["session"], had_nvml_check)
+            return request["module"], request["argv"]
+        for fd in fds:
+            os.close(fd)
         sock.send(f"pid {pid}".encode())
+
+
+def _request(msg: bytes, fds: list[int]) -> dict | None:
+    """A well-formed run request, or None (the agent is trusted; this guards our own bugs)."""
+    if not msg.startswith(b"run ") or len(fds) != 3:
+        return None
+    try:
+        req = json.loads(msg[4:])
+    except ValueError:
+        return None
+    ok = (isinstance(req, dict) and isinstance(req.get("module"), str)
+          and isinstance(req.get("argv"), list) and all(isinstance(a, str) for a in req["argv"]))
+    return {"module": req["module"], "argv": req["argv"],
+            "session": bool(req.get("session"))} if ok else None
 
 
 def _reap(sock: socket.socket) -> None:
@@ -125,23 +145,30 @@ def _reap(sock: socket.socket) -> None:
             os._exit(0)  # the agent is gone
 
 
-def _become_child(sock, wake_r: int, wake_w: int, stdin_fd: int, log_fd: int,
+def _become_child(sock, wake_r: int, wake_w: int, fds: list[int], session: bool,
                   had_nvml_check: bool) -> None:
-    """Make this fork look like the cold worker the agent would have started: a session of
-    its own, its own stdin and output, none of the zygote's descriptors or handlers."""
+    """Make this fork look like the process the agent would have started cold: its own stdin
+    and output, none of the zygote's descriptors or handlers, a session of its own if asked."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     sock.close()
     os.close(wake_r)
     os.close(wake_w)
-    os.setsid()  # as start_new_session: a signal to the agent's group does not reach ranks
-    os.dup2(stdin_fd, 0)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(stdin_fd)
-    os.close(log_fd)
+    if session:
+        os.setsid()  # as start_new_session: a signal to the agent's group does not reach it
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
     if not had_nvml_check:
         os.environ.pop(NVML_CHECK, None)
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()  # Python's random reseeds at fork by itself; numpy's global one not
+
+
+def run_child(module: str, argv: list[str]) -> None:
+    """Run `module` as `python -m module argv...` would, in this (forked) process."""
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -147,3 +147,31 @@ def _no_strays():
     for p in left:
         p.kill()
     assert not left, f"left running: {[' '.join(p.cmdline()) for p in left]}"
+
+
+def test_preflight_tests_run_in_forks_of_the_zygote(tmp_path, monkeypatch):
+    """The agent's preflight checkpoint round trip and collective run in children of the
+    zygote: no cold interpreter, and no torch in the agent."""
+    from lazarus.agent import collective_check as coll
+    from lazarus.agent import preflight as pre
+
+    w = _workers(tmp_path)
+    try:
+        zygote = w.ready_zygote(120)
+        assert zygote is not None
+
+        def no_cold_child(*a, **k):
+            raise AssertionError("a cold child was started")
+        monkeypatch.setattr(coll.subprocess, "Popen", no_cold_child)
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        done = pre.run_checks(pre.PreflightConfig(workdir=tmp_path, checkpoint_dir=ckpt,
+                                                  skip=frozenset({"gpu", "clock"}),
+                                                  zygote=zygote), etcd=None,
+                              gpu_verdicts=lambda: ([], "none"))
+        by = {c.name: c for c in done}
+        assert by["checkpoint"].ok and not by["checkpoint"].skipped, by["checkpoint"]
+        assert by["collective"].ok and "GB/s" in by["collective"].reason, by["collective"]
+        assert not list(ckpt.iterdir())  # the round trip cleaned up after itself
+    finally:
+        w.shutdown()
