@@ -235,9 +235,12 @@ class Zygote:
     def close(self) -> None:
         """End the zygote (not its children: ranks outlive the agent)."""
         with self._lock:
+            ready = self.ready
             self.dead = True
             self._gone("closed")
             self.sock.close()
+        if not ready:  # still importing: it hears nothing until done, and has no children
+            self.proc.kill()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
