@@ -1,8 +1,9 @@
 """`lazarus train`: train on this machine alone, like `torchrun --standalone`.
 
 Everything a user can get wrong is checked before any process starts, so a bad job costs one
-line and nothing on disk changes. Then the launcher hosts the rendezvous store itself (a free
-port), starts one worker process per rank, and stops them all as soon as one fails.
+line and nothing on disk changes. Then the launcher imports the trainer once, forks one worker process per rank
+(lazarus.trainer.forkranks), hosts the rendezvous store itself (a free port), hands each rank
+its assignment, and stops them all as soon as one fails.
 """
 
 from __future__ import annotations
@@ -158,18 +159,27 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
+def rank_env(nproc: int) -> dict[str, str]:
+    return {**NCCL_DEFAULTS, **os.environ, **settings.rank_threads_env(nproc)}
+
+
+def _assignment(cfg: TrainConfig, nproc: int, rank: int, *, restore: str | None,
+                store_port: int, round: int = 0) -> WorkerAssignment:
+    return WorkerAssignment(rank=rank, world_size=nproc, local_rank=rank, round=round,
+                            store_host="127.0.0.1", store_port=store_port,
+                            train=cfg.to_dict(), restore=restore)
+
+
 def spawn_workers(cfg: TrainConfig, nproc: int, *, restore: str | None, store_port: int,
                   round: int = 0) -> list[subprocess.Popen]:
-    env = {**NCCL_DEFAULTS, **os.environ, **settings.rank_threads_env(nproc)}
-    procs = []
-    for rank in range(nproc):
-        assignment = WorkerAssignment(rank=rank, world_size=nproc, local_rank=rank, round=round,
-                                      store_host="127.0.0.1", store_port=store_port,
-                                      train=cfg.to_dict(), restore=restore)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "worker"],
-            env={**env, ASSIGNMENT_ENV: assignment.to_json()}, preexec_fn=_die_with_parent))
-    return procs
+    """Cold workers: each its own interpreter and imports."""
+    env = rank_env(nproc)
+    return [subprocess.Popen([sys.executable, "-m", "lazarus.cli", "worker"],
+                             env={**env, ASSIGNMENT_ENV: _assignment(
+                                 cfg, nproc, rank, restore=restore, store_port=store_port,
+                                 round=round).to_json()},
+                             preexec_fn=_die_with_parent)
+            for rank in range(nproc)]
 
 
 def supervise(procs: list[subprocess.Popen]) -> int:
@@ -206,9 +216,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    imported_before = "torch" in sys.modules  # see lazarus.trainer.forkranks
     cfg, nproc = job_from_args(argv)
     restore = check_inputs(cfg)
 
+    from lazarus.trainer import forkranks
+    forked = forkranks.prepare(rank_env(nproc), imported_before=imported_before)
     import torch.distributed as dist
 
     if cfg.metrics and restore is None:
@@ -219,5 +232,12 @@ def main(argv: list[str]) -> int:
           f"dp {dp} x tp {tp}, global batch {data.global_batch} = micro {plan.micro_batch} x "
           f"dp {dp} x accumulation {plan.accumulation}, seq_len {data.seq_len}, {cfg.steps} steps",
           flush=True)
+    if not forked:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return supervise(spawn_workers(cfg, nproc, restore=restore, store_port=store.port))
+    # Forked before the store's server thread exists; each rank waits for its assignment.
+    ranks = forkranks.fork_ranks(nproc)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return supervise(spawn_workers(cfg, nproc, restore=restore, store_port=store.port))
+    for rank, child in enumerate(ranks):
+        child.hand(_assignment(cfg, nproc, rank, restore=restore, store_port=store.port).to_json())
+    return supervise(ranks)
