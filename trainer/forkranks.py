@@ -21,8 +21,6 @@ import traceback
 
 from lazarus.core.contract import ASSIGNMENT_ENV
 
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
 
 class ForkedRank:
     """A rank forked from this process, behind the part of Popen's interface the launcher
@@ -73,26 +71,14 @@ def prepare(env: dict[str, str], *, imported_before: bool) -> bool:
     loads it), then import what a rank imports. False when forking would not be safe."""
     if imported_before:
         return False
-    had_nvml_check = NVML_CHECK in os.environ
     os.environ.update(env)
-    os.environ.setdefault(NVML_CHECK, "1")  # is_available() without loading the driver
-    import torch
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-
-    import lazarus.trainer.train  # noqa: F401
-    import lazarus.trainer.worker  # noqa: F401
-    if not had_nvml_check:
-        os.environ.pop(NVML_CHECK, None)
-    return not torch.cuda.is_initialized() and not _driver_loaded()
+    from lazarus.trainer.zygote import import_for_fork
+    return import_for_fork()
 
 
-def _driver_loaded() -> bool:
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libcuda.so" in f.read()
-    except OSError:
-        return False
+def die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: a rank must not outlive a launcher that was killed.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def fork_ranks(nproc: int) -> list[ForkedRank]:
@@ -116,16 +102,14 @@ def fork_ranks(nproc: int) -> list[ForkedRank]:
 def _child(assignment_fd: int) -> None:
     code = 1
     try:
-        # PR_SET_PDEATHSIG: a rank must not outlive a launcher that was killed
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+        die_with_parent()
         with os.fdopen(assignment_fd, "r", encoding="utf-8") as f:
             line = f.readline()
         if not line:
             os._exit(1)  # the launcher went before handing it over
         os.environ[ASSIGNMENT_ENV] = line.strip()
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed()  # as a fresh process's (Python's random reseeds at fork itself)
+        from lazarus.trainer.zygote import reseed_after_fork
+        reseed_after_fork()
         from lazarus.core.errors import UserError
         from lazarus.trainer import worker
         try:

@@ -9,9 +9,7 @@ its assignment, and stops them all as soon as one fails.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from lazarus.core.contract import ASSIGNMENT_ENV, NCCL_DEFAULTS, WorkerAssignmen
 from lazarus.core.errors import UserError
 from lazarus.core.modelconfig import get_model_config
 from lazarus.core.trainconfig import TrainConfig, load_toml
+from lazarus.trainer import forkranks
 
 # After one rank fails, how long the others get to exit on SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
@@ -154,11 +153,6 @@ def check_inputs(cfg: TrainConfig) -> str | None:
     return ck.resume
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a worker must not outlive a launcher that was killed.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
 def rank_env(nproc: int) -> dict[str, str]:
     return {**NCCL_DEFAULTS, **os.environ, **settings.rank_threads_env(nproc)}
 
@@ -178,7 +172,7 @@ def spawn_workers(cfg: TrainConfig, nproc: int, *, restore: str | None, store_po
                              env={**env, ASSIGNMENT_ENV: _assignment(
                                  cfg, nproc, rank, restore=restore, store_port=store_port,
                                  round=round).to_json()},
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=forkranks.die_with_parent)
             for rank in range(nproc)]
 
 
@@ -220,7 +214,6 @@ def main(argv: list[str]) -> int:
     cfg, nproc = job_from_args(argv)
     restore = check_inputs(cfg)
 
-    from lazarus.trainer import forkranks
     forked = forkranks.prepare(rank_env(nproc), imported_before=imported_before)
     import torch.distributed as dist
 

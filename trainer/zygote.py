@@ -13,7 +13,7 @@ What it must not do before a fork, and why:
     here only what builds on the meta device, which runs no kernel.
   - touch CUDA: a child of a process that initialised the driver cannot use it. torch's
     is_available() initialises the driver unless PYTORCH_NVML_BASED_CUDA_CHECK is set, so it
-    is set here (and taken out again in each child that did not have it).
+    is set while the imports run (`import_for_fork`).
   - start threads: fork copies only the thread that calls it.
 
 Protocol, over a SOCK_SEQPACKET socket the agent passes as --zygote FD (lazarus.agent.zygote):
@@ -42,17 +42,41 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_REQUEST = 64 << 10
 
 
-def _imports() -> None:
-    """What a parked worker would import and build lazily, minus anything that runs a kernel."""
+def import_for_fork() -> bool:
+    """Import what a rank imports and build the model on the meta device (it imports
+    torch._dynamo, 2-3 s, and runs nothing), without loading the CUDA driver. True when this
+    process may still fork ranks: CUDA neither initialised nor its driver mapped."""
+    had_nvml_check = NVML_CHECK in os.environ
+    os.environ.setdefault(NVML_CHECK, "1")  # is_available() without loading the driver
     import torch
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
     import lazarus.trainer.train  # noqa: F401
+    import lazarus.trainer.worker  # noqa: F401
     from lazarus.trainer.models import Transformer, get_model_config
 
-    with torch.device("meta"):  # imports torch._dynamo (2-3 s) and runs nothing
+    with torch.device("meta"):
         Transformer(get_model_config("tiny"))
+    if not had_nvml_check:
+        os.environ.pop(NVML_CHECK, None)
+    return not torch.cuda.is_initialized() and not _driver_loaded()
+
+
+def _driver_loaded() -> bool:
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
+def reseed_after_fork() -> None:
+    """Python's random reseeds itself at fork; numpy's global generator does not, and a fresh
+    process would have seeded it from the OS."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
 
 
 def _threads() -> int:
@@ -65,12 +89,7 @@ def _threads() -> int:
 def serve(control_fd: int) -> tuple[str, list[str]]:
     """Fork a child per request until the agent goes; returns only in a child, with the
     module to run as __main__ and its arguments (its stdin and output are its own by then)."""
-    had_nvml_check = NVML_CHECK in os.environ
-    os.environ.setdefault(NVML_CHECK, "1")
-    _imports()
-    import torch
-
-    assert not torch.cuda.is_initialized(), "the zygote must not initialise CUDA"
+    assert import_for_fork(), "the zygote must not initialise CUDA"
     sock = socket.socket(fileno=control_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -110,7 +129,7 @@ def serve(control_fd: int) -> tuple[str, list[str]]:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _become_child(sock, wake_r, wake_w, fds, request["session"], had_nvml_check)
+            _become_child(sock, wake_r, wake_w, fds, request["session"])
             return request["module"], request["argv"]
         for fd in fds:
             os.close(fd)
@@ -145,8 +164,7 @@ def _reap(sock: socket.socket) -> None:
             os._exit(0)  # the agent is gone
 
 
-def _become_child(sock, wake_r: int, wake_w: int, fds: list[int], session: bool,
-                  had_nvml_check: bool) -> None:
+def _become_child(sock, wake_r: int, wake_w: int, fds: list[int], session: bool) -> None:
     """Make this fork look like the process the agent would have started cold: its own stdin
     and output, none of the zygote's descriptors or handlers, a session of its own if asked."""
     signal.set_wakeup_fd(-1)
@@ -161,11 +179,7 @@ def _become_child(sock, wake_r: int, wake_w: int, fds: list[int], session: bool,
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    if not had_nvml_check:
-        os.environ.pop(NVML_CHECK, None)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()  # Python's random reseeds at fork by itself; numpy's global one not
+    reseed_after_fork()
 
 
 def run_child(module: str, argv: list[str]) -> None:
