@@ -125,6 +125,7 @@ class Workers:
         # (lazarus.trainer.zygote); while it starts, or after it failed, cold ones.
         self.zygote: Zygote | None = None
         self._zygote_failed_at = -ZYGOTE_RETRY_S
+        self._zygote_unfit = False
         self._zygote_lock = threading.Lock()  # the preflight thread asks for it too
         self.group: Group | None = None
         # local rank -> the process of a survivor of the stopped round, until the next
@@ -175,12 +176,20 @@ class Workers:
     def _zygote_now(self) -> Zygote | None:
         z = self.zygote
         if z is not None and (z.dead or z.stuck()):
-            log.warning("worker zygote (pid %d) %s: cold workers for %.0f s", z.proc.pid,
-                        "gone" if z.dead else "stuck", ZYGOTE_RETRY_S)
+            if z.dead and _exit_code(z.proc) == exitcodes.ZYGOTE_UNFIT:
+                # a retry would import the same way: no use paying for it every minute
+                log.warning("worker zygote (pid %d): this node's imports initialise CUDA, so "
+                            "forks could not use the GPU; every worker starts cold (%s)",
+                            z.proc.pid, self.log_dir / "zygote.log")
+                self._zygote_unfit = True
+            else:
+                log.warning("worker zygote (pid %d) %s: cold workers for %.0f s", z.proc.pid,
+                            "gone" if z.dead else "stuck", ZYGOTE_RETRY_S)
             z.kill()
             self.zygote = z = None
             self._zygote_failed_at = time.monotonic()
-        if z is None and time.monotonic() - self._zygote_failed_at >= ZYGOTE_RETRY_S:
+        if (z is None and not self._zygote_unfit
+                and time.monotonic() - self._zygote_failed_at >= ZYGOTE_RETRY_S):
             self.zygote = z = Zygote(env=self.env, log_path=self.log_dir / "zygote.log",
                                      notes_dir=self.notes_dir)
         return z
@@ -376,3 +385,11 @@ def ended_why(g: Group, local_rank: int) -> str:
     if code is None:
         return ANEW_STOPPED
     return ANEW_PEER_LOST if code == exitcodes.PEER_LOST else ANEW_EXITED
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The code of a process that has closed its end, given a moment to finish exiting."""
+    try:
+        return proc.wait(timeout=0.5)
+    except subprocess.TimeoutExpired:
+        return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 import warnings
@@ -199,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                              "the agent's socket CONTROL_FD (lazarus.trainer.zygote)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.zygote is not None:
+        try:
+            is_socket = stat.S_ISSOCK(os.fstat(args.zygote).st_mode)
+        except OSError:
+            is_socket = False
+        if not is_socket:
+            print(f"lazarus worker: error: --zygote {args.zygote}: not an open socket; the "
+                  f"agent starts the zygote with one of its own (lazarus.agent.zygote)",
+                  file=sys.stderr)
+            return 2
         from lazarus.trainer.zygote import run_child, serve
         run_child(*serve(args.zygote))  # serve returns in a forked child only
         return 0

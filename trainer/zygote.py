@@ -11,9 +11,10 @@ What it must not do before a fork, and why:
     and a child of a process with a GNU OpenMP pool hangs in its first parallel region
     (pytorch#41197). The warm-up (lazarus.trainer.worker._warm_up) runs in each child;
     here only what builds on the meta device, which runs no kernel.
-  - touch CUDA: a child of a process that initialised the driver cannot use it. torch's
+  - initialise CUDA: a child of a process that initialised the driver cannot use it. torch's
     is_available() initialises the driver unless PYTORCH_NVML_BASED_CUDA_CHECK is set, so it
-    is set while the imports run (`import_for_fork`).
+    is set while the imports run (`import_for_fork`). The driver library being mapped is
+    harmless (`driver_initialised`).
   - start threads: fork copies only the thread that calls it.
 
 Protocol, over a SOCK_SEQPACKET socket the agent passes as --zygote FD (lazarus.agent.zygote):
@@ -30,6 +31,7 @@ ranks, which outlive the agent (lazarus.agent.adopt); parked ones end when their
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
@@ -37,6 +39,8 @@ import select
 import signal
 import socket
 import sys
+
+from lazarus.core import exitcodes
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_REQUEST = 64 << 10
@@ -60,15 +64,31 @@ def import_for_fork() -> bool:
         Transformer(get_model_config("tiny"))
     if not had_nvml_check:
         os.environ.pop(NVML_CHECK, None)
-    return not torch.cuda.is_initialized() and not _driver_loaded()
+    return not torch.cuda.is_initialized() and not driver_initialised()
 
 
-def _driver_loaded() -> bool:
+# cuInit's documented contract: before it, every driver call answers this and does nothing.
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def driver_initialised() -> bool:
+    """True when this process's CUDA driver has run cuInit, so that a child could not use it.
+    The driver library being mapped is not that: torch's CUDA libraries map it at import on
+    some builds (torch 2.11+cu130: cuBLASLt dlopens it), and a child initialises it itself
+    (docs/constraints.md, "Worker starts")."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libcuda.so" in f.read()
+            if "libcuda.so" not in f.read():
+                return False
     except OSError:
         return False
+    try:
+        # RTLD_NOLOAD: the copy already mapped, never a load of our own
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return True  # mapped under a name we cannot reach: assume the worst
+    count = ctypes.c_int()
+    return lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def reseed_after_fork() -> None:
@@ -89,7 +109,12 @@ def _threads() -> int:
 def serve(control_fd: int) -> tuple[str, list[str]]:
     """Fork a child per request until the agent goes; returns only in a child, with the
     module to run as __main__ and its arguments (its stdin and output are its own by then)."""
-    assert import_for_fork(), "the zygote must not initialise CUDA"
+    if not import_for_fork():
+        # Not a bug of ours to assert on: a torch build or a plugin that initialises CUDA at
+        # import. The agent reads this code and starts every worker cold from then on.
+        print(json.dumps({"event": "zygote_unfit", "pid": os.getpid(),
+                          "why": "CUDA was initialised by the imports"}), flush=True)
+        sys.exit(exitcodes.ZYGOTE_UNFIT)
     sock = socket.socket(fileno=control_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)

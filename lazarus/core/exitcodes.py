@@ -13,6 +13,8 @@ BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or co
 ORPHANED = 77           # the rank's agent stayed away past the grace (AGENT_GRACE_ENV)
 REFUSED = 78           # the job cannot run as configured (another job's checkpoints in its
                         # dir): restarting would fail the same way, so the run fails at once
+ZYGOTE_UNFIT = 79       # the worker zygote found its imports initialised CUDA: forks from it
+                        # could not use the GPU, so the node's workers start cold for good
 INJECTED_FAULT = 43     # fault injection: a crash@STEP of lazarus.sim.trainer_faults
 
 

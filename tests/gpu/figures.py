@@ -1,6 +1,7 @@
 """The GPU figures tests/gpu/run.sh prints: the fused kernels' speed against eager and
 torch.compile, the trainer's tokens/s, MFU and peak memory at the 1b preset (fused and eager)
-against a plain eager loop of the same model, and the tier-0 stall against a pinned
+against a plain eager loop of the same model, `lazarus train`'s forked rank starts against
+cold ones, and the tier-0 stall against a pinned
 device-to-host copy of the same bytes. Timings are medians of CUDA-event-timed repeats after
 warm-up (triton.testing.do_bench), or of steady-state steps.
 
@@ -109,6 +110,41 @@ def trainer_run(out: Path, *, fused: bool, steps: int, seq_len: int, batch: int,
     return {"tokens_per_s": tps, "mfu": mfu, "peak_gib": peak}
 
 
+def rank_starts(out: Path, *, repeats: int = 3) -> None:
+    """`lazarus train` with its ranks forked from the launcher (which imported torch and the
+    trainer without the CUDA driver) against cold ranks, on the same tiny CUDA job: whole-run
+    wall time, alternating, medians. Cold is forced the documented way: torch imported before
+    the launcher runs (lazarus.trainer.forkranks)."""
+    verdict = subprocess.run(
+        [sys.executable, "-c", "from lazarus.trainer.zygote import import_for_fork; "
+                               "print(import_for_fork())"],
+        env={**os.environ, "LAZARUS_DEVICE": "cuda"}, capture_output=True, text=True, timeout=120)
+    row("fork-safe after import_for_fork on this card", (verdict.stdout.strip() or "?")
+        + (f" (exit {verdict.returncode}: {verdict.stderr[-200:]})" if verdict.returncode else ""))
+    args = ["train", "--nproc", "1", "--model", "tiny", "--steps", "3", "--seq-len", "128",
+            "--global-batch", "4"]
+    how = {"forked": [sys.executable, "-m", "lazarus.cli", *args],
+           "cold": [sys.executable, "-c", "import sys, torch; from lazarus.cli import main; "
+                                          f"sys.exit(main({args!r}))"]}
+    walls: dict[str, list[float]] = {k: [] for k in how}
+    for i in range(repeats):
+        for label, cmd in how.items():
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env={**os.environ, "LAZARUS_DEVICE": "cuda"},
+                                  capture_output=True, text=True, timeout=150)
+            walls[label].append(time.perf_counter() - t0)
+            (out / f"starts-{label}-{i}.log").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                row(f"lazarus train tiny on CUDA, {label}",
+                    f"FAILED exit {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
+                return
+    forked, cold = statistics.median(walls["forked"]), statistics.median(walls["cold"])
+    row("lazarus train tiny, 1 rank on CUDA, 3 steps (whole run)",
+        f"forked {forked:.1f} s | cold {cold:.1f} s | {cold / forked:.2f}x "
+        f"(medians of {repeats}: "
+        + ", ".join(f"{k} " + "/".join(f"{w:.1f}" for w in v) for k, v in walls.items()) + ")")
+
+
 def plain_loop(*, steps: int, seq_len: int, batch: int) -> float:
     """The same model in a loop a user might write: bf16 autocast, fused AdamW, no FSDP."""
     from lazarus.core.flops import flops_per_token, peak_tflops
@@ -174,7 +210,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--skip", default="",
-                   help="comma-separated: kernels,trainer,deterministic,plain")
+                   help="comma-separated: kernels,trainer,deterministic,plain,starts")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -182,6 +218,8 @@ def main() -> int:
                 f"CUDA {torch.version.cuda}")
     if "kernels" not in skip:
         kernels_speed()
+    if "starts" not in skip:
+        rank_starts(args.out)
     results = {}
     if "trainer" not in skip:
         for fused in (True, False):

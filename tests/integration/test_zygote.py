@@ -18,6 +18,7 @@ from lazarus.agent import workers as W
 from lazarus.agent import zygote as Z
 from lazarus.agent.adopt import VANISHED
 from lazarus.agent.workers import Workers
+from lazarus.core import exitcodes
 from lazarus.core.contract import WorkerAssignment, round_port_key
 from lazarus.core.trainconfig import DataConfig, TrainConfig
 
@@ -134,6 +135,34 @@ def test_a_stopped_zygote_is_replaced(tmp_path, monkeypatch):
         (fresh,) = _parked(w, 1)
         assert stopped.poll() == -signal.SIGKILL  # killed while stopped
         assert w.zygote.proc.pid != stopped.pid and fresh.poll() is None
+    finally:
+        w.shutdown()
+
+
+def test_a_node_whose_imports_initialise_cuda_starts_its_workers_cold_for_good(
+        tmp_path, monkeypatch, caplog):
+    # What the GPU run found: on such a node a fork could not use the GPU. The CUDA state is
+    # the hardware edge, faked here the only way a CPU machine can: torch says it initialised.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import lazarus.trainer.zygote as z\nz.driver_initialised = lambda: True\n")
+    monkeypatch.setattr(W, "ZYGOTE_RETRY_S", 0.0)  # a retry would come at once, were there one
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    w = Workers(nproc=1, env=env, log_dir=tmp_path / "logs", notes_dir=tmp_path / "notes",
+                park=True)
+    try:
+        w.refill()
+        unfit = w.zygote.proc
+        assert unfit.wait(timeout=120) == exitcodes.ZYGOTE_UNFIT
+        (cold,) = _parked(w, 1)
+        assert isinstance(cold, subprocess.Popen) and cold.pid != unfit.pid
+        for _ in range(3):
+            w.refill()
+        assert w.zygote is None, "a zygote that cannot help was started again"
+        assert "every worker starts cold" in caplog.text
+        assert '"zygote_unfit"' in (tmp_path / "logs" / "zygote.log").read_text()
     finally:
         w.shutdown()
 

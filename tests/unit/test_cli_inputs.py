@@ -125,6 +125,7 @@ BAD_COMMAND_LINES = [
     (["run", "--env", "NOEQUALS", "--", "python", "-c", "pass"], "--env 'NOEQUALS' is not NAME=VALUE"),
     (["run", "--nodes", "0", "--", "python", "-c", "pass"], "--nodes must be at least 1"),
     (["run", "--", "python", "missing-train.py"], "'missing-train.py' is not a readable file"),
+    (["worker", "--zygote", "999"], "--zygote 999: not an open socket"),
 ]
 
 
