@@ -385,3 +385,17 @@ def test_every_documented_command_and_option_is_run_by_a_test(docs):
     problems += [f"tests/documented_commands.toml: \"{k}\" is documented no more in "
                  f"{' or '.join(DOCS)}: remove its entry" for k in stale]
     assert not problems, "\n".join(problems)
+
+
+def test_ci_runs_the_readmes_test_command():
+    # CI's promise (.ci/run): README's second command, plus reporting flags only
+    root = Path(__file__).resolve().parents[2]
+    (readme,) = re.findall(r"^bash deploy/setup-local\.sh && (\.venv/bin/python -m pytest .*)$",
+                           (root / "README.md").read_text(), flags=re.M)
+    (ci,) = re.findall(r"^(\.venv/bin/python -m pytest .*)$", (root / ".ci" / "run").read_text(),
+                       flags=re.M)
+    extra = ci.split()
+    for arg in readme.split():
+        assert arg in extra, f"README's test command has {arg!r}, .ci/run does not: {ci}"
+        extra.remove(arg)
+    assert set(extra) <= {"-ra", "--durations=0"}, extra
