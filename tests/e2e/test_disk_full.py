@@ -39,7 +39,9 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     assert (tmp_path / "s.json").exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert proc.returncode == 0 and summary["final_state"] == "SUCCEEDED", proc.stdout[-3000:]
-    assert summary["steps_completed"] == steps
+    # what a failure shows: the story as lazarus up told it, and the events in order
+    story = json.dumps(summary, indent=1)[-4000:]
+    assert summary["steps_completed"] == steps, story
     fill, kill, free = summary["faults"]
     assert [f["kind"] for f in (fill, kill, free)] == ["disk-full", "kill-worker", "disk-free"]
     events = [EventRecord.from_json(line.encode())
@@ -53,36 +55,37 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     assert all("No space left on device" in e.message and e.time >= fill["time"]
                for e in alerts)
     (disk,) = [r for r in summary["recoveries"] if r["kind"] == "disk-full"]
-    assert disk["detected_as"] == "host_alert" and disk["culprit"] in ("n0", "n1")
+    assert disk["detected_as"] == "host_alert" and disk["culprit"] in ("n0", "n1"), disk
     # The saves the full disk refused were reported, and none of them crashed the run: the
     # only restart is the worker crash's.
     refused = [e for e in events if e.kind == "checkpoint_failed"]
-    assert refused and all("No space left on device" in e.fields["error"] for e in refused)
-    assert [e.fields["kind"] for e in events if e.kind == "fault_detected"] == ["worker_crash"]
-    assert len({e.round for e in refused}) == 2     # before and after the crash's restart
+    told = "\n".join(f"{e.time:.2f} r{e.round} {e.kind}: {e.message}" for e in events)[-6000:]
+    assert refused and all("No space left on device" in e.fields["error"] for e in refused), told
+    assert [e.fields["kind"] for e in events if e.kind == "fault_detected"] == ["worker_crash"], told
+    assert len({e.round for e in refused}) == 2, told  # before and after the crash's restart
 
     # Nothing saved while the disk was full was committed (a save already in flight when the
     # disk filled may have finished), ...
     for c in ckpts:
         if fill["time"] < c.committed_at < free["time"]:
-            assert c.round == 1 and c.step <= fill["injected_at_step"], c
+            assert c.round == 1 and c.step <= fill["injected_at_step"], (c, story)
     # ... the crash restored from memory (tier 0), newer than the newest checkpoint on the
     # full disk -- the last one due before it filled (the chaos fires at the first step it
     # sees >= 7: 8 on a loaded machine), unless that save was still in flight when the disk
     # filled and was refused -- ...
     newest = max((c.step for c in ckpts if c.committed_at < kill["time"]), default=0)
-    assert newest <= fill["injected_at_step"]
+    assert newest <= fill["injected_at_step"], (newest, story)
     last_due = fill["injected_at_step"] // 4 * 4
     assert newest == last_due or any(e.fields["step"] == last_due for e in refused), (
         newest, last_due, refused)
     (restart,) = [e for e in events if e.kind == "round_started" and e.time > kill["time"]]
-    assert restart.fields["restore_tier"] == 0, restart.message
-    assert restart.fields["restore_step"] > newest
+    assert restart.fields["restore_tier"] == 0, (restart.message, told)
+    assert restart.fields["restore_step"] > newest, (restart.message, newest, told)
     # ... and checkpoints were committed again once the space was back.
     cleared = [e for e in events if e.kind == "host_alert_cleared"]
-    assert {e.fields["node"] for e in cleared if e.time > free["time"]} == {"n0", "n1"}
+    assert {e.fields["node"] for e in cleared if e.time > free["time"]} == {"n0", "n1"}, told
     after = sorted(c.step for c in ckpts if c.committed_at > free["time"])
-    assert after and after[-1] == steps
+    assert after and after[-1] == steps, (after, told)
 
     got = losses(work / "metrics.jsonl")
     assert sorted(got) == list(range(1, steps + 1))
