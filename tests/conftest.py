@@ -67,17 +67,24 @@ def pytest_collection_modifyitems(items):
         elif (any(item.path.is_relative_to(tests / d) for d in SLOW_DIRS)
               and item.nodeid not in FAST):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item, tests)))
 
 
-def _xdist_group(item: pytest.Item, tests: Path) -> str:
-    """Which tests one pytest-xdist worker runs together, in order (`-n 2 --dist loadgroup`,
-    README): a module's tests, so that its module-scoped fixtures (clusters, reference runs)
-    are made once; and every end-to-end test, so that their session-wide reference runs
-    (tests/e2e/helpers.py) are shared and no two whole clusters train at once."""
-    if item.path.is_relative_to(tests / "e2e"):
-        return "e2e"
-    return item.path.relative_to(tests).as_posix()
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """Which tests one pytest-xdist worker runs together, in order (`pytest -n 2`, README): a
+    module's tests, so that its module-scoped fixtures (clusters, reference runs) are made
+    once; and every end-to-end test, so that their session-wide reference runs
+    (tests/e2e/helpers.py) are shared and no two whole clusters train at once. (xdist's own
+    `--dist loadgroup` marks do nothing under pytest 9: it renames a node attribute pytest 9
+    no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndEndToEnd(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e/" if module.startswith("tests/e2e/") else module
+
+    return ModulesAndEndToEnd(config, log)
 
 
 def pytest_configure(config):
