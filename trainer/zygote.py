@@ -48,8 +48,8 @@ MAX_REQUEST = 64 << 10
 
 def import_for_fork() -> bool:
     """Import what a rank imports and build the model on the meta device (it imports
-    torch._dynamo, 2-3 s, and runs nothing), without loading the CUDA driver. True when this
-    process may still fork ranks: CUDA neither initialised nor its driver mapped."""
+    torch._dynamo, 2-3 s, and runs nothing), without initialising the CUDA driver. True when
+    this process may still fork ranks: neither torch nor the driver has initialised CUDA."""
     had_nvml_check = NVML_CHECK in os.environ
     os.environ.setdefault(NVML_CHECK, "1")  # is_available() without loading the driver
     import torch
