@@ -9,13 +9,10 @@ hold. The model is a small stand-in with the same parallelism as the trainer's.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import pickle
-import signal
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from lazarus.core.errors import CheckpointError
 from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from lazarus.trainer.export import export_safetensors
+from tests.forkedranks import run_ranks
 
 LAUNCH_TIMEOUT_S = 300
 
@@ -92,62 +90,21 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 # Launching gloo ranks
 
 
-# What torch's abort at exit prints (docs/constraints.md): the one failure after a rank's work
-# that is not the work's.
-ABORT_AT_EXIT = "terminate called without an active exception"
-
-
-def _entry(fn, rank: int, world: int, store: str, out: str, args: tuple) -> None:
-    # The rank's stderr (C++'s included) in a file: `launch` reads there how it ended.
-    err = os.open(Path(out, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(err, 2)
-    os.close(err)
+def _ranked(rank: int, fn: str, world: int, store: str, out: str, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        fn(rank, world, Path(out), *args)
+        globals()[fn](rank, world, Path(out), *args)
         dist.barrier()
-        Path(out, f"done-{rank}").touch()
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 def launch(fn, world: int, out: Path, *args) -> None:
-    """Run fn(rank, world, out, *args) on `world` fresh gloo processes, all done within
-    LAUNCH_TIMEOUT_S; fail with the first rank's traceback, or how a rank ended otherwise.
-    Every rank must exit 0, but for torch's abort at exit after its work (docs/constraints.md,
-    "Aborts and hangs at exit"): SIGABRT with ABORT_AT_EXIT on its stderr, its done marker
-    written. A hang at exit, or any other exit after the work, is a failure."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in [*out.glob("done-*"), *out.glob("error-*.txt")]:
-        f.unlink()
-    ctx = multiprocessing.get_context("spawn")
+    """Run fn(rank, world, out, *args) on `world` gloo processes forked from a server that
+    imported torch once (tests/forkedranks.py), all done within LAUNCH_TIMEOUT_S."""
     store = out / f"store-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(store), str(out), args))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = sorted(out.glob("error-*.txt"))
-    assert not errors, errors[0].read_text()
-    for rank, p in enumerate(procs):
-        stderr = (out / f"stderr-{rank}.txt").read_text(errors="replace")[-2000:]
-        done = (out / f"done-{rank}").exists()
-        assert rank not in hung, (f"rank {rank} still ran after {LAUNCH_TIMEOUT_S} s "
-                                  f"({'after' if done else 'before'} its work): {stderr}")
-        assert done, f"rank {rank} exited {p.exitcode} unfinished: {stderr}"
-        torch_abort = p.exitcode == -signal.SIGABRT and ABORT_AT_EXIT in stderr
-        assert p.exitcode == 0 or torch_abort, (f"rank {rank} exited {p.exitcode} after its "
-                                                f"work: {stderr}")
+    run_ranks(f"{__name__}:_ranked", world, out, fn.__name__, world, str(store), str(out), args,
+              timeout_s=LAUNCH_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,16 +5,15 @@ reference on the whole tensors, and the weight gradient of a sequence-sharded RM
 summed over the ranks. Then the tiny model trains a few steps on a tp=2 and a dp=2 x tp=2 mesh
 (the sequence-parallel plan of parallelize.py, FSDP2 on top) with the fused kernels and with the
 eager ops, from the same weights and batches: losses, gradients and the grad norm must agree.
-Runs as fresh scripts: TRITON_INTERPRET must be set before the kernels are defined.
+The ranks fork from a server that has not imported the kernels: TRITON_INTERPRET must be set
+before they are defined (tests/forkedranks.py).
 """
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.forkedranks import run_ranks
 
 # fp32: the kernels do the reference's math in another order. bf16: about one unit in the last
 # place (the interpreter truncates fp32 -> bf16 where torch rounds): 2 ulp, relative only.
@@ -22,18 +21,11 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 # Two layers of matmuls and attention between the fused ops, and a few AdamW steps.
 MODEL_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 STEPS = 2
-EXIT_ABORT = "terminate called without an active exception"
 
 
-def _spawn(tmp_path, *args: str, world: int) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "store"), str(world), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
-    # Every rank says "rank ok" once its checks passed; an abort after that, at exit, is
-    # torch's ("terminate called without an active exception", docs/constraints.md).
-    assert proc.stdout.count("rank ok") == world, proc.stdout + proc.stderr
-    assert proc.returncode == 0 or EXIT_ABORT in proc.stderr, proc.stderr
-    return proc.stdout
+def _spawn(tmp_path, *args: str, world: int) -> None:
+    run_ranks(f"{__name__}:_rank", world, tmp_path, str(tmp_path / "store"), world, *args,
+              env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
 
 
 def test_kernels_run_on_local_shards_of_dtensors(tmp_path):
@@ -45,7 +37,7 @@ def test_fused_training_matches_eager_under_tensor_parallelism(tmp_path, dp, tp)
     _spawn(tmp_path, "train", str(dp), str(tp), world=dp * tp)
 
 
-# ---- the ranks: run as a script under TRITON_INTERPRET=1 ----
+# ---- the ranks, under TRITON_INTERPRET=1 ----
 
 
 def _leaf(t: torch.Tensor, mesh, placements):
@@ -166,11 +158,3 @@ def _rank(rank: int, store_path: str, world: int, mode: str, *args: str) -> None
         dp, tp = map(int, args)
         _train(build_mesh("cpu", dp=dp, tp=tp), dp, tp)
     dist.destroy_process_group()
-    print("rank ok", flush=True)
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    store, world, *rest = sys.argv[1:]
-    mp.spawn(_rank, args=(store, int(world), *rest), nprocs=int(world))

@@ -5,30 +5,23 @@ attention through SDPA's enable_gqa on the rank's share), and half of the vocabu
 logits stay split, and the loss is computed on them under torch's loss parallelism. The
 logits, the loss and every parameter's gradient must equal, within fp32 rounding, those of a
 single-process model with the same weights whose loss is cross_entropy_ref on whole logits
-(what the trainer computed before the vocabulary stayed split). Runs as a fresh script.
+(what the trainer computed before the vocabulary stayed split).
 """
-
-import os
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
+
+from tests.forkedranks import run_ranks
 
 # fp32, the same math in another order (the loss's max and sum of exponentials are reduced
 # over the ranks); gradients pass two layers of matmuls.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
-EXIT_ABORT = "terminate called without an active exception"
 
 
 def test_split_heads_and_vocabulary_match_the_whole_model(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "store"), "2"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    # An abort at exit after "rank ok" is torch's, not the test's (docs/constraints.md).
-    assert proc.stdout.count("rank ok") == 2, proc.stdout + proc.stderr
-    assert proc.returncode == 0 or EXIT_ABORT in proc.stderr, proc.stderr
+    run_ranks(f"{__name__}:_rank", 2, tmp_path, str(tmp_path / "store"), 2,
+              env={"OMP_NUM_THREADS": "1"})
 
 
 # ---- the ranks ----
@@ -72,11 +65,3 @@ def _rank(rank: int, store_path: str, world: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     _compare(world)
     dist.destroy_process_group()
-    print("rank ok", flush=True)
-
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    store, world = sys.argv[1:]
-    mp.spawn(_rank, args=(store, int(world)), nprocs=int(world))

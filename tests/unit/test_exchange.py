@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import pickle
 import time
@@ -17,6 +16,8 @@ import traceback
 from pathlib import Path
 
 import pytest
+
+from tests.forkedranks import ranks_context
 
 JOIN_TIMEOUT_S = 120  # a hang guard, not a timing
 
@@ -118,7 +119,7 @@ def _rank(case: str, rank: int, store: str, out: str) -> None:
 
 def _launch(case: str, out: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = ranks_context()  # forked from a server that imported torch once
     store = out / f"store-{time.monotonic_ns()}"
     procs = [ctx.Process(target=_rank, args=(case, r, str(store), str(out))) for r in (0, 1)]
     for p in procs:
