@@ -45,6 +45,11 @@ def _entry(env: dict[str, str], target: str, rank: int, out: str, args: tuple) -
     from pathlib import Path
 
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        # OpenMP read the variable when the server imported torch: tell torch itself
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     err = os.open(Path(out, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(err, 2)
     os.close(err)

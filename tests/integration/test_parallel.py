@@ -1,12 +1,9 @@
 """FSDP2 + tensor parallelism on real gloo processes: the sharded model trains, computes what a
 plain single-process model computes, and initialises its TP shards from distinct streams.
 
-Each rank runs this file as a script (see the bottom); the test process hosts the store.
+Each rank is forked from a server that imported torch once (tests/forkedranks.py); the
+test process hosts the store.
 """
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import torch.distributed as dist
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer
+from tests.forkedranks import run_ranks as run_forked
 
 SEED, LR, SEQ, GLOBAL_BATCH, STEPS = 3, 3e-3, 32, 8, 12
 
@@ -25,11 +23,8 @@ def run_ranks(tmp_path, *, dp: int, tp: int) -> dict:
     world = dp * tp
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / f"dp{dp}tp{tp}.pt"
-    args = [str(world), str(store.port), str(dp), str(tp), str(out)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), *args], env={"OMP_NUM_THREADS": "1", **os.environ})
-             for r in range(world)]
-    codes = [p.wait(timeout=300) for p in procs]
-    assert codes == [0] * world
+    run_forked(f"{__name__}:_rank_main", world, tmp_path / f"ranks-dp{dp}tp{tp}", world,
+               store.port, dp, tp, str(out), env={"OMP_NUM_THREADS": "1"})
     return torch.load(out, weights_only=True)
 
 
@@ -120,12 +115,3 @@ def _rank_main(rank: int, world: int, port: int, dp: int, tp: int, out: str) -> 
                     "local_wq": gathered[:2]}, out)
     dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    a = sys.argv[1:]
-    _rank_main(int(a[0]), int(a[1]), int(a[2]), int(a[3]), int(a[4]), a[5])
-    # Done, and said so by the exit code alone: torch can abort a process at its exit after the
-    # work ("terminate called without an active exception", docs/constraints.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -2,13 +2,11 @@
 restores its own shard into a freshly built model and the next steps' losses are those of the
 run that never stopped, bit for bit.
 
-Each rank runs this file as a script (see the bottom); the test process hosts the store.
+Each rank is forked from a server that imported torch once (tests/forkedranks.py); the
+test process hosts the store.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ import torch.distributed as dist
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.models import get_model_config
 from lazarus.trainer.optim import build_optimizer
+from tests.forkedranks import run_ranks
 
 SEED, LR, SEQ, GLOBAL_BATCH = 3, 3e-3, 32, 8
 
@@ -25,10 +24,8 @@ def test_a_tp_sharded_rank_resumes_from_its_snapshot_bit_for_bit(tmp_path):
     world = 2
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "losses.json"
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(store.port),
-                               str(out)], env={"OMP_NUM_THREADS": "1", **os.environ})
-             for r in range(world)]
-    assert [p.wait(timeout=300) for p in procs] == [0] * world
+    run_ranks(f"{__name__}:_rank_main", world, tmp_path / "ranks", world, store.port, str(out),
+              env={"OMP_NUM_THREADS": "1"})
     got = json.loads(out.read_text())
     assert len(got["uninterrupted"]) == 3
     assert got["resumed"] == got["uninterrupted"]
@@ -76,12 +73,3 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
             json.dump({"uninterrupted": uninterrupted, "resumed": resumed}, f)
     dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    a = sys.argv[1:]
-    _rank_main(int(a[0]), int(a[1]), int(a[2]), a[3])
-    # Done, and said so by the exit code alone: torch can abort a process at its exit after the
-    # work ("terminate called without an active exception", docs/constraints.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
