@@ -5,14 +5,20 @@ each, which on a two-core machine is most of such a test's time.
 
 The server imports and runs nothing else, so it has no OpenMP pool or CUDA context a fork
 would break (docs/constraints.md, "Worker starts"), the same rule as the agent's zygote. It
-keeps the environment it started with: a rank that needs a variable set by its test gets it
-as an argument and sets it itself, before the module that reads it is imported.
+keeps the environment it started with: what a test's ranks need besides is `run_ranks`'s
+`env`, set in each rank before the module that reads it is imported.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
+import os
+import signal
 import threading
+import time
+import traceback
+from pathlib import Path
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "torch.distributed.tensor", "safetensors.torch",
@@ -25,7 +31,7 @@ _lock = threading.Lock()
 _context = None
 
 
-def ranks_context():
+def _ranks_context():
     """The forkserver context, its preload set before its server first starts."""
     global _context
     with _lock:
@@ -39,11 +45,6 @@ def ranks_context():
 def _entry(env: dict[str, str], target: str, rank: int, out: str, args: tuple) -> None:
     # The environment first, then the target's module: TRITON_INTERPRET, for one, must be set
     # before any kernel is defined.
-    import importlib
-    import os
-    import traceback
-    from pathlib import Path
-
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:
         # OpenMP read the variable when the server imported torch: tell torch itself
@@ -69,15 +70,11 @@ def run_ranks(target: str, world: int, out, *args, env: dict[str, str] | None = 
     rank ended otherwise. Every rank must exit 0, but for torch's abort at exit after its work
     (SIGABRT with ABORT_AT_EXIT on its stderr, its done marker written). A hang, or any other
     exit after the work, is a failure."""
-    import signal
-    import time
-    from pathlib import Path
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for f in [*out.glob("done-*"), *out.glob("error-*.txt")]:
         f.unlink()
-    ctx = ranks_context()
+    ctx = _ranks_context()
     procs = [ctx.Process(target=_entry, args=(env or {}, target, r, str(out), args))
              for r in range(world)]
     for p in procs:

@@ -12,12 +12,11 @@ import json
 import os
 import pickle
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.forkedranks import ranks_context
+from tests.forkedranks import run_ranks
 
 JOIN_TIMEOUT_S = 120  # a hang guard, not a timing
 
@@ -102,7 +101,7 @@ def _attack(case: str, rank: int, out: Path) -> dict:
         return {"raised": type(e).__name__, "message": str(e)}
 
 
-def _rank(case: str, rank: int, store: str, out: str) -> None:
+def _rank(rank: int, case: str, store: str, out: str) -> None:
     import torch.distributed as dist
     out = Path(out)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -110,30 +109,15 @@ def _rank(case: str, rank: int, store: str, out: str) -> None:
     try:
         result = _roundtrip(rank, out) if case == "roundtrip" else _attack(case, rank, out)
         (out / f"result-{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        (out / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 def _launch(case: str, out: Path) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = ranks_context()  # forked from a server that imported torch once
+    """Both ranks' results, each rank forked from a server that imported torch once."""
     store = out / f"store-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_rank, args=(case, r, str(store), str(out))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = sorted(out.glob("error-*.txt"))
-    assert not errors, errors[0].read_text()
-    return [json.loads((out / f"result-{r}.json").read_text())
-            if (out / f"result-{r}.json").exists() else {} for r in (0, 1)]
+    run_ranks(f"{__name__}:_rank", 2, out, case, str(store), str(out), timeout_s=JOIN_TIMEOUT_S)
+    return [json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_values_come_back_as_sent_on_a_real_gloo_group(tmp_path):
