@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
 from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
-from lazarus.core import exitcodes
+from lazarus.core import exitcodes, jobcommand
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 
 log = logging.getLogger(__name__)
@@ -254,9 +254,28 @@ class Workers:
                 proc.stdin.close()
             procs[local_rank] = proc
             ranks[local_rank] = assignment.rank
+        self._rehearse(assignments)
         self.drop_kept()
         self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept, anew=anew)
         return self.group
+
+    def _rehearse(self, assignments: dict[int, WorkerAssignment]) -> None:
+        """Have the zygote rehearse the round's step, so that the workers it forks next start
+        it with DTensor's caches filled (lazarus.trainer.rehearsal): the built-in trainer's
+        only, whose model the assignment names. Parked forks from before a shape it was not
+        asked for yet would lack them: they are let go, and the refill forks new ones."""
+        z = self.zygote
+        a = next(iter(assignments.values()), None)
+        if z is None or z.dead or not z.ready or a is None or not jobcommand.is_builtin(a.command):
+            return
+        # Skipped windows change no shape, and a long list of them would not fit one message.
+        data = {k: v for k, v in (a.train.get("data") or {}).items() if k != "skip_windows"}
+        if not z.rehearse({**a.train, "data": data}, a.world_size):
+            return
+        old = [p for p in self.parked if isinstance(p, ForkedWorker)]
+        for proc in old:  # the zygote reaps them; nothing to wait for here
+            proc.kill()
+        self.parked = [p for p in self.parked if p not in old]
 
     def drop_kept(self) -> None:
         """Let the survivors go, kept or still in the current group: no round of this node

@@ -112,6 +112,7 @@ class Zygote:
         self._waiting: list[list] = []
         self._forked: list[ForkedWorker] = []           # parked ones come, not yet taken
         self._codes: dict[int, int] = {}                # pid -> exit code, not yet read
+        self.rehearsed: set[str] = set()                # job shapes it was asked to rehearse
         log.info("worker zygote started (pid %d)", self.proc.pid)
 
     @property
@@ -137,6 +138,25 @@ class Zygote:
             self._request(*PARK, stdout=fd, stderr=fd, session=True, for_pool=True)
         finally:
             os.close(fd)
+
+    def rehearse(self, train: dict, world_size: int) -> bool:
+        """Ask for one step of the built-in trainer's job `train` on a fake world of
+        `world_size` ranks (lazarus.trainer.rehearsal), unless this zygote was asked for that
+        job's shape already: True when asked now. The workers it forks afterwards start with
+        DTensor's caches filled; its answer only goes to the log."""
+        shape = json.dumps([train.get("model"), train.get("parallelism"), train.get("data"),
+                            world_size], sort_keys=True, default=str)
+        with self._lock:
+            if self.dead or shape in self.rehearsed:
+                return False
+            try:
+                self.sock.send(b"rehearse " + json.dumps({"train": train,
+                                                          "world_size": world_size}).encode())
+            except OSError as e:
+                self._gone(f"cannot ask it for a rehearsal: {e}")
+                return False
+            self.rehearsed.add(shape)
+            return True
 
     def run(self, module: str, argv: list[str], *, stdout: int, stderr: int,
             wait_s: float = ZYGOTE_ANSWER_S) -> ForkedWorker | None:
@@ -205,6 +225,8 @@ class Zygote:
                     entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir)
                     if entry[3]:
                         self._forked.append(entry[2])
+                elif word == "rehearsed":
+                    log.info("worker zygote: rehearsal %s (%s)", rest, self.proc.pid)
                 elif word == "exit":
                     pid, _, code = rest.partition(" ")
                     self._codes[int(pid)] = int(code)

@@ -160,6 +160,11 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
     print(f"rank {a.rank} round {a.round}: survived a lost peer; groups aborted in "
           f"{time.perf_counter() - t0:.3f} s, waiting for the next round", file=sys.stderr,
           flush=True)
+    if "torch.distributed.device_mesh" in sys.modules:
+        # While the next round is decided: its meshes adopt this round's (another rank of the
+        # same shape would otherwise find this rank's coordinate in DTensor's caches).
+        from lazarus.trainer import meshes
+        meshes.collect("round")
     got = session.await_resume(wait_s)
     if got is None:
         print(f"rank {a.rank} round {a.round}: no next round for this process within "

@@ -35,7 +35,7 @@ from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
-from lazarus.trainer import exchange
+from lazarus.trainer import exchange, meshes
 from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
@@ -155,6 +155,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     par, opt, data, ck = cfg.parallelism, cfg.optimizer, cfg.data, cfg.checkpoint
     mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
+    # Before any DTensor op: the caches this process inherited or kept are this world's now.
+    warm = meshes.adopt(mesh)
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         make_deterministic()
@@ -291,7 +293,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             cost = stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
             if not start.done:
                 start.mark("first_step")
-                row = start.row(round_=round_, step=step - 1, source=source, in_place=in_place)
+                row = start.row(round_=round_, step=step - 1, source=source, in_place=in_place,
+                                warm=warm)
                 print(start.line(row), flush=True)
                 _log(metrics, row)
             if reason is None:
@@ -372,11 +375,14 @@ class StartTimes:
         self.seconds[phase], self._last = now - self._last, now
         self.done = phase == self.PHASES[-1]
 
-    def row(self, *, round_: int, step: int, source: str, in_place: bool = False) -> dict:
+    def row(self, *, round_: int, step: int, source: str, in_place: bool = False,
+            warm: set[str] = frozenset()) -> dict:
+        """`warm`: what filled DTensor's caches before this round (lazarus.trainer.meshes:
+        "rehearsal", "round"), empty for a cold start."""
         # Wall-clock times, to line a start up with the agents' and the daemon's logs.
         done_at = time.time() - (time.perf_counter() - self._last)
         return {"kind": "start", "round": round_, "step": step, "from": source,
-                "in_place": in_place, "pid": os.getpid(),
+                "in_place": in_place, "warm": sorted(warm), "pid": os.getpid(),
                 "began_at": round(done_at - (self._last - self._began), 3),
                 "done_at": round(done_at, 3),
                 "total_s": round(self._last - self._began, 6),
@@ -387,7 +393,8 @@ class StartTimes:
         parts = ", ".join(f"{p.replace('_', ' ')} {row[p + '_s']:.2f} s"
                           for p in StartTimes.PHASES)
         return (f"round {row['round']} from {row['from']} at step {row['step']}"
-                f"{' in place' if row.get('in_place') else ''}: first step "
+                f"{' in place' if row.get('in_place') else ''}"
+                f"{' rehearsed' if 'rehearsal' in row.get('warm', ()) else ''}: first step "
                 f"done {row['total_s']:.2f} s after the assignment ({parts})")
 
 

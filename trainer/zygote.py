@@ -23,8 +23,12 @@ Protocol, over a SOCK_SEQPACKET socket the agent passes as --zygote FD (lazarus.
                    `python -m M ARGV...` without the interpreter's start or the imports: a
                    parked worker (`lazarus.cli worker --park`), a preflight test
                    (lazarus.agent.collective_check). "session": in a session of its own.
-  zygote -> agent  b"ready" once imported; b"pid N" per request, in order; b"exit N CODE" when
-                   a child ends (CODE as Popen.returncode: -SIGNAL for a signal)
+  agent -> zygote  b"rehearse " + JSON {"train": TrainConfig dict, "world_size": N}, no
+                   descriptors: one step of that job on a fake world, here, so that the forks
+                   that follow start with DTensor's caches filled (lazarus.trainer.rehearsal)
+  zygote -> agent  b"ready" once imported; b"pid N" per run request, in order; b"exit N CODE"
+                   when a child ends (CODE as Popen.returncode: -SIGNAL for a signal);
+                   b"rehearsed WORD" per rehearse request (rehearsed, known, skipped, failed)
 The agent closing the socket ends the zygote and nothing else: its running children are
 ranks, which outlive the agent (lazarus.agent.adopt); parked ones end when their stdin closes.
 """
@@ -39,6 +43,7 @@ import select
 import signal
 import socket
 import sys
+import time
 
 from lazarus.core import exitcodes
 
@@ -144,6 +149,11 @@ def serve(control_fd: int) -> tuple[str, list[str]]:
             continue
         if not msg:
             os._exit(0)  # the agent is gone; its ranks go on without us
+        if msg.startswith(b"rehearse "):
+            for fd in fds:
+                os.close(fd)
+            sock.send(b"rehearsed " + _rehearse(msg[len(b"rehearse "):]).encode())
+            continue
         request = _request(msg, fds)
         if request is None:
             for fd in fds:
@@ -173,6 +183,36 @@ def _request(msg: bytes, fds: list[int]) -> dict | None:
           and isinstance(req.get("argv"), list) and all(isinstance(a, str) for a in req["argv"]))
     return {"module": req["module"], "argv": req["argv"],
             "session": bool(req.get("session"))} if ok else None
+
+
+def _rehearse(body: bytes) -> str:
+    """Rehearse the step the request describes (lazarus.trainer.rehearsal): the word the
+    agent gets back; the reason goes to this process's log. Exits when the rehearsal left
+    this process unable to fork usable workers (a thread started, CUDA initialised)."""
+    from lazarus.trainer import rehearsal
+
+    threads = _threads()
+    try:
+        req = json.loads(body)
+        train, world_size = req["train"], req["world_size"]
+        if not isinstance(train, dict) or not isinstance(world_size, int):
+            raise ValueError("train must be an object and world_size an integer")
+        t0 = time.process_time()
+        said = rehearsal.rehearse(train, world_size, rehearsal.zygote_device())
+        word = said.partition(":")[0]
+        line = {"event": "rehearsal", "result": said,
+                "cpu_s": round(time.process_time() - t0, 3)}
+    except Exception as e:  # noqa: BLE001 -- a step it cannot rehearse costs only the speedup
+        word, line = "failed", {"event": "rehearsal", "result": "failed",
+                                "error": f"{type(e).__name__}: {e}"[:500]}
+    print(json.dumps(line), flush=True)
+    import torch
+
+    if _threads() != threads or torch.cuda.is_initialized() or driver_initialised():
+        print(json.dumps({"event": "zygote_unfit", "pid": os.getpid(),
+                          "why": "the rehearsal left a thread or CUDA behind"}), flush=True)
+        os._exit(1)
+    return word
 
 
 def _reap(sock: socket.socket) -> None:

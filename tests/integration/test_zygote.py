@@ -204,3 +204,36 @@ def test_preflight_tests_run_in_forks_of_the_zygote(tmp_path, monkeypatch):
         assert not list(ckpt.iterdir())  # the round trip cleaned up after itself
     finally:
         w.shutdown()
+
+
+def test_workers_forked_after_a_rehearsal_start_warm_and_train_as_cold_ones(tmp_path):
+    """The first launch of a job has the zygote rehearse its step (lazarus.trainer.rehearsal);
+    the next round's ranks, forked after it, start with DTensor's caches filled -- rank 0's
+    meshes in them, made their own -- and train bit for bit as the cold round did."""
+    from lazarus.core.trainconfig import ParallelConfig
+
+    w = _workers(tmp_path, nproc=2)
+    try:
+        _parked(w, 2)
+        losses, starts = {}, {}
+        for round_ in (7, 8):
+            store, _round_store = _stores(round_)
+            metrics = tmp_path / f"m{round_}.jsonl"
+            train = TrainConfig(steps=2, data=DataConfig(seq_len=32, global_batch=4),
+                                parallelism=ParallelConfig(dp=2), metrics=str(metrics)).to_dict()
+            group = w.launch(round_, {r: WorkerAssignment(
+                rank=r, world_size=2, local_rank=r, round=round_, store_host="127.0.0.1",
+                store_port=store.port, train=train) for r in (0, 1)})
+            _until(lambda: w.poll() and not group.alive, f"round {round_} to end")
+            assert group.exit_codes == {0: 0, 1: 0}, (tmp_path / "logs").glob("**/*.log")
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            losses[round_] = [r["loss"] for r in rows if "kind" not in r]
+            (starts[round_],) = [r for r in rows if r.get("kind") == "start"]
+            _parked(w, 2)  # forked after the rehearsal the launch asked for
+        assert losses[8] == losses[7] and len(losses[7]) == 2
+        assert starts[7]["warm"] == [] and starts[8]["warm"] == ["rehearsal"]
+        said = [json.loads(line) for line in (tmp_path / "logs" / "zygote.log").read_text()
+                .splitlines() if line.startswith('{"event": "rehearsal"')]
+        assert [s["result"] for s in said] == ["rehearsed"], said  # asked once for one shape
+    finally:
+        w.shutdown()

@@ -1,0 +1,66 @@
+"""A process that held an earlier world (a round it survived) trains the next one as a fresh
+process would, though its rank changed within a mesh of the same shape: DTensor's caches
+still hold the earlier world's meshes, and lazarus.trainer.meshes makes them this world's."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from tests.forkedranks import run_ranks
+
+
+def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(f"{__name__}:_two_rounds", 2, tmp_path / "ranks", store.port, str(out),
+              env={"OMP_NUM_THREADS": "1"})
+    got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    # each process is rank 0 in one round and rank 1 in the other: every rank's shard, loss
+    # and coordinate are the same in both rounds, as in a fresh process
+    for rank in (0, 1):
+        first, second = got[f"p{rank}-r0"], got[f"p{1 - rank}-r1"]
+        assert first["rank"] == second["rank"] == rank
+        assert second["coordinates"] == [[rank]] * len(second["coordinates"])
+        assert second["shards"] == first["shards"]
+        assert second["loss"] == first["loss"]
+
+
+def _two_rounds(me: int, port: int, out: str) -> None:
+    import hashlib
+    from pathlib import Path
+
+    import torch
+
+    from lazarus.core.trainconfig import ParallelConfig
+    from lazarus.trainer import inplace, meshes
+    from lazarus.trainer.models import get_model_config
+    from lazarus.trainer.optim import build_optimizer
+    from lazarus.trainer.parallelize import build_mesh, build_model
+    from lazarus.trainer.train import train_step
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False)
+    par = ParallelConfig(dp=2, tp=1)
+    for round_, rank in enumerate((me, 1 - me)):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"round/{round_}", store),
+                                rank=rank, world_size=2)
+        mesh = build_mesh("cpu", dp=2, tp=1)
+        meshes.adopt(mesh)  # as lazarus.trainer.train does
+        model = build_model(get_model_config("tiny"), mesh, par, seed=3)
+        optimizer = build_optimizer(model, lr=1e-3)
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
+        loss, _norm, _applied = train_step(model, optimizer, [(tokens, tokens)],
+                                           device=torch.device("cpu"), grad_clip=1.0,
+                                           loss_group=mesh["dp"].get_group())
+        params = list(model.parameters())
+        Path(out, f"p{me}-r{round_}.json").write_text(json.dumps({
+            "rank": rank, "loss": loss,
+            "coordinates": [list(p.device_mesh.get_coordinate()) for p in params],
+            "shards": [hashlib.sha256(p.to_local().detach().numpy().tobytes()).hexdigest()
+                       for p in params]}))
+        del model, optimizer, params
+        # what a survivor does between its rounds
+        assert inplace.release_groups()
+        meshes.collect("round")
