@@ -14,6 +14,7 @@ import os
 import stat
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
 
@@ -144,6 +145,9 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
         # os._exit: tearing down a process group whose peer is gone can block.
         why = inplace.peer_gone(a, e)
         if inplace.enabled(a):
+            # The round's model and optimizer are referenced from train()'s frame through the
+            # traceback: let them go, so that the survivor frees them while it waits.
+            traceback.clear_frames(e.__traceback__)
             nxt = inplace.survive(a, session, session.last_step, why)
             if nxt is not None:
                 return nxt
