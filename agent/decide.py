@@ -69,7 +69,8 @@ class DropKept:
 
 @dataclass(frozen=True, slots=True)
 class SeeRound:
-    """Tell tier 0 the current round (its ring peer, the snapshots still of use)."""
+    """Tell tier 0 the current round (its ring peer, the snapshots still of use), and the
+    worker zygote its job, to rehearse (lazarus.agent.workers.Workers.rehearse)."""
     record: RoundRecord
 
 

@@ -42,6 +42,8 @@ def act(agent: Agent,
     elif isinstance(action, SeeRound):
         if agent.tier0 is not None:
             agent.tier0.round_seen(action.record)
+        rec = action.record
+        agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.world_size)
     elif isinstance(action, Launch):
         launch(agent, action.record)
     elif isinstance(action, ReleaseVictims):

@@ -41,6 +41,11 @@ RANK_LOG_BYTES = 64 << 20
 KEEP_ROUNDS = 20
 
 
+def _generation(proc) -> int:
+    """A parked worker's rehearsal generation (lazarus.agent.zygote); -1 for a cold one."""
+    return getattr(proc, "generation", -1)
+
+
 def rank_log(log_dir: Path, round_: int, rank: int) -> Path:
     return log_dir / f"round-{round_}" / f"rank-{rank}.log"
 
@@ -134,6 +139,7 @@ class Workers:
         # local rank -> why its process of the stopped round did not survive it (ANEW_*),
         # until the next launch reads it
         self.ended: dict[int, str] = {}
+        self._rehearsed_round = -1  # the last round `rehearse` asked the zygote about
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
@@ -192,11 +198,14 @@ class Workers:
                 and time.monotonic() - self._zygote_failed_at >= ZYGOTE_RETRY_S):
             self.zygote = z = Zygote(env=self.env, log_path=self.log_dir / "zygote.log",
                                      notes_dir=self.notes_dir)
+            self._rehearsed_round = -1  # a new zygote has rehearsed nothing
         return z
 
     def refill(self) -> None:
         """Top the parked pool up to nproc without waiting: forks of the zygote when it is
-        up (what they ask for arrives on a later call), cold workers when it failed."""
+        up (what they ask for arrives on a later call), cold workers when it failed. Once
+        nproc forks made after the zygote's last rehearsal are parked, the workers from
+        before it are let go: they would start without its caches."""
         self.parked = [p for p in self.parked if p.poll() is None]
         if not self.park:
             return
@@ -206,9 +215,33 @@ class Workers:
                 self.parked.append(self._spawn())
             return
         self.parked += z.take()
-        if z.ready:
-            for _ in range(self.nproc - len(self.parked) - z.in_flight):
-                z.spawn(self._worker_log())
+        if not z.ready:
+            return
+        fresh = [p for p in self.parked if _generation(p) == z.generation]
+        for _ in range(self.nproc - len(fresh) - z.in_flight):
+            z.spawn(self._worker_log())
+        if len(fresh) >= self.nproc and len(self.parked) > len(fresh):
+            old = [p for p in self.parked if _generation(p) != z.generation]
+            self.parked = fresh
+            for proc in old:
+                proc.kill()
+            # cold ones are this process's children: reaped here (SIGKILLed, at once)
+            self._kill([p for p in old if not isinstance(p, ForkedWorker)])
+
+    def rehearse(self, round_: int, command: list[str], train: dict, world_size: int) -> None:
+        """Have the zygote rehearse the step of round `round_`'s job, so that the workers it
+        forks next start it with DTensor's caches filled (lazarus.trainer.rehearsal): the
+        built-in trainer's only, whose model the round names. Every node asks, spares too:
+        a spare's worker is the new rank of a node loss. Once per round; the zygote itself
+        is asked once per job shape, and `refill` then renews the pool."""
+        z = self.zygote
+        if (round_ == self._rehearsed_round or z is None or z.dead or not z.ready
+                or not jobcommand.is_builtin(command)):
+            return
+        self._rehearsed_round = round_
+        # Skipped windows change no shape, and a long list of them would not fit one message.
+        data = {k: v for k, v in (train.get("data") or {}).items() if k != "skip_windows"}
+        z.rehearse({**train, "data": data}, world_size)
 
     def launch(self, round_: int, assignments: dict[int, WorkerAssignment], *,
                resume: Callable[[int, WorkerAssignment], bool] | None = None) -> Group:
@@ -224,6 +257,8 @@ class Workers:
         if self.zygote is not None and not self.zygote.dead:
             self.parked += self.zygote.take()
         self.parked = [p for p in self.parked if p.poll() is None]
+        # the newest forks first: those made after the zygote's last rehearsal start warm
+        self.parked.sort(key=_generation, reverse=True)
         for local_rank, assignment in sorted(assignments.items()):
             survivor = self.kept.pop(local_rank, None)
             if (survivor is not None and resume is not None and survivor.poll() is None
@@ -254,28 +289,12 @@ class Workers:
                 proc.stdin.close()
             procs[local_rank] = proc
             ranks[local_rank] = assignment.rank
-        self._rehearse(assignments)
+        if assignments:
+            a = next(iter(assignments.values()))
+            self.rehearse(round_, a.command, a.train, a.world_size)
         self.drop_kept()
         self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept, anew=anew)
         return self.group
-
-    def _rehearse(self, assignments: dict[int, WorkerAssignment]) -> None:
-        """Have the zygote rehearse the round's step, so that the workers it forks next start
-        it with DTensor's caches filled (lazarus.trainer.rehearsal): the built-in trainer's
-        only, whose model the assignment names. Parked forks from before a shape it was not
-        asked for yet would lack them: they are let go, and the refill forks new ones."""
-        z = self.zygote
-        a = next(iter(assignments.values()), None)
-        if z is None or z.dead or not z.ready or a is None or not jobcommand.is_builtin(a.command):
-            return
-        # Skipped windows change no shape, and a long list of them would not fit one message.
-        data = {k: v for k, v in (a.train.get("data") or {}).items() if k != "skip_windows"}
-        if not z.rehearse({**a.train, "data": data}, a.world_size):
-            return
-        old = [p for p in self.parked if isinstance(p, ForkedWorker)]
-        for proc in old:  # the zygote reaps them; nothing to wait for here
-            proc.kill()
-        self.parked = [p for p in self.parked if p not in old]
 
     def drop_kept(self) -> None:
         """Let the survivors go, kept or still in the current group: no round of this node

@@ -33,7 +33,8 @@ ZYGOTE_START_S = 120.0
 ZYGOTE_ANSWER_S = 30.0
 ZYGOTE_RETRY_S = 60.0
 # A forked worker seen exited that the zygote has not reported yet: the zygote is slow or
-# stopped. After this long its code comes from the rank's note instead.
+# stopped. After this long its code comes from the rank's note instead -- unless the zygote
+# is rehearsing a step (seconds), which it reports after.
 REPORT_GRACE_S = 1.0
 MAX_CODES = 1024
 
@@ -42,10 +43,12 @@ class ForkedWorker(AdoptedRank):
     """A parked worker the zygote forked, behind the part of Popen's interface the agent
     uses (`stdin`: the pipe its assignment line goes down)."""
 
-    def __init__(self, pid: int, stdin, zygote: Zygote, notes_dir: Path):
+    def __init__(self, pid: int, stdin, zygote: Zygote, notes_dir: Path, generation: int = 0):
         super().__init__(pid, start_time(pid) or 0.0, notes_dir)
         self.stdin = stdin
         self.zygote = zygote
+        # how many rehearsals the zygote had been asked for before it forked this worker
+        self.generation = generation
         self._unreported_since: float | None = None
 
     def poll(self) -> int | None:
@@ -60,7 +63,8 @@ class ForkedWorker(AdoptedRank):
             now = time.monotonic()
             if self._unreported_since is None:
                 self._unreported_since = now
-            if self.zygote.dead or now - self._unreported_since >= REPORT_GRACE_S:
+            if self.zygote.dead or (now - self._unreported_since >= REPORT_GRACE_S
+                                    and not self.zygote.rehearsing(now)):
                 code = read_note(self.notes_dir, self.pid, self.started)
                 self.returncode = VANISHED if code is None else code
         return self.returncode
@@ -107,18 +111,23 @@ class Zygote:
         self.ready = False
         self.dead = False
         self._lock = threading.RLock()
-        # requests sent, in order: [when, stdin, the worker once its pid came or None]; the
-        # parked ones among them go to `take` (`for_pool`)
+        # requests sent, in order: [when, stdin, the worker once its pid came or None,
+        # for_pool, generation]; the parked ones among them go to `take` (`for_pool`)
         self._waiting: list[list] = []
         self._forked: list[ForkedWorker] = []           # parked ones come, not yet taken
         self._codes: dict[int, int] = {}                # pid -> exit code, not yet read
         self.rehearsed: set[str] = set()                # job shapes it was asked to rehearse
+        # rehearsals asked for so far: a request sent after one forks after it (the zygote
+        # serves them in order), so a worker of the current generation starts warm
+        self.generation = 0
+        self._rehearsing_since: float | None = None  # a rehearsal asked for, not answered
         log.info("worker zygote started (pid %d)", self.proc.pid)
 
     @property
     def in_flight(self) -> int:
+        """Parked workers asked for and not forked yet, of the current generation."""
         with self._lock:
-            return sum(1 for w in self._waiting if w[3])
+            return sum(1 for w in self._waiting if w[3] and w[4] == self.generation)
 
     def stuck(self, now: float | None = None) -> bool:
         """Alive but answering nothing: not ready long after its start, or a request long
@@ -126,9 +135,20 @@ class Zygote:
         now = time.monotonic() if now is None else now
         with self._lock:
             oldest = self._waiting[0][0] if self._waiting else None
+            if self._rehearsing_since is not None:
+                oldest = min(oldest or now, self._rehearsing_since)
             return not self.dead and (
                 (not self.ready and now - self.started > ZYGOTE_START_S)
                 or (oldest is not None and now - oldest > ZYGOTE_ANSWER_S))
+
+    def rehearsing(self, now: float | None = None) -> bool:
+        """Busy with a rehearsal (for at most ZYGOTE_ANSWER_S): the exits of its children
+        are reported once it is done, not lost."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self.pump()
+            since = self._rehearsing_since
+            return since is not None and now - since < ZYGOTE_ANSWER_S
 
     def spawn(self, log_path: Path) -> None:
         """Ask for one parked worker with its output in `log_path`; `take` hands it over once
@@ -156,6 +176,8 @@ class Zygote:
                 self._gone(f"cannot ask it for a rehearsal: {e}")
                 return False
             self.rehearsed.add(shape)
+            self.generation += 1
+            self._rehearsing_since = time.monotonic()
             return True
 
     def run(self, module: str, argv: list[str], *, stdout: int, stderr: int,
@@ -195,7 +217,8 @@ class Zygote:
                 return None
             finally:
                 os.close(r)
-            entry = [time.monotonic(), open(w, "wb", buffering=0), None, for_pool]
+            entry = [time.monotonic(), open(w, "wb", buffering=0), None, for_pool,
+                     self.generation]
             self._waiting.append(entry)
             return entry
 
@@ -222,10 +245,11 @@ class Zygote:
                     if pid <= 0:  # refused
                         entry[1].close()
                         continue
-                    entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir)
+                    entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir, entry[4])
                     if entry[3]:
                         self._forked.append(entry[2])
                 elif word == "rehearsed":
+                    self._rehearsing_since = None
                     log.info("worker zygote: rehearsal %s (%s)", rest, self.proc.pid)
                 elif word == "exit":
                     pid, _, code = rest.partition(" ")

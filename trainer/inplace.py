@@ -222,5 +222,10 @@ def run(main: Callable[[], T]) -> T:
                 session.close()
             if nxt is None:
                 raise
+        if nxt.rank != a.rank and "torch.distributed.tensor" in sys.modules:
+            # The script builds its own meshes: DTensor's caches would hand it the last
+            # round's, with this rank's old coordinate (lazarus.trainer.meshes).
+            from lazarus.trainer import meshes
+            meshes.drop_caches()
         enter_next(nxt)
         a = nxt

@@ -80,3 +80,20 @@ def _counterpart(root: DeviceMesh, old: DeviceMesh) -> DeviceMesh | None:
         if mesh == old:
             return mesh
     return None
+
+
+def drop_caches() -> None:
+    """Forget the earlier meshes and empty the DTensor caches that hold them, for a process
+    whose next world's meshes are not ours to adopt (a script's own, under
+    lazarus.trainer.run): its next first step pays the propagation again, and gets it right.
+    torch keeps the sharding propagation's cache twice, in Python and in its C++ dispatch
+    fast path; its debug module clears both."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _earlier.clear()
+    _sources.clear()
+    _clear_sharding_prop_cache()
+    # These two hold specs and meshes as well (redistribution plans, a mesh's topology).
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()

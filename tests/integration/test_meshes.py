@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch.distributed as dist
 
 from tests.forkedranks import run_ranks
 
 
-def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path):
+@pytest.mark.parametrize("how", ["adopt", "drop"])
+def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path, how):
+    """adopt: the built-in trainer re-points the old meshes; drop: a script's run(main)
+    empties the caches instead (its meshes are its own)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "out"
     out.mkdir()
-    run_ranks(f"{__name__}:_two_rounds", 2, tmp_path / "ranks", store.port, str(out),
+    run_ranks(f"{__name__}:_two_rounds", 2, tmp_path / "ranks", store.port, str(out), how,
               env={"OMP_NUM_THREADS": "1"})
     got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     # each process is rank 0 in one round and rank 1 in the other: every rank's shard, loss
@@ -28,7 +32,7 @@ def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path):
         assert second["loss"] == first["loss"]
 
 
-def _two_rounds(me: int, port: int, out: str) -> None:
+def _two_rounds(me: int, port: int, out: str, how: str) -> None:
     import hashlib
     from pathlib import Path
 
@@ -47,7 +51,8 @@ def _two_rounds(me: int, port: int, out: str) -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"round/{round_}", store),
                                 rank=rank, world_size=2)
         mesh = build_mesh("cpu", dp=2, tp=1)
-        meshes.adopt(mesh)  # as lazarus.trainer.train does
+        if how == "adopt":
+            meshes.adopt(mesh)  # as lazarus.trainer.train does
         model = build_model(get_model_config("tiny"), mesh, par, seed=3)
         optimizer = build_optimizer(model, lr=1e-3)
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
@@ -64,3 +69,5 @@ def _two_rounds(me: int, port: int, out: str) -> None:
         # what a survivor does between its rounds
         assert inplace.release_groups()
         meshes.collect("round")
+        if how == "drop":
+            meshes.drop_caches()  # as lazarus.trainer.run does when the rank changes

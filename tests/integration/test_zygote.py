@@ -225,7 +225,8 @@ def test_workers_forked_after_a_rehearsal_start_warm_and_train_as_cold_ones(tmp_
                 rank=r, world_size=2, local_rank=r, round=round_, store_host="127.0.0.1",
                 store_port=store.port, train=train) for r in (0, 1)})
             _until(lambda: w.poll() and not group.alive, f"round {round_} to end")
-            assert group.exit_codes == {0: 0, 1: 0}, (tmp_path / "logs").glob("**/*.log")
+            assert group.exit_codes == {0: 0, 1: 0}, [
+                p.read_text()[-2000:] for p in (tmp_path / "logs").glob("**/*.log")]
             rows = [json.loads(line) for line in metrics.read_text().splitlines()]
             losses[round_] = [r["loss"] for r in rows if "kind" not in r]
             (starts[round_],) = [r for r in rows if r.get("kind") == "start"]
@@ -235,5 +236,38 @@ def test_workers_forked_after_a_rehearsal_start_warm_and_train_as_cold_ones(tmp_
         said = [json.loads(line) for line in (tmp_path / "logs" / "zygote.log").read_text()
                 .splitlines() if line.startswith('{"event": "rehearsal"')]
         assert [s["result"] for s in said] == ["rehearsed"], said  # asked once for one shape
+    finally:
+        w.shutdown()
+
+
+def test_a_node_that_sees_the_round_renews_its_pool_with_forks_made_after_the_rehearsal(
+        tmp_path):
+    """Every agent has its zygote rehearse the current round's job (a spare too: its worker
+    is a node loss's new rank). The parked workers from before are let go once forks made
+    after the rehearsal are parked, never before: the pool is never empty."""
+    from lazarus.core.jobcommand import BUILTIN
+    from lazarus.core.trainconfig import ParallelConfig
+
+    w = _workers(tmp_path, nproc=1)
+    try:
+        (old,) = _parked(w, 1)
+        assert old.generation == 0
+        train = TrainConfig(steps=2, data=DataConfig(seq_len=32, global_batch=4),
+                            parallelism=ParallelConfig(dp=2)).to_dict()
+        w.rehearse(5, ["python", "my_train.py"], train, 2)  # a script of the user's: no
+        assert w.zygote.generation == 0
+        w.rehearse(3, list(BUILTIN), train, 2)
+        w.rehearse(4, list(BUILTIN), train, 2)  # the same job's shape: asked once
+
+        def renewed():
+            w.refill()
+            assert w.parked, "the pool was emptied before its renewal"
+            return w.parked if all(p.generation == 1 for p in w.parked) else None
+        (new,) = _until(renewed, "a fork made after the rehearsal")
+        assert new.pid != old.pid and w.zygote.generation == 1
+        _until(lambda: old.poll() is not None, "the old parked worker to end")
+        said = [json.loads(line)["result"] for line in (tmp_path / "logs" / "zygote.log")
+                .read_text().splitlines() if line.startswith('{"event": "rehearsal"')]
+        assert said == ["rehearsed"]
     finally:
         w.shutdown()
