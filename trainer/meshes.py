@@ -6,8 +6,8 @@ DTensor's caches (sharding propagation, redistribution plans) hold the DeviceMes
 of the specs they were filled with, and a hit hands those objects to the new tensors. A
 DeviceMesh compares equal to another of the same shape, names and devices whatever rank
 holds it, so the next world's identical mesh hits entries carrying the old world's mesh:
-its coordinate, and its groups' names. Measured with torch 2.13 (docs/inplace.md,
-"Rehearsal"): a survivor that was rank 1 and became rank 0 kept coordinate (1,) on every
+its coordinate, and its groups' names. Measured with torch 2.13 (docs/constraints.md,
+"DTensor's caches"): a survivor that was rank 1 and became rank 0 kept coordinate (1,) on every
 parameter, so it initialised rank 1's shard, and the step's loss changed.
 
 Clearing those caches would be correct, and would cost the next first step 0.5-0.7 s of

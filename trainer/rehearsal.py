@@ -1,5 +1,5 @@
 """A training step rehearsed in the worker zygote, so that the ranks forked after it start
-with DTensor's caches filled (docs/inplace.md, "Rehearsal").
+with DTensor's caches filled (docs/inplace.md, "As built", 6).
 
 A fresh rank's first FSDP2/DTensor step spent 0.73 of its 0.8 s here in sharding propagation
 missing its cache (AdamW's foreach ops, gradient clipping); the second step took 0.06-0.1 s.
