@@ -34,15 +34,14 @@ _sources: set[str] = set()
 
 def collect(source: str) -> int:
     """Remember every DeviceMesh this process holds now, as an earlier world's: call it once
-    a world's process groups are gone (after a rehearsal; when a round is let go). Returns
-    how many were found."""
-    known = {id(m) for m in _earlier}
+    a world's process groups are gone (after a rehearsal; when a round is let go). Every
+    live mesh is found again each time, so the list is replaced, never grown: a process
+    that never adopts (a script's) holds no more than what is alive. Returns how many."""
     # type(), not isinstance: DeviceMesh's metaclass hook runs hasattr on every object it is
     # asked about, and a deprecated module attribute then warns
-    found = [o for o in gc.get_objects() if type(o) is DeviceMesh and id(o) not in known]
-    _earlier.extend(found)
+    _earlier[:] = [o for o in gc.get_objects() if type(o) is DeviceMesh]
     _sources.add(source)
-    return len(found)
+    return len(_earlier)
 
 
 def adopt(root: DeviceMesh) -> set[str]:

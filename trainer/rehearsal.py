@@ -20,23 +20,10 @@ fused kernels either: their first step is compilation, not propagation.
 
 from __future__ import annotations
 
-import json
 import os
 
 from lazarus.core.batching import plan_batches
 from lazarus.core.trainconfig import TrainConfig
-
-# Rehearsed shapes a zygote remembers, so that one asked again does nothing.
-MAX_KEYS = 16
-_done: set[str] = set()
-
-
-def key(cfg: TrainConfig, world_size: int) -> str:
-    """What decides the shapes a step's ops see (two configs with one key rehearse alike)."""
-    par, data = cfg.parallelism, cfg.data
-    plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
-    return json.dumps([cfg.model.name, world_size, par.dp, par.tp, par.activation_checkpointing,
-                       data.seq_len, plan.micro_batch, plan.accumulation > 1])
 
 
 def why_not(cfg: TrainConfig, world_size: int, device: str) -> str | None:
@@ -54,8 +41,9 @@ def why_not(cfg: TrainConfig, world_size: int, device: str) -> str | None:
 
 def rehearse(train: dict, world_size: int, device: str) -> str:
     """One step of the built-in trainer's job `train` (TrainConfig's dict) on a fake world of
-    `world_size` ranks: "rehearsed", "known" (this shape was), or "skipped: why". Raises what
-    the step raised; the process group is gone and the meshes collected either way."""
+    `world_size` ranks: "rehearsed", or "skipped: why". Raises what the step raised; the
+    process group is gone and the meshes collected either way. The agent asks once per job
+    shape (lazarus.agent.zygote.Zygote.rehearse); asked again, it runs again."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -71,9 +59,6 @@ def rehearse(train: dict, world_size: int, device: str) -> str:
     cfg = TrainConfig.from_dict(train)
     if why := why_not(cfg, world_size, device):
         return f"skipped: {why}"
-    k = key(cfg, world_size)
-    if k in _done:
-        return "known"
     par, data = cfg.parallelism, cfg.data
     plan = plan_batches(data.global_batch, par.dp, data.micro_batch)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -100,9 +85,6 @@ def rehearse(train: dict, world_size: int, device: str) -> str:
     finally:
         dist.destroy_process_group()
         meshes.collect("rehearsal")
-    if len(_done) >= MAX_KEYS:
-        _done.clear()
-    _done.add(k)
     return "rehearsed"
 
 

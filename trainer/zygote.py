@@ -28,7 +28,7 @@ Protocol, over a SOCK_SEQPACKET socket the agent passes as --zygote FD (lazarus.
                    that follow start with DTensor's caches filled (lazarus.trainer.rehearsal)
   zygote -> agent  b"ready" once imported; b"pid N" per run request, in order; b"exit N CODE"
                    when a child ends (CODE as Popen.returncode: -SIGNAL for a signal);
-                   b"rehearsed WORD" per rehearse request (rehearsed, known, skipped, failed)
+                   b"rehearsed WORD" per rehearse request (rehearsed, skipped, failed)
 The agent closing the socket ends the zygote and nothing else: its running children are
 ranks, which outlive the agent (lazarus.agent.adopt); parked ones end when their stdin closes.
 """
