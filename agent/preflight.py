@@ -330,3 +330,8 @@ class Runner:
     @property
     def state(self) -> str:
         return self.result.get("state", RUNNING)
+
+    @property
+    def busy(self) -> bool:
+        """Its first run not done yet, or a run under way."""
+        return not self.result or (self._thread is not None and self._thread.is_alive())

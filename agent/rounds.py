@@ -43,7 +43,10 @@ def act(agent: Agent,
         if agent.tier0 is not None:
             agent.tier0.round_seen(action.record)
         rec = action.record
-        agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.world_size)
+        # Not while the node's preflight runs: its tests fork from the same zygote, and a
+        # spare is usable only once they pass (a rehearsal first held one back by seconds).
+        if agent.preflight is None or not agent.preflight.busy:
+            agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.world_size)
     elif isinstance(action, Launch):
         launch(agent, action.record)
     elif isinstance(action, ReleaseVictims):

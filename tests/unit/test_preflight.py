@@ -233,12 +233,15 @@ def test_summary_is_small_and_names_what_failed():
 
 
 def test_checks_run_at_the_first_idle_pass_then_every_period_while_idle():
-    r = P.Runner(every_s=60.0, run=lambda: [], on_done=lambda: None)
+    go = threading.Event()
+    r = P.Runner(every_s=60.0, run=lambda: [] if go.wait(60) else [], on_done=lambda: None)
     assert not r.due(0.0, idle=False)      # an adopted round runs: not under its feet
-    assert r.due(0.0, idle=True)
+    assert r.due(0.0, idle=True) and r.busy  # its first verdict not in yet
     r.poll(0.0, idle=True)
+    assert r.busy
+    go.set()
     r._thread.join()
-    assert r.state == "passed"
+    assert r.state == "passed" and not r.busy
     assert not r.due(59.0, idle=True) and not r.due(61.0, idle=False)
     assert r.due(61.0, idle=True)
     once = P.Runner(every_s=0.0, run=lambda: [], on_done=lambda: None)
