@@ -207,9 +207,10 @@ def test_flight_records_show_which_rank_the_others_wait_for(tmp_path):
         # "ready" is printed just before the fourth call: ask again (bounded) until rank 0
         # has enqueued it, rather than guessing how long that takes on a loaded machine. The
         # recorder marks the third one completed a moment after its wait returned (seen in CI
-        # under load: "#4 all_reduce enqueued, #2 completed"): that is waited for too.
+        # under load, on both ranks: "... enqueued, #2 completed"): that is waited for too.
         for _ in range(50):
-            if "#4 all_reduce enqueued, #3 completed" in describe_flight(got[pids[0]]):
+            if ("#4 all_reduce enqueued, #3 completed" in describe_flight(got[pids[0]])
+                    and "#3 completed" in describe_flight(got[pids[1]])):
                 break
             time.sleep(0.1)
             got = flight_records(ask_flight_records(pids[:2], tmp_path), tmp_path, timeout_s=20)
