@@ -96,5 +96,9 @@ class DropClaimsBelow:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """`awaiting`: nodes whose next status report is what this (empty) decision waits for.
+    The loop passes again as soon as every one of them has reported, instead of at its paced
+    rate (a recovery waiting for the survivors' in-memory copies: docs/inplace.md)."""
     actions: list
     reason: str
+    awaiting: tuple[str, ...] = ()

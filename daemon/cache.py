@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from lazarus.core import etcd as E
 
@@ -43,13 +43,13 @@ class Informer:
     """Lists `prefixes` (all under `root`) once and keeps them current from one watch on
     `root`; keys under the root outside the prefixes are not kept (torchrun's store).
 
-    `on_change()` is called after the map took in changes of kept keys: on the etcd client's
-    thread, so it must only wake someone up. `start()` lists (EtcdUnavailable when etcd does
+    `on_change(keys)` is called with the changed keys after the map took them in: on the etcd
+    client's thread, so it must only note them and wake someone up. `start()` lists (EtcdUnavailable when etcd does
     not answer; call it again); after that the informer never raises: a broken watch resumes,
     a compacted one lists again (lazarus.core.etcd.Watch)."""
 
     def __init__(self, etcd: E.Etcd, root: str, prefixes: Sequence[str], *,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[Collection[str]], None] | None = None):
         assert all(p.startswith(root) for p in prefixes), (root, prefixes)
         self.etcd = etcd
         self.root = root
@@ -121,7 +121,7 @@ class Informer:
             self.lists += 1
             self._publish(changed)
         if changed and self.on_change is not None:
-            self.on_change()
+            self.on_change(changed.keys())
         return snap.revision
 
     def _relist(self) -> int:
@@ -156,7 +156,7 @@ class Informer:
                 self.revision = max(self.revision, events[-1].kv.mod_revision)
             self._publish(changed)
         if changed and self.on_change is not None:
-            self.on_change()
+            self.on_change(changed.keys())
 
     def _publish(self, changed: dict[str, E.KV | None]) -> None:
         if changed:

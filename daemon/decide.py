@@ -53,8 +53,9 @@ def decide(now: float, view: ClusterView) -> Decision:
     parts = [p for p in (claims, gate) if p is not None]
     if not parts:
         return decision
-    return Decision([a for p in (*parts, decision) for a in p.actions],
-                    "; ".join(p.reason for p in (*parts, decision)))
+    actions = [a for p in (*parts, decision) for a in p.actions]
+    return Decision(actions, "; ".join(p.reason for p in (*parts, decision)),
+                    awaiting=() if actions else decision.awaiting)
 
 
 def _decide(now: float, view: ClusterView) -> Decision:

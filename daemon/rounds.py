@@ -90,7 +90,8 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
         waiting = _stale_holdings(now, view, st)
         if waiting:
             return Decision([], f"round {n}: waiting up to {tier0.FRESH_WAIT_S:.0f} s for "
-                                f"{', '.join(waiting)} to report their in-memory copies")
+                                f"{', '.join(waiting)} to report their in-memory copies",
+                            awaiting=tuple(waiting))
         memory = tier0.choose(
             tier0=tier0.newest_in_memory(
                 {node: s.tier0 for node, s in view.node_status.items() if node in view.nodes},

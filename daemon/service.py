@@ -49,14 +49,17 @@ MIN_PASS_S = 0.2
 # arrives through our watch, so the wait must end), and how long a pass waits to see the
 # daemon's own last write come back through the watch before it gives up its turn.
 CATCH_UP_S = 0.5
+# How often a paced wait looks at the stop flag (it ends at once when awaited reports land).
+PACE_SLICE_S = 0.05
 OWN_WRITE_S = 1.0
 
 
 class Daemon:
     """`tick_s` bounds how late a timeout is noticed; `lease_ttl_s` is how long a dead leader
     blocks its standbys (the failover time). `min_pass_s`: passes woken by changes are at
-    least this far apart (the tick and the daemon's own writes are not held back), so a
-    decision may come up to that much later than the change it answers. `on_pass(is_leader)`
+    least this far apart (the tick, the daemon's own writes and the reports a decision
+    awaits are not held back), so a decision may come up to that much later than the change
+    it answers. `on_pass(is_leader)`
     runs after every pass of the loop (telemetry); etcd being unreachable there is retried
     like in the pass itself. `history`: where the leader keeps what it prunes from etcd past
     `retention` (lazarus.daemon.retention); None: nothing is pruned.
@@ -79,7 +82,12 @@ class Daemon:
         self.leadership = Leadership(etcd, keys, ttl_s=lease_ttl_s, identity={
             "id": self.writer, "pid": os.getpid(), "host": socket.gethostname()})
         self.wake = threading.Event()
-        self.views = LiveView(etcd, keys, on_change=self.wake.set)
+        self.views = LiveView(etcd, keys, on_change=self._changed)
+        # The status keys the last decision waits for (Decision.awaiting), and whether they
+        # have all been written since: then the next pass is not held back by min_pass_s.
+        self._awaiting: set[str] = set()
+        self._answered_event = threading.Event()
+        self._await_lock = threading.Lock()
         self.passes = 0          # passes that decided (for tests and benchmarks)
         self._written = 0        # the revision of our last write
         self._again = False      # our own write changed the state: the next pass at once
@@ -120,6 +128,7 @@ class Daemon:
         self._log_ignored(view)
         now = time.time()
         decision = decide(now, view)
+        self._await(decision.awaiting)
         if decision.reason != self._last_reason:
             log.info("%s", decision.reason)
             self._last_reason = decision.reason
@@ -133,6 +142,32 @@ class Daemon:
             self.wake.set()  # our own write changed the state: look again at once
         elif self.leadership.check():
             self.wake.set()  # the view was stale; the watch brings a newer one
+
+    def _await(self, nodes: tuple[str, ...]) -> None:
+        with self._await_lock:
+            self._awaiting = {self.keys.nodestatus_key(n) for n in nodes}
+            self._answered_event.clear()
+
+    def _changed(self, keys) -> None:
+        """The informer's callback (etcd's thread): O(changed keys) while a decision waits
+        for some, O(1) otherwise, so a burst of 4,096 reports costs no more than before."""
+        with self._await_lock:
+            if self._awaiting:
+                self._awaiting.difference_update(keys)
+                if not self._awaiting:
+                    self._answered_event.set()
+        self.wake.set()
+
+    def _pace(self, stop: threading.Event, not_before: float) -> bool:
+        """Wait until `not_before` or until the awaited reports are in; True when stopped."""
+        while (left := not_before - time.monotonic()) > 0:
+            if self._answered_event.wait(min(left, PACE_SLICE_S)):
+                break
+            if stop.is_set():
+                return True
+        with self._await_lock:
+            self._answered_event.clear()
+        return stop.is_set()
 
     def _log_ignored(self, view) -> None:
         """Name each record the view leaves out once, and again if it heals and breaks
@@ -153,8 +188,9 @@ class Daemon:
         while not stop.is_set():
             woken = self.wake.wait(self.tick_s)
             if woken and not self._again:
-                # A change woke us: let the changes that follow it gather into this pass.
-                if stop.wait(max(0.0, not_before - time.monotonic())):
+                # A change woke us: let the changes that follow it gather into this pass, but
+                # not past the reports a decision waits for: those are what it decides on.
+                if self._pace(stop, not_before):
                     break
             self.wake.clear()
             self._again = False

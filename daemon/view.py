@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from lazarus.core import jobspec
@@ -382,10 +382,11 @@ class LiveView:
     standby) decides from and serves its API from. Thread-safe: the loop and the API's
     threads share it, and a view is built at most once per revision.
 
-    `on_change` is called (on the etcd client's thread) when a key of the view changed: it
-    must only wake someone up."""
+    `on_change(keys)` is called (on the etcd client's thread) with the keys of the view that
+    changed: it must only note them and wake someone up."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, *, on_change: Callable[[], None] | None = None):
+    def __init__(self, etcd: Etcd, keys: Keys, *,
+                 on_change: Callable[[Collection[str]], None] | None = None):
         self.keys = keys
         self.informer = Informer(etcd, keys.root, prefixes(keys), on_change=on_change)
         self._changes = self.informer.subscribe()

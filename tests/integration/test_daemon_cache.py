@@ -1,8 +1,9 @@
 """The daemon's informer and cached view against a real etcd: the cache equals a fresh read
 after random writes, deletes, transactions, lease revocations and compactions, one of which
 forces a re-list; a view built from the cache equals one parsed from a snapshot and re-parses
-only what changed; a burst of writes costs a bounded number of passes; and a pass right after
-the daemon's own write does not take its decision again."""
+only what changed; a burst of writes costs a bounded number of passes, but a report a decision waits for is
+answered at once; and a pass right after the daemon's own write does not take its decision
+again."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.core.embedded_etcd import EmbeddedCluster
-from lazarus.core.records import (RUNNING, EventRecord, Keys, NodeRecord, NodeStatus,
+from lazarus.core.records import (RECOVERING, RUNNING, EventRecord, Keys, NodeRecord, NodeStatus,
                                   RoundRecord, RunStatus, dumps)
 from lazarus.daemon.cache import Informer
 from lazarus.daemon.service import Daemon
@@ -251,4 +252,64 @@ def test_a_pass_right_after_its_own_write_does_not_decide_it_again(etcd, keys):
         assert etcd.get(keys.drain_key("n0")) is not None
     finally:
         stop.set()
+        loop.join(timeout=30)
+
+
+def test_the_report_a_recovery_waits_for_is_answered_at_once_not_at_the_paced_rate(etcd, keys):
+    """A worker crash: the surviving node's in-memory copies are known only from before the
+    fault, so the recovery waits for its next report (daemon/rounds.py). That report is the
+    whole of what the pass waits for: it must not also wait out min_pass_s (set to an hour)."""
+    job = jobspec.from_dict({"job": {"name": "t", "nodes": 2, "min_nodes": 1,
+                                     "nproc_per_node": 1, "id": "J"},
+                             "train": {"steps": 1000, "model": {"name": "tiny"},
+                                       "data": {"global_batch": 4}}}, source="test")
+    now = time.time()
+    etcd.put(keys.job, job.to_json())
+    etcd.put(keys.accepted_job, job.to_json())
+    # `since` ahead of the clock: the wait for a fresh report (tier0.FRESH_WAIT_S) cannot run
+    # out under load before the report comes
+    etcd.put(keys.status, RunStatus(
+        job_id="J", state=RECOVERING, round=1, members=["n0", "n1"], since=now + 600,
+        reason="worker crash", incident={"kind": "worker_crash", "culprit": "n1",
+                                         "fault_at": now - 1, "detected_at": now - 1,
+                                         "round": 1}).to_json())
+    etcd.put(keys.round_key(1), RoundRecord(round=1, job_id="J", members=["n0", "n1"],
+                                            nproc_per_node=1, world_size=2, dp=2, tp=1,
+                                            store_host="127.0.0.1", store_port=1).to_json())
+    for n in ("n0", "n1"):
+        etcd.put(keys.node_key(n), NodeRecord(node=n, host="127.0.0.1", nproc=1, role="active",
+                                              store_port=1).to_json())
+
+    def copies(step: int) -> dict:
+        return {"job": "J", "world": 2, "ranks": {"0": [step], "1": [step]}, "bytes": 1,
+                "limit": 10}
+    etcd.put(keys.nodestatus_key("n0"), NodeStatus(  # before the fault: out of date
+        node="n0", round=1, workers="running", step=9, updated_at=now - 5,
+        tier0=copies(8)).to_json())
+    etcd.put(keys.nodestatus_key("n1"), NodeStatus(
+        node="n1", round=1, workers="failed", step=10, updated_at=now, fault_at=now - 1,
+        exit_codes={"0": -9}, failed_rank=1, tier0=copies(9)).to_json())
+    daemon = Daemon(etcd, keys, lease_ttl_s=5, tick_s=3600, min_pass_s=3600, compact_every_s=0)
+    stop = threading.Event()
+    loop = threading.Thread(target=daemon.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _until(lambda: "to report their in-memory copies" in daemon._last_reason,
+               "the recovery to wait for n0")
+        assert etcd.get(keys.round_key(2)) is None
+        etcd.put(keys.nodestatus_key("n1"), NodeStatus(
+            node="n1", round=1, workers="failed", step=10, updated_at=time.time(),
+            fault_at=now - 1, exit_codes={"0": -9}, failed_rank=1,
+            tier0=copies(9)).to_json())  # not the node waited for: no pass
+        time.sleep(0.5)
+        assert etcd.get(keys.round_key(2)) is None
+        etcd.put(keys.nodestatus_key("n0"), NodeStatus(
+            node="n0", round=1, workers="idle", step=10, updated_at=time.time(),
+            tier0=copies(9)).to_json())
+        _until(lambda: etcd.get(keys.round_key(2)) is not None, "round 2", timeout=20)
+        record = RoundRecord.from_json(etcd.get(keys.round_key(2)).value)
+        assert record.tier0["step"] == 9  # decided on the fresh report
+    finally:
+        stop.set()
+        daemon.wake.set()
         loop.join(timeout=30)

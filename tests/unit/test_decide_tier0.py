@@ -60,6 +60,7 @@ def test_a_holder_that_reported_before_the_fault_is_waited_for_a_moment():
     b = ns("b", "failed", step=13, updated_at=NOW - 0.5, tier0=held({2: [12], 3: [12]}))
     d = decide(NOW, view(status=recovering(), ckpts=CKPT, node_status=[a, b]))
     assert d.actions == [] and "waiting up to 3 s for a" in d.reason
+    assert d.awaiting == ("a",)  # the daemon passes again as soon as it has reported
     # past the wait: decided on what is known (storage's step 8 beats memory's 6)
     late = recovering(since=NOW - 3)
     rec = only(decide(NOW, view(status=late, ckpts=CKPT, node_status=[a, b])).actions,
