@@ -35,7 +35,7 @@ from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
 from lazarus.trainer import checkpoint as ckpt
-from lazarus.trainer import exchange, meshes
+from lazarus.trainer import exchange, kept, meshes
 from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
           hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
           snapshot_dir: str | None = None, round_: int = 0,
           allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None,
-          handed: float | None = None, in_place: bool = False) -> None:
+          handed: float | None = None, in_place: bool = False, restore_step: int = 0) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
@@ -143,7 +143,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     the agent handed this rank its assignment, `handed`: when the rank took it
     (time.perf_counter()): the start line times from them.
     `in_place`: this process ran an earlier round (lazarus.trainer.inplace); the start line
-    says so."""
+    says so, and the model and optimizer it kept are used again when they fit the round
+    (lazarus.trainer.kept). `restore_step`: the step the round restores, whichever tier."""
     start = StartTimes(began=time.perf_counter() if began is None else began, handed=handed)
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
@@ -154,17 +155,29 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     kind = device_type()
     device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     par, opt, data, ck = cfg.parallelism, cfg.optimizer, cfg.data, cfg.checkpoint
+    shape = kept.shape_of(cfg, job_id=job_id, rank=rank, world_size=dist.get_world_size(),
+                          device=kind)
+    held = kept.take(shape, restoring=restore is not None or snapshot is not None)
     mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
-    # Before any DTensor op: the caches this process inherited or kept are this world's now.
+    # Before any DTensor op: the caches this process inherited or kept, and the meshes of
+    # the objects it kept, are this world's now.
     warm = meshes.adopt(mesh)
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         make_deterministic()
 
     model_cfg = get_model_config(cfg.model.name)
-    model = build_model(model_cfg, mesh, par, seed=cfg.seed, fused_kernels=cfg.model.fused_kernels,
-                        init=restore is None and snapshot is None)
-    optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
+    reused = held is not None
+    if reused:
+        model, optimizer = held.model, held.optimizer
+        kept.reuse(held)
+    else:
+        model = build_model(model_cfg, mesh, par, seed=cfg.seed,
+                            fused_kernels=cfg.model.fused_kernels,
+                            init=restore is None and snapshot is None)
+        optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
+        held = kept.Held(shape, model, optimizer)
+    kept.hold(held)
     # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
     plan = plan_batches(data.global_batch, par.dp, data.micro_batch,
                         memory=activation_budget(model, par, seq_len=data.seq_len))
@@ -182,7 +195,14 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     extra: dict = {}
     guard = Guard(cfg.guard)
     start.mark("build")
-    if snapshot is not None:
+    source = ("memory" if snapshot is not None else "storage" if restore is not None
+              else "scratch")
+    if restore_step >= 1 and held.step == restore_step and source != "scratch":
+        # The objects kept from the last round hold that very step: nothing to load.
+        extra = dict(held.extra)
+        ckpt._set_rng_state(held.rng)
+        restore, source = f"its own state at step {held.step}, kept in place", "kept"
+    elif snapshot is not None:
         extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
                               world_size=dist.get_world_size(), what=snapshot)["extra"]
         restore = f"memory (tier 0) {snapshot}"
@@ -195,6 +215,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             guard.load_state_dict(extra["guard"])
         if rank == 0:
             print(f"resumed from {restore} at step {step}", flush=True)
+        held.mark(step, extra, ckpt._rng_state())
     start.mark("restore")
     windows = DataWindows(loader, skip=data.skip_windows)
     lr_scaled = lr_scale_span(opt, step, extra)
@@ -258,8 +279,6 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         hooks(phase, ctx)
 
     start.mark("setup")
-    source = ("memory" if snapshot is not None else "storage" if restore is not None
-              else "scratch")
 
     finished = False
     try:
@@ -294,7 +313,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
             if not start.done:
                 start.mark("first_step")
                 row = start.row(round_=round_, step=step - 1, source=source, in_place=in_place,
-                                warm=warm)
+                                warm=warm, kept=reused)
                 print(start.line(row), flush=True)
                 _log(metrics, row)
             if reason is None:
@@ -322,6 +341,10 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                         **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
                                          "last": lr_scaled[1]}} if lr_scaled else {})}
 
+            # This rank's part of the step is done: a survivor of a later failure may go on
+            # from here in its own objects (lazarus.trainer.kept).
+            held.mark(step, resumable(), ckpt._rng_state())
+
             if snapshots is not None:
                 snapshots.observe_step(result.step_time_s)
                 if snapshots.due(step):
@@ -337,6 +360,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 if saver is not None:
                     _log_stalls(metrics, saver)
         finished = True
+        kept.drop()
     finally:
         if snapshots is not None:
             # A rank that stops early (a peer gone) must not wait on its agent.
@@ -376,13 +400,16 @@ class StartTimes:
         self.done = phase == self.PHASES[-1]
 
     def row(self, *, round_: int, step: int, source: str, in_place: bool = False,
-            warm: set[str] = frozenset()) -> dict:
-        """`warm`: what filled DTensor's caches before this round (lazarus.trainer.meshes:
-        "rehearsal", "round"), empty for a cold start."""
+            warm: set[str] = frozenset(), kept: bool = False) -> dict:
+        """`source`: what the round's state came from: "scratch", "storage", "memory" (a
+        tier-0 snapshot), or "kept" (the objects a survivor kept hold the very step).
+        `warm`: what filled DTensor's caches before this round (lazarus.trainer.meshes:
+        "rehearsal", "round"), empty for a cold start. `kept`: this survivor went on in its
+        model and optimizer objects (lazarus.trainer.kept)."""
         # Wall-clock times, to line a start up with the agents' and the daemon's logs.
         done_at = time.time() - (time.perf_counter() - self._last)
         return {"kind": "start", "round": round_, "step": step, "from": source,
-                "in_place": in_place, "warm": sorted(warm), "pid": os.getpid(),
+                "in_place": in_place, "kept": kept, "warm": sorted(warm), "pid": os.getpid(),
                 "began_at": round(done_at - (self._last - self._began), 3),
                 "done_at": round(done_at, 3),
                 "total_s": round(self._last - self._began, 6),
@@ -392,8 +419,10 @@ class StartTimes:
     def line(row: dict) -> str:
         parts = ", ".join(f"{p.replace('_', ' ')} {row[p + '_s']:.2f} s"
                           for p in StartTimes.PHASES)
-        return (f"round {row['round']} from {row['from']} at step {row['step']}"
+        source = "its own state" if row["from"] == "kept" else row["from"]
+        return (f"round {row['round']} from {source} at step {row['step']}"
                 f"{' in place' if row.get('in_place') else ''}"
+                f"{', model kept' if row.get('kept') else ''}"
                 f"{' rehearsed' if 'rehearsal' in row.get('warm', ()) else ''}: first step "
                 f"done {row['total_s']:.2f} s after the assignment ({parts})")
 

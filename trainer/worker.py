@@ -124,7 +124,7 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
         train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
               snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
               allowed_roots=a.allowed_roots, began=began, handed=handed,
-              in_place=in_place)
+              in_place=in_place, restore_step=a.restore_step)
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))

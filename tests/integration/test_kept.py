@@ -1,0 +1,123 @@
+"""Survivors go on in the model and optimizer objects they had (lazarus.trainer.kept): two gloo
+ranks train with two micro-batches a step (gradients reduced after the last, as on CPU), one
+fails in the middle of the second micro-batch's forward (FSDP2 has gathered some layers and
+holds the first micro-batch's unreduced gradients), both abort their groups, and the next world -- new process groups under a new
+store prefix -- trains on in the same objects. Its losses are the uninterrupted run's, bit
+for bit: FSDP2's half-done iteration was reset and its groups re-resolved (had it kept the
+aborted ones, its first collective would fail)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tests.forkedranks import run_ranks
+
+STEPS = 4
+FAIL_AT = 3  # the step whose forward fails; steps before it are done in the kept objects
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_survivors_train_on_in_their_kept_objects_with_the_uninterrupted_losses(tmp_path, tp):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(f"{__name__}:_rounds", 2, tmp_path / "ranks", store.port, str(out), tp,
+              env={"OMP_NUM_THREADS": "1"})
+    for rank in (0, 1):
+        got = json.loads((out / f"r{rank}.json").read_text())
+        assert got["failed"], got  # the fault came where it was meant to, mid-forward
+        assert got["same_objects"] and got["reused"]
+        assert got["before"] + got["after"] == got["reference"], got
+        assert len(got["after"]) == STEPS - FAIL_AT + 1
+
+
+def _rounds(rank: int, port: int, out: str, tp: int) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from lazarus.core.trainconfig import ParallelConfig
+    from lazarus.trainer import inplace, kept, meshes
+    from lazarus.trainer.models import get_model_config
+    from lazarus.trainer.optim import build_optimizer
+    from lazarus.trainer.parallelize import build_mesh, build_model
+    from lazarus.trainer.train import train_step
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False)
+    dp = 2 // tp
+    par = ParallelConfig(dp=dp, tp=tp)
+
+    def world(name: str, timeout_s: float = 120.0):
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=rank,
+                                world_size=2, timeout=timedelta(seconds=timeout_s))
+        mesh = build_mesh("cpu", dp=dp, tp=tp)
+        meshes.adopt(mesh)  # as lazarus.trainer.train does
+        return mesh
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(100 * step + (mesh["dp"].get_local_rank()))
+        tokens = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)]
+        return [(t, t) for t in tokens]
+
+    def step_(model, optimizer, step: int) -> float:
+        loss, _norm, _applied = train_step(model, optimizer, batch(step),
+                                           device=torch.device("cpu"), grad_clip=1.0,
+                                           loss_group=mesh["dp"].get_group())
+        return loss
+
+    def leave() -> None:
+        assert inplace.release_groups()
+        meshes.collect("round")
+
+    # the uninterrupted run
+    mesh = world("reference")
+    model = build_model(get_model_config("tiny"), mesh, par, seed=3)
+    optimizer = build_optimizer(model, lr=1e-3)
+    reference = [step_(model, optimizer, s) for s in range(1, STEPS + 1)]
+    del model, optimizer
+    leave()
+
+    # the round that fails mid-forward at FAIL_AT
+    # Short: rank 0's collective with rank 1 fails by this timeout. (A peer that dies resets
+    # its sockets and fails it at once; rank 1 only aborts its groups, which gloo's abort
+    # does not do: docs/inplace.md.)
+    mesh = world("round/1", timeout_s=3.0)
+    model = build_model(get_model_config("tiny"), mesh, par, seed=3)
+    optimizer = build_optimizer(model, lr=1e-3)
+    kept.hold(kept.Held("shape", model, optimizer))
+    before = [step_(model, optimizer, s) for s in range(1, FAIL_AT)]
+    kept._held[0].mark(FAIL_AT - 1, {}, {})
+    if rank == 1:
+        calls = []
+
+        def fail(*_args):
+            calls.append(1)
+            if len(calls) == 2:  # the second micro-batch
+                raise RuntimeError("injected: this rank's forward fails")
+        hook = model.layers[1].register_forward_pre_hook(fail)
+    failed = False
+    try:
+        step_(model, optimizer, FAIL_AT)
+    except Exception:  # rank 1's own error; rank 0's collective with it, aborted or timed out
+        failed = True
+    ids = (id(model), id(optimizer))
+    del model, optimizer
+    leave()
+
+    # the next world, in the kept objects
+    mesh = world("round/2")
+    held = kept.take("shape", restoring=True)
+    reused = held is not None
+    kept.reuse(held)
+    if rank == 1:
+        hook.remove()
+    model, optimizer = held.model, held.optimizer
+    after = [step_(model, optimizer, s) for s in range(FAIL_AT, STEPS + 1)]
+    Path(out, f"r{rank}.json").write_text(json.dumps({
+        "reference": reference, "before": before, "after": after, "failed": failed,
+        "reused": reused, "same_objects": ids == (id(model), id(optimizer))}))
+    leave()
