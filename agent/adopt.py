@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from lazarus.core import rankfiles
 from lazarus.core.contract import exit_note_path
 from lazarus.core.errors import UserError
 
@@ -118,7 +119,8 @@ def forget(path: Path) -> None:
 def read_note(notes_dir: Path, pid: int, started: float) -> int | None:
     """The exit code process (`pid`, `started`) left, if it left one."""
     try:
-        note = json.loads(exit_note_path(notes_dir, pid).read_text(encoding="utf-8"))
+        # a bounded read of a file of ours: never a symlink's target, a FIFO's wait
+        note = json.loads(rankfiles.read(exit_note_path(notes_dir, pid), limit=1 << 16))
         if int(note["pid"]) == pid and _same(float(note["started"]), started):
             return int(note["code"])
     except (OSError, ValueError, TypeError, KeyError):

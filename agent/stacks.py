@@ -31,6 +31,7 @@ import signal
 import time
 from pathlib import Path
 
+from lazarus.core import rankfiles
 from lazarus.core.contract import dump_path, flight_pipe_path, flight_record_path
 
 _FR_PREFIX = "nccl_trace_rank_"
@@ -51,7 +52,8 @@ def handles_sigusr1(pid: int) -> bool:
 def dumpable(pids: list[int], dump_dir: str | Path) -> list[int]:
     """The pids among `pids` that answer SIGUSR1 with a dump: `capture` asks only those, and
     one of them that stays silent is not running (lazarus.agent.frozen)."""
-    return [pid for pid in pids if dump_path(dump_dir, pid).exists() and handles_sigusr1(pid)]
+    return [pid for pid in pids if rankfiles.is_file(dump_path(dump_dir, pid))
+            and handles_sigusr1(pid)]
 
 
 def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> dict[int, str]:
@@ -63,11 +65,11 @@ def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> di
     """
     offsets = {}
     for pid in dumpable(pids, dump_dir):
-        offsets[pid] = dump_path(dump_dir, pid).stat().st_size
         try:
+            offsets[pid] = rankfiles.size(dump_path(dump_dir, pid))
             os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            del offsets[pid]
+        except OSError:  # gone, or its dump file is no longer one
+            offsets.pop(pid, None)
     # The handler writes the whole dump in one go; a size that stopped growing is complete.
     sizes: dict[int, int] = {}
     done: dict[int, str] = {}
@@ -77,11 +79,13 @@ def capture(pids: list[int], dump_dir: str | Path, timeout_s: float = 5.0) -> di
         for pid, start in offsets.items():
             if pid in done:
                 continue
-            size = dump_path(dump_dir, pid).stat().st_size
-            if size > start and sizes.get(pid) == size:
-                with open(dump_path(dump_dir, pid), encoding="utf-8", errors="replace") as f:
-                    f.seek(start)
-                    done[pid] = f.read()
+            try:
+                size = rankfiles.size(dump_path(dump_dir, pid))
+                if size > start and sizes.get(pid) == size:
+                    done[pid] = rankfiles.read(dump_path(dump_dir, pid), offset=start,
+                                               limit=size - start).decode("utf-8", "replace")
+            except OSError:
+                continue
             sizes[pid] = size
     return done
 
@@ -117,14 +121,10 @@ def request_flight_recorder_dumps(dump_dir: str | Path, ranks: list[int]) -> lis
     for rank in ranks:
         pipe = Path(dump_dir) / "nccl-pipes" / f"rank_{rank}.pipe"
         try:
-            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # no such pipe, or ENXIO: nobody reads it
+            rankfiles.poke_pipe(pipe)
+        except OSError:  # no such pipe, ENXIO: nobody reads it, or not a pipe of ours
             continue
-        try:
-            os.write(fd, b"1")
-            asked.append(rank)
-        finally:
-            os.close(fd)
+        asked.append(rank)
     return asked
 
 
@@ -146,17 +146,11 @@ def ask_flight_records(pids: list[int], dump_dir: str | Path) -> list[int]:
     for pid in pids:
         try:
             flight_record_path(dump_dir, pid).unlink(missing_ok=True)
-            # O_NONBLOCK: ENXIO rather than a wait when nobody reads (no such worker thread)
-            fd = os.open(flight_pipe_path(dump_dir, pid), os.O_WRONLY | os.O_NONBLOCK)
+            # ENXIO rather than a wait when nobody reads (no such worker thread)
+            rankfiles.poke_pipe(flight_pipe_path(dump_dir, pid))
         except OSError:
             continue
-        try:
-            os.write(fd, b"1")
-            asked.append(pid)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        asked.append(pid)
     return asked
 
 
@@ -169,11 +163,10 @@ def flight_records(asked: list[int], dump_dir: str | Path, timeout_s: float) -> 
     while True:
         for pid in asked:
             path = flight_record_path(dump_dir, pid)
-            if pid in out or not path.exists():
+            if pid in out or not rankfiles.is_file(path):
                 continue
             try:
-                with open(path, "rb") as f:
-                    out[pid] = f.read(_MAX_RECORD_BYTES + 1)
+                out[pid] = rankfiles.read(path, limit=_MAX_RECORD_BYTES + 1)
             except OSError:
                 continue
         if len(out) == len(asked) or time.monotonic() >= deadline:

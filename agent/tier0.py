@@ -88,8 +88,22 @@ class Tier0Store:
             return None
         dest = self.root / "local" / _name(job, rank, step)
         os.replace(path, dest)
-        os.chmod(dest, 0o600)   # a rank writes it under its umask (0644 seen)
-        return self._add(Copy(job, rank, step, dest, dest.stat().st_size, True))
+        # On the file taken, not a path a rank could swap meanwhile: a rank writes it under
+        # its umask (0644 seen).
+        try:
+            fd = os.open(dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            log.warning("ignoring tier-0 snapshot %s: gone or not a file once taken", path)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                dest.unlink(missing_ok=True)
+                return None
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        return self._add(Copy(job, rank, step, dest, st.st_size, True))
 
     def add_replica(self, job: str, rank: int, step: int, data: bytes) -> Copy:
         dest = self.root / "replica" / _name(job, rank, step)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
 from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
-from lazarus.core import exitcodes, jobcommand
+from lazarus.core import exitcodes, jobcommand, rankfiles
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,7 @@ def rank_log(log_dir: Path, round_: int, rank: int) -> Path:
 def tail(path: Path, nbytes: int) -> str:
     """The last whole lines within `nbytes` of `path` ("" when it cannot be read)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - nbytes))
-            data = f.read(nbytes)
+        data, size = rankfiles.read_tail(path, nbytes)
     except OSError:
         return ""
     if size > nbytes:
@@ -313,12 +309,10 @@ class Workers:
         for rank in g.ranks.values():
             path = rank_log(self.log_dir, g.round, rank)
             try:
-                if path.stat().st_size <= self.log_bytes:
+                if rankfiles.size(path) <= self.log_bytes:
                     continue
-                with open(path, "rb") as src, open(path.with_name(path.name + ".1"), "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-                os.truncate(path, 0)
+                # the rank opens its log: never a symlink's target truncated, nor written
+                rankfiles.rotate(path, path.with_name(path.name + ".1"))
             except OSError:
                 continue  # not there yet, or the disk is full: the next pass tries again
 
