@@ -10,7 +10,8 @@ iteration state, which a failure in the middle of a forward or backward leaves h
 is reset (`FSDPModule.reset_iter_state`), its groups re-resolved from the meshes (which
 `lazarus.trainer.meshes.adopt` has already made the new world's), and the gradients
 dropped. The round's restore then costs nothing when the step it restores is the one the
-objects hold; otherwise it loads into them as into new ones. Any other shape drops them,
+objects hold, and is a copy in host memory when it is the last snapshot the rank took;
+otherwise it loads into them as into new ones. Any other shape drops them,
 and the rank builds anew, as a fresh process would.
 """
 
@@ -28,13 +29,16 @@ import torch
 class Held:
     """`shape`: what the objects fit (`shape_of`). `step`: the last step whose update or skip
     this rank finished (0: none yet); `extra` and `rng`: what a restore of that step sets
-    besides the tensors (the trainer's `resumable()`, the RNG state)."""
+    besides the tensors (the trainer's `resumable()`, the RNG state). `captured`: the last
+    tier-0 snapshot this rank took, as still in its host buffers (trainer.snapshot
+    .Snapshotter.last): a round restoring that step loads it from there, not from its file."""
     shape: str
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: int = 0
     extra: dict = field(default_factory=dict)
     rng: dict | None = None
+    captured: tuple | None = None
 
     def mark(self, step: int, extra: dict, rng: dict) -> None:
         self.step, self.extra, self.rng = step, extra, rng

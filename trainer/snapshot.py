@@ -211,6 +211,14 @@ def restore(data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimize
                             f"is rank {rank} of {world_size}")
     tensors = tensors_of(raw, what)
     values = header.get("values") if isinstance(header.get("values"), dict) else {}
+    return restore_captured(header, tensors, values, model, optimizer, what=what)
+
+
+def restore_captured(header: dict, tensors: dict[str, torch.Tensor], values: dict,
+                     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                     what: str = "snapshot") -> dict:
+    """`restore` from a capture this process still holds (Snapshotter.last: a survivor's
+    own, lazarus.trainer.kept), not from its file: no read, no decode."""
     saved = optimstate.from_snapshot(tensors, values)
     _check_state_shapes(model, saved, what)
     # Read over below: allocated rather than made by a step (trainer/optimstate.py).
@@ -396,14 +404,19 @@ class Snapshotter:
 
     def __init__(self, directory: Path, *, every: int, header: dict,
                  on_written: Callable[[int, str], None], first_step: int,
-                 kept: Callable[[], list[tuple[int, bool, float]]] = list):
+                 kept: Callable[[], list[tuple[int, bool, float]]] = list,
+                 buffers: dict[str, torch.Tensor] | None = None):
         self.directory = Path(directory)
         self.every = every
         self.header = header
         self.on_written = on_written
         self.kept = kept
         self._pending: dict[int, tuple[float, float]] = {}  # step -> (started, blocked)
-        self._buffers: dict[str, torch.Tensor] = {}  # the last capture's, reused by the next
+        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})  # the last capture's,
+        # reused by the next
+        # (step, tensors, values, header) of the last capture, whose buffers hold it until
+        # the next: a survivor restores from it in its next round (restore_captured)
+        self.last: tuple[int, dict, dict, dict] | None = None
         self._copier = ShardCopier()
         self._done: list[CheckpointStall] = []
         self._period = every or 1
@@ -430,6 +443,7 @@ class Snapshotter:
         tensors, values = self._copier.capture(model, optimizer, into=self._buffers)
         self._buffers = tensors
         header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
+        self.last = (step, tensors, values, header)
         stall = time.perf_counter() - t0
         self._inflight = self._executor.submit(self._write, step, tensors, values, header)
         self.last_stall_s = stall

@@ -197,11 +197,20 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     start.mark("build")
     source = ("memory" if snapshot is not None else "storage" if restore is not None
               else "scratch")
+    captured, held.captured = held.captured, None
+    if captured is not None and (captured[0] != restore_step or source == "scratch"):
+        captured = None
     if restore_step >= 1 and held.step == restore_step and source != "scratch":
         # The objects kept from the last round hold that very step: nothing to load.
         extra = dict(held.extra)
         ckpt._set_rng_state(held.rng)
         restore, source = f"its own state at step {held.step}, kept in place", "kept"
+    elif captured is not None:
+        # Ahead of it, but its last snapshot is that step, still in its host buffers.
+        _, tensors, values, header = captured
+        extra = tier0.restore_captured(header, tensors, values, model, optimizer,
+                                       what=f"its own snapshot of step {restore_step}")["extra"]
+        restore, source = f"its own snapshot of step {restore_step}, in memory", "memory"
     elif snapshot is not None:
         extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
                               world_size=dist.get_world_size(), what=snapshot)["extra"]
@@ -263,7 +272,8 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
         Path(snapshot_dir), every=ck.memory_every, first_step=step,
         header={"job": job_id, "round": round_, "rank": rank,
                 "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
-        on_written=session.snapshot_written, kept=session.snapshots_kept)
+        on_written=session.snapshot_written, kept=session.snapshots_kept,
+        buffers=captured[1] if captured is not None else None)
         if snapshot_dir is not None and ck.memory_every >= 0 and session.connected else None)
     metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
     dp_group = mesh["dp"].get_group()
@@ -349,6 +359,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
                 snapshots.observe_step(result.step_time_s)
                 if snapshots.due(step):
                     snapshots.take(step, model, optimizer, resumable())
+                    held.captured = snapshots.last
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 enter("checkpoint")
                 checkpointer.save(step, model, optimizer, resumable(),

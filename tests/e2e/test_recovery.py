@@ -39,13 +39,14 @@ def run_up(tmp_path, *argv):
 
 def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_path_factory):
     steps = 36
-    # A snapshot in memory every step: newer than any checkpoint on storage (every 4); the
+    # A snapshot in memory every 2 steps: as new as any checkpoint on storage (every 4), and
+    # the crash at an odd step leaves the survivor a step past the newest (below); the
     # copies peers swap are encrypted on the wire (agent --replica-encrypt). The model, mesh
     # and lease TTL are up's defaults, typed as a user would.
     summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "1", "--steps", str(steps),
                           "--model", "tiny", "--dp", "2", "--lease-ttl", "3",
-                          "--memory-every", "1", "--replica-encrypt",
-                          "--chaos", "kill-worker@8:n1,kill-node@18:n1")
+                          "--memory-every", "2", "--replica-encrypt",
+                          "--chaos", "kill-worker@9:n1,kill-node@18:n1")
     assert summary["final_state"] == "SUCCEEDED", summary
     assert summary["steps_completed"] == steps
     crash, lost = summary["recoveries"]
@@ -77,6 +78,11 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
               if '"kind": "start"' in line]
     assert [(s["round"], s["in_place"], s["kept"]) for s in starts] == [
         (1, False, False), (2, True, True), (3, True, True)], starts
+    # After the crash the survivor had done step 9, the round restored 8: the survivor's
+    # last snapshot, which it loaded from its own host buffers, not from a file.
+    assert (starts[1]["from"], starts[1]["step"]) == ("memory", 8), starts[1]
+    assert "resumed from its own snapshot of step 8, in memory" in "".join(
+        p.read_text() for p in (tmp_path / "up" / "nodes" / "logs" / "n0" / "round-2").glob("*"))
     assert len({s["pid"] for s in starts}) == 1, starts
     ref = reference_36(tmp_path_factory)
     assert sorted(got) == list(range(1, steps + 1))

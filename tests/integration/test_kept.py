@@ -20,28 +20,33 @@ STEPS = 4
 FAIL_AT = 3  # the step whose forward fails; steps before it are done in the kept objects
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_survivors_train_on_in_their_kept_objects_with_the_uninterrupted_losses(tmp_path, tp):
+@pytest.mark.parametrize("tp,ahead", [(1, False), (2, False), (1, True)],
+                         ids=["dp2", "tp2", "dp2-a-step-ahead"])
+def test_survivors_train_on_in_their_kept_objects_with_the_uninterrupted_losses(tmp_path, tp,
+                                                                               ahead):
+    """`ahead`: the survivors finished a step past the one the round restores, which their
+    last tier-0 snapshot holds: they load it from its host buffers into the kept objects."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "out"
     out.mkdir()
-    run_ranks(f"{__name__}:_rounds", 2, tmp_path / "ranks", store.port, str(out), tp,
-              env={"OMP_NUM_THREADS": "1"})
+    run_ranks(f"{__name__}:_rounds", 2, tmp_path / "ranks", store.port, str(out), tp, ahead,
+              str(tmp_path / "snapshots"), env={"OMP_NUM_THREADS": "1"})
     for rank in (0, 1):
         got = json.loads((out / f"r{rank}.json").read_text())
         assert got["failed"], got  # the fault came where it was meant to, mid-forward
         assert got["same_objects"] and got["reused"]
         assert got["before"] + got["after"] == got["reference"], got
-        assert len(got["after"]) == STEPS - FAIL_AT + 1
+        assert len(got["after"]) == STEPS - FAIL_AT + 1 + ahead
 
 
-def _rounds(rank: int, port: int, out: str, tp: int) -> None:
+def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str) -> None:
     from pathlib import Path
 
     import torch
 
     from lazarus.core.trainconfig import ParallelConfig
     from lazarus.trainer import inplace, kept, meshes
+    from lazarus.trainer import snapshot as tier0
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
@@ -89,8 +94,20 @@ def _rounds(rank: int, port: int, out: str, tp: int) -> None:
     model = build_model(get_model_config("tiny"), mesh, par, seed=3)
     optimizer = build_optimizer(model, lr=1e-3)
     kept.hold(kept.Held("shape", model, optimizer))
-    before = [step_(model, optimizer, s) for s in range(1, FAIL_AT)]
+    restored = FAIL_AT - 1 - ahead  # the step the next round restores
+    Path(snapshots).mkdir(exist_ok=True)
+    snapper = tier0.Snapshotter(Path(snapshots), every=1, first_step=0,
+                                header={"job": "J", "round": 1, "rank": rank, "world_size": 2},
+                                on_written=lambda *_: None)
+    before = []
+    for s in range(1, FAIL_AT):
+        before.append(step_(model, optimizer, s))
+        if s == restored:
+            snapper.take(s, model, optimizer, {"step": s})
+    snapper.close()
     kept._held[0].mark(FAIL_AT - 1, {}, {})
+    kept._held[0].captured = snapper.last
+    before = before[:restored]
     if rank == 1:
         calls = []
 
@@ -116,7 +133,12 @@ def _rounds(rank: int, port: int, out: str, tp: int) -> None:
     if rank == 1:
         hook.remove()
     model, optimizer = held.model, held.optimizer
-    after = [step_(model, optimizer, s) for s in range(FAIL_AT, STEPS + 1)]
+    if ahead:  # as lazarus.trainer.train does when the captured step is the restored one
+        step, tensors, values, header = held.captured
+        assert step == restored
+        assert tier0.restore_captured(header, tensors, values, model, optimizer)["extra"] == {
+            "step": restored}
+    after = [step_(model, optimizer, s) for s in range(restored + 1, STEPS + 1)]
     Path(out, f"r{rank}.json").write_text(json.dumps({
         "reference": reference, "before": before, "after": after, "failed": failed,
         "reused": reused, "same_objects": ids == (id(model), id(optimizer))}))
