@@ -222,3 +222,77 @@ def test_a_collective_waiting_on_a_peer_that_never_comes_is_released(tmp_path, n
     # ncclCommInitRank is not released by it (measured: still there 15 s later).
     assert released["ok"] == "True", out
     assert _fields(out, "NEXT")["allreduce"] == "1", out
+
+
+def test_a_survivor_goes_on_in_its_kept_objects_after_a_failed_forward(tmp_path):
+    """The survivor's own model and optimizer (lazarus.trainer.kept) on CUDA: a forward fails
+    half done, the NCCL groups are aborted, and the next round's group trains on in the same
+    objects once `kept.reuse` has reset FSDP2's iteration (its CUDA events and streams) and
+    re-resolved its groups."""
+    out = _run("""
+    from lazarus.core.trainconfig import ParallelConfig
+    from lazarus.trainer import kept, meshes
+    from lazarus.trainer.models import get_model_config
+    from lazarus.trainer.optim import build_optimizer
+    from lazarus.trainer.parallelize import build_mesh, build_model
+    from lazarus.trainer.checkpoint import _rng_state
+    from lazarus.trainer.snapshot import capture, encode, restore
+
+    batch = torch.randint(0, 256, (4, 257), device=DEV)
+
+    def step(model, opt):
+        loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return loss.item()
+
+    join_round()
+    mesh = build_mesh(DEV, dp=1, tp=1)
+    model = build_model(get_model_config("small"), mesh, ParallelConfig(), seed=0,
+                        fused_kernels=CUDA)
+    opt = build_optimizer(model, lr=1e-3)
+    step(model, opt)
+    step(model, opt)
+    tensors, values = capture(model, opt)
+    at2 = encode(tensors, values, header={"job": "gpu", "round": 1, "rank": 0,
+                                          "world_size": 1, "step": 2, "extra": {},
+                                          "rng": _rng_state()})
+    reference = [step(model, opt) for _ in range(3)]
+    restore(at2, model, opt, rank=0, world_size=1)   # back to step 2, in the same objects
+    held = kept.Held("gpu", model, opt)
+    held.mark(2, {}, _rng_state())
+    kept.hold(held)
+
+    def fail(*_args):
+        raise RuntimeError("injected: a forward fails half done")
+    hook = model.layers[1].register_forward_pre_hook(fail)
+    try:
+        step(model, opt)
+        failed = False
+    except RuntimeError:
+        failed = True
+    hook.remove()
+    ok = release_groups()
+    meshes.collect("round")
+    ids = (id(model), id(opt))
+    del model, opt, mesh
+
+    join_round()
+    mesh = build_mesh(DEV, dp=1, tp=1)
+    meshes.adopt(mesh)
+    held = kept.take("gpu", restoring=True)
+    kept.reuse(held)
+    model, opt = held.model, held.optimizer
+    again = [step(model, opt) for _ in range(3)]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(again, reference))
+    print(f"KEPT failed={failed} released={ok} same={ids == (id(model), id(opt))} "
+          f"identical={again == reference} worst_rel={worst:.2e} "
+          f"losses={','.join(f'{v:.6f}' for v in again)} "
+          f"reference={','.join(f'{v:.6f}' for v in reference)}")
+    dist.destroy_process_group()
+    """, tmp_path)
+    got = _fields(out, "KEPT")
+    assert got["failed"] == got["released"] == got["same"] == "True", out
+    assert float(got["worst_rel"]) < 1e-3, out
