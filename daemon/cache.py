@@ -44,9 +44,9 @@ class Informer:
     `root`; keys under the root outside the prefixes are not kept (torchrun's store).
 
     `on_change(keys)` is called with the changed keys after the map took them in: on the etcd
-    client's thread, so it must only note them and wake someone up. `start()` lists (EtcdUnavailable when etcd does
-    not answer; call it again); after that the informer never raises: a broken watch resumes,
-    a compacted one lists again (lazarus.core.etcd.Watch)."""
+    client's thread, so it must only note them and wake someone up. `start()` lists
+    (EtcdUnavailable when etcd does not answer; call it again); after that the informer never
+    raises: a broken watch resumes, a compacted one lists again (lazarus.core.etcd.Watch)."""
 
     def __init__(self, etcd: E.Etcd, root: str, prefixes: Sequence[str], *,
                  on_change: Callable[[Collection[str]], None] | None = None):

@@ -59,10 +59,10 @@ class Daemon:
     blocks its standbys (the failover time). `min_pass_s`: passes woken by changes are at
     least this far apart (the tick, the daemon's own writes and the reports a decision
     awaits are not held back), so a decision may come up to that much later than the change
-    it answers. `on_pass(is_leader)`
-    runs after every pass of the loop (telemetry); etcd being unreachable there is retried
-    like in the pass itself. `history`: where the leader keeps what it prunes from etcd past
-    `retention` (lazarus.daemon.retention); None: nothing is pruned.
+    it answers. `on_pass(is_leader)` runs after every pass of the loop (telemetry); etcd
+    being unreachable there is retried like in the pass itself. `history`: where the leader
+    keeps what it prunes from etcd past `retention` (lazarus.daemon.retention); None:
+    nothing is pruned.
 
     Every daemon, leader or standby, keeps `views`: its informer's copy of etcd (listed once,
     then kept current by a watch; lazarus.daemon.cache) parsed into views, which its passes

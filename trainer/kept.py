@@ -87,24 +87,21 @@ def reuse(held: Held) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     model = held.model
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                _regroup(group)
-                for param in group.fsdp_params:
-                    # A step's micro-batches before the last accumulate their gradients on
-                    # the unsharded parameters, unreduced (gradient sync off); the reset
-                    # below keeps them, and the next step would add them to its own.
-                    param.unsharded_accumulated_grad = None
-                    if hasattr(param, "_unsharded_param"):
-                        param._unsharded_param.grad = None
+    groups = [group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in module._get_fsdp_state()._fsdp_param_groups]
+    for group in groups:
+        _regroup(group)
+        # The last round's collectives were aborted with their groups: waiting on one (as
+        # the reset below would) raises. Their results are discarded by the reset anyway.
+        group._all_gather_result = None
+        for param in group.fsdp_params:
+            # A step's micro-batches before the last accumulate their gradients on the
+            # unsharded parameters, unreduced (gradient sync off); the reset keeps them, and
+            # the next step would add them to its own.
+            param.unsharded_accumulated_grad = None
+            if hasattr(param, "_unsharded_param"):
+                param._unsharded_param.grad = None
     if isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root is not False:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
-                    # The last round's collectives were aborted with their groups: waiting
-                    # on one raises. Their results are discarded by the reset anyway.
-                    group._all_gather_result = None
         model.reset_iter_state()
     held.optimizer.zero_grad(set_to_none=True)
 

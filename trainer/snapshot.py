@@ -412,8 +412,8 @@ class Snapshotter:
         self.on_written = on_written
         self.kept = kept
         self._pending: dict[int, tuple[float, float]] = {}  # step -> (started, blocked)
-        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})  # the last capture's,
-        # reused by the next
+        # the last capture's, reused by the next (`buffers`: an earlier Snapshotter's)
+        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         # (step, tensors, values, header) of the last capture, whose buffers hold it until
         # the next: a survivor restores from it in its next round (restore_captured)
         self.last: tuple[int, dict, dict, dict] | None = None

@@ -344,25 +344,26 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
 
             judged[0] = step
 
-            def resumable() -> dict:  # what a restore needs besides the tensors
-                return {"step": step, "loader": loader.state_dict(),
-                        "schedule": _fields(schedule), "global_batch": data.global_batch,
-                        "guard": guard.state_dict(),
-                        **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
-                                         "last": lr_scaled[1]}} if lr_scaled else {})}
+            # What a restore needs besides the tensors, once per step: every saver takes
+            # this one (none changes it).
+            resumable = {"step": step, "loader": loader.state_dict(),
+                         "schedule": _fields(schedule), "global_batch": data.global_batch,
+                         "guard": guard.state_dict(),
+                         **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
+                                          "last": lr_scaled[1]}} if lr_scaled else {})}
 
             # This rank's part of the step is done: a survivor of a later failure may go on
             # from here in its own objects (lazarus.trainer.kept).
-            held.mark(step, resumable(), ckpt._rng_state())
+            held.mark(step, resumable, ckpt._rng_state())
 
             if snapshots is not None:
                 snapshots.observe_step(result.step_time_s)
                 if snapshots.due(step):
-                    snapshots.take(step, model, optimizer, resumable())
+                    snapshots.take(step, model, optimizer, resumable)
                     held.captured = snapshots.last
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 enter("checkpoint")
-                checkpointer.save(step, model, optimizer, resumable(),
+                checkpointer.save(step, model, optimizer, resumable,
                                   async_save=ck.async_save, commit_gate=session.may_commit,
                                   on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
                                   # a full or read-only disk costs this checkpoint, not the run
