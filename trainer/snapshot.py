@@ -440,6 +440,9 @@ class Snapshotter:
         wait for the previous one to be written, plus the copy into host memory."""
         t0 = time.perf_counter()
         self.wait()  # the previous snapshot is encoded: its buffers are free again
+        # The copy overwrites the buffers `last` names: from here until the new `last`, they
+        # hold no step (a copy that fails halfway leaves none).
+        self.last = None
         tensors, values = self._copier.capture(model, optimizer, into=self._buffers)
         self._buffers = tensors
         header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}

@@ -118,6 +118,19 @@ def finish_step(model: Transformer, optimizer: torch.optim.Optimizer, grad_norm:
     optimizer.zero_grad(set_to_none=True)
 
 
+def take_snapshot(snapshots: tier0.Snapshotter, held: kept.Held, step: int, model: Transformer,
+                  optimizer: torch.optim.Optimizer, resumable: dict) -> None:
+    """The step's tier-0 snapshot, if due. The kept objects' capture follows the snapshotter's
+    even when the take fails (a peer gone in its collective): the buffers are overwritten by
+    then, and a capture still named for the older step would restore the newer tensors."""
+    if not snapshots.due(step):
+        return
+    try:
+        snapshots.take(step, model, optimizer, resumable)
+    finally:
+        held.captured = snapshots.last
+
+
 def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
     """Rank 0's (loss, grad norm) on every rank. The values are global already; taking one
     rank's copy makes every rank's guard see the same numbers, so all hold the same history
@@ -358,9 +371,7 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
 
             if snapshots is not None:
                 snapshots.observe_step(result.step_time_s)
-                if snapshots.due(step):
-                    snapshots.take(step, model, optimizer, resumable)
-                    held.captured = snapshots.last
+                take_snapshot(snapshots, held, step, model, optimizer, resumable)
             if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
                 enter("checkpoint")
                 checkpointer.save(step, model, optimizer, resumable,

@@ -144,3 +144,72 @@ def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str
         "reference": reference, "before": before, "after": after, "failed": failed,
         "reused": reused, "same_objects": ids == (id(model), id(optimizer))}))
     leave()
+
+
+def test_a_snapshot_that_fails_in_its_collective_leaves_the_capture_its_buffers_hold(tmp_path):
+    """A peer gone while a survivor takes a snapshot (its period agreed by all-reduce): the
+    copy has overwritten the buffers of the survivor's previous capture by then. The capture it
+    keeps for the next round must name what the buffers hold, the newer step -- not the older
+    one, which a round restoring that step would load from them (found by the e2e GPU-fault
+    test: losses off from the restored step on)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(f"{__name__}:_failed_take", 2, tmp_path / "ranks", store.port, str(out),
+              str(tmp_path / "snapshots"), env={"OMP_NUM_THREADS": "1"})
+    got = json.loads((out / "r0.json").read_text())
+    assert got["raised"], got
+    assert got["captured_step"] == 2 and got["buffers_hold_it"], got
+
+
+def _failed_take(rank: int, port: int, out: str, snapshots: str) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from lazarus.core.trainconfig import ParallelConfig
+    from lazarus.trainer import inplace, kept, meshes
+    from lazarus.trainer import snapshot as tier0
+    from lazarus.trainer.models import get_model_config
+    from lazarus.trainer.optim import build_optimizer
+    from lazarus.trainer.parallelize import build_mesh, build_model
+    from lazarus.trainer.train import take_snapshot, train_step
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3))
+    mesh = build_mesh("cpu", dp=2, tp=1)
+    meshes.adopt(mesh)
+    model = build_model(get_model_config("tiny"), mesh, ParallelConfig(dp=2, tp=1), seed=3)
+    optimizer = build_optimizer(model, lr=1e-3)
+    held = kept.Held("shape", model, optimizer)
+    Path(snapshots).mkdir(exist_ok=True)
+    snapper = tier0.Snapshotter(Path(snapshots), every=0, first_step=0,  # 0: period agreed
+                                header={"job": "J", "round": 1, "rank": rank, "world_size": 2},
+                                on_written=lambda *_: None)
+
+    def step_(step: int) -> None:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tokens = torch.randint(0, 256, (2, 32), generator=g)
+        train_step(model, optimizer, [(tokens, tokens)], device=torch.device("cpu"),
+                   grad_clip=1.0, loss_group=mesh["dp"].get_group())
+        held.mark(step, {"step": step}, {})
+
+    step_(1)
+    take_snapshot(snapper, held, 1, model, optimizer, {"step": 1})
+    assert held.captured[0] == 1
+    step_(2)
+    snapper.next_step = 2  # due again at once, whatever period the ranks agreed
+    raised = False
+    if rank == 0:  # rank 1 is gone before the snapshot's all-reduce: rank 0's times out
+        try:
+            take_snapshot(snapper, held, 2, model, optimizer, {"step": 2})
+        except Exception:  # noqa: BLE001 -- the collective's error, whatever its type
+            raised = True
+        now, _ = tier0.capture(model, optimizer)
+        step, tensors, _values, _header = held.captured
+        Path(out, "r0.json").write_text(json.dumps({
+            "raised": raised, "captured_step": step,
+            "buffers_hold_it": all(torch.equal(tensors[k], now[k]) for k in now)}))
+    snapper.close()
+    assert inplace.release_groups()

@@ -62,9 +62,10 @@ def test_a_forked_worker_trains_like_a_cold_one_and_outlives_the_agent(tmp_path)
         zygote = w.zygote.proc.pid
         for worker in (first, second):
             assert isinstance(worker, Z.ForkedWorker)
-            proc = psutil.Process(worker.pid)
-            # a fork of the zygote, in a session of its own as a cold worker is
-            assert proc.ppid() == zygote and os.getsid(worker.pid) == worker.pid
+            assert psutil.Process(worker.pid).ppid() == zygote  # a fork of the zygote
+            # in a session of its own, as a cold worker is (the fork says so itself, a moment
+            # after the zygote has reported it)
+            _until(lambda: os.getsid(worker.pid) == worker.pid, "the fork's own session")
         metrics = tmp_path / "m.jsonl"
         train = TrainConfig(steps=2, data=DataConfig(seq_len=32, global_batch=2),
                             metrics=str(metrics)).to_dict()
