@@ -156,6 +156,10 @@ class AdoptedRank:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+            except PermissionError:
+                # A rank of another user (--run-as) and an agent without CAP_KILL: the agent
+                # checked its capabilities at start, so this is a pid reused by a stranger.
+                log.warning("not allowed to signal pid %d: no longer this agent's rank", self.pid)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Collection
 
 import psutil
 
+from lazarus.core.jobuser import JobUser
+
 log = logging.getLogger(__name__)
 
 # Refused processes already logged; forgotten past this many (each one is logged once anyway).
@@ -58,9 +60,10 @@ def descends_from(pid: int, roots: Collection[int]) -> bool:
 
 class Channel:
     def __init__(self, path: str, *, on_message: Callable[[dict], dict | None],
-                 admit: Callable[[int], bool]):
+                 admit: Callable[[int], bool], job_user: JobUser | None = None):
         """`on_message` gets each message; a dict it returns is sent back as the reply.
-        `admit(pid)`: whether the process `pid` (of this user) may use the channel."""
+        `admit(pid)`: whether the process `pid` (of this user, or of `job_user`: the one
+        the ranks run as) may use the channel."""
         self.path = path
         self._on_message = on_message
         self._admit = admit
@@ -69,7 +72,13 @@ class Channel:
             os.unlink(path)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(path)
-        os.chmod(path, 0o600)
+        self._uids = {os.geteuid()}
+        if job_user is None:
+            os.chmod(path, 0o600)
+        else:  # connecting takes write permission on the socket: the ranks' group has it
+            self._uids.add(job_user.uid)
+            os.chown(path, -1, job_user.gid)
+            os.chmod(path, 0o660)
         self._server.listen(64)
         self._conns: dict[socket.socket, threading.Lock] = {}
         self._pids: dict[socket.socket, int] = {}  # who is at the other end, by the kernel
@@ -80,15 +89,16 @@ class Channel:
     def _admitted(self, conn: socket.socket) -> int | None:
         """The pid of `conn`'s peer when it may use the channel, else None."""
         pid, uid = peer_credentials(conn)
-        if uid == os.geteuid() and self._admit(pid):
+        if uid in self._uids and self._admit(pid):
             return pid
         if pid not in self._refused:
             if len(self._refused) >= MAX_REFUSED_REMEMBERED:
                 self._refused.clear()
             self._refused.add(pid)
             log.warning("refused a connection to %s from pid %d (uid %d): %s", self.path, pid,
-                        uid, "not one of this agent's workers" if uid == os.geteuid() else
-                        f"another user (this agent runs as uid {os.geteuid()})")
+                        uid, "not one of this agent's workers" if uid in self._uids else
+                        f"another user (this agent and its ranks run as uid(s) "
+                        f"{', '.join(map(str, sorted(self._uids)))})")
         return None
 
     def _accept_loop(self) -> None:

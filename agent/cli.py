@@ -19,7 +19,7 @@ from lazarus.agent.stacks import FLIGHT_ENTRIES
 from lazarus.agent.tier0_agent import add_tier0_args, tier0_options
 from lazarus.agent.workers import RANK_LOG_BYTES
 from lazarus.core import etcd as E
-from lazarus.core import logs, settings
+from lazarus.core import jobuser, logs, settings
 from lazarus.core.errors import UserError
 from lazarus.core.records import ROLE_ACTIVE, Keys
 
@@ -82,6 +82,11 @@ def main(argv: list[str]) -> int:
                    help="a directory jobs may have this node's ranks write in (their "
                         "checkpoint dir, their metrics); repeat for more. A job with a path "
                         "outside them fails at its start with the reason (default: the workdir)")
+    p.add_argument("--run-as", default=None, metavar="USER",
+                   help="run the ranks (the job's code) as this user, not the agent's: they "
+                        "then cannot read the agent's credentials or touch its files "
+                        "(docs/security.md). Needs a root agent; the default "
+                        "--allowed-root becomes WORKDIR/job, that user's")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -102,6 +107,10 @@ def main(argv: list[str]) -> int:
     if not 0 < args.long_phase_floor <= LONG_CAP_S:
         raise UserError(f"--long-phase-floor must be above 0 and at most {LONG_CAP_S:.0f} s, "
                         f"got {args.long_phase_floor}")
+    run_as = None
+    if args.run_as is not None:
+        jobuser.check_agent_may_switch()
+        run_as = jobuser.JobUser.resolve(args.run_as)
     host_limits = _host_limits(args)
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     stop = threading.Event()
@@ -118,10 +127,12 @@ def main(argv: list[str]) -> int:
                   host_limits=host_limits, monitors=args.monitors == "on",
                   status_period_s=args.status_period,
                   preflight_every_s=args.preflight_every if args.preflight == "on" else None,
-                  tier0=tier0_options(args, Path(args.workdir)),
+                  tier0=tier0_options(args, Path(args.workdir),
+                                      run_as.uid if run_as else None),
                   # absolute: the ranks resolve them, whatever their working directory
-                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [args.workdir]],
-                  flight_entries=args.flight_entries)
+                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [
+                      jobuser.job_dir(Path(args.workdir)) if run_as else args.workdir]],
+                  flight_entries=args.flight_entries, run_as=run_as)
     try:
         agent.run(stop)
     finally:

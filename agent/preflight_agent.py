@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from lazarus.agent import preflight as pre
 from lazarus.agent.zygote import ZYGOTE_START_S
 from lazarus.core import etcd as E
+from lazarus.core.jobuser import job_dir
 from lazarus.core.records import NodeRecord, RecordError, RoundRecord
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ def checks(agent: Agent) -> list[pre.Check]:
     _, rec = agent._assignment
     ckpt = rec.checkpoint_dir if rec is not None else agent._checkpoint_dir
     peer = _test_peer(agent, rec)
-    config = pre.PreflightConfig(workdir=agent.workdir,
+    # a directory the ranks' user may write: the checkpoint test runs as that user
+    config = pre.PreflightConfig(workdir=job_dir(agent.workdir) if agent.run_as
+                                 else agent.workdir,
                                  checkpoint_dir=Path(ckpt) if ckpt else None,
                                  host=agent.host, expected_gpus=agent.nproc,
                                  pair=(peer.node, peer.host, peer.store_port) if peer

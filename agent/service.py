@@ -38,6 +38,8 @@ from lazarus.agent.channel import Channel
 from lazarus.agent.hang import HangConfig, HangDetector
 from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV,
                                    SCRIPT_PG_TIMEOUT_ENV, without_secrets)
+from lazarus.core import rankfiles
+from lazarus.core.jobuser import JobUser, job_dir
 from lazarus.core.privatedir import private_dir
 from lazarus.core.throughput import ThroughputTracker
 from lazarus.agent.health import NodeHealth
@@ -91,11 +93,13 @@ class Agent:
                  preflight_every_s: float | None = PREFLIGHT_EVERY_S,
                  tier0: Tier0Options | None = None,
                  allowed_roots: list[str] | None = None,
-                 flight_entries: int = FLIGHT_ENTRIES, rank_log_bytes: int = RANK_LOG_BYTES):
+                 flight_entries: int = FLIGHT_ENTRIES, rank_log_bytes: int = RANK_LOG_BYTES,
+                 run_as: JobUser | None = None):
         """`allowed_roots`: where jobs may have this node's ranks write (lazarus.core.jobpaths);
         None: anywhere (`lazarus agent` always passes a list: its --allowed-root, else its
         workdir). `flight_entries`: the collectives torch's flight recorder keeps per process
-        group of a rank; 0 turns it off."""
+        group of a rank; 0 turns it off. `run_as`: the user the ranks run as, when not
+        this process's (lazarus.core.jobuser; the caller checked this process may)."""
         if role not in (ROLE_ACTIVE, ROLE_SPARE):
             raise UserError(f"--role must be {ROLE_ACTIVE} or {ROLE_SPARE}, not {role!r}")
         if not node or "/" in node:
@@ -105,7 +109,16 @@ class Agent:
                          workdir=workdir, monitors=monitors,
                          hangs=HangDetector(hang_config or HangConfig()))
         self.allowed_roots = [str(r) for r in allowed_roots or ()]
-        private_dir(workdir, "--workdir")
+        self.run_as = run_as
+        job_gid = run_as.gid if run_as else None
+        private_dir(workdir, "--workdir", pass_gid=job_gid)
+        if run_as is not None:
+            # What the ranks write, theirs; the agent's directories above, to pass through.
+            rankfiles.trust(run_as.uid)
+            for sub in ("stacks", "logs"):
+                private_dir(workdir / sub, "--workdir", pass_gid=job_gid)
+                run_as.give(workdir / sub / node)
+            run_as.give(job_dir(workdir))
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
         # is resumed first, before the slow start-up below: the node must not lapse meanwhile.
@@ -123,7 +136,8 @@ class Agent:
         sock = str(workdir / f"{node}.sock")
         # The ranks run the job's code: none of this process's secrets (an API token, etcd
         # credentials) go to them.
-        env = {**without_secrets(os.environ), "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
+        env = {**without_secrets(os.environ), **(run_as.env() if run_as else {}),
+               "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node),
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),
                **collective_env(host, dict(os.environ)),
@@ -134,16 +148,22 @@ class Agent:
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node
+        if run_as is not None:  # the flight recorder's directories, made just above
+            for sub in ("nccl", "nccl-pipes"):
+                run_as.give(self.stacks_dir / sub)
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node,
-                               notes_dir=self.stacks_dir, park=park, log_bytes=rank_log_bytes)
+                               notes_dir=self.stacks_dir, park=park, log_bytes=rank_log_bytes,
+                               user=run_as)
         if left is not None:
             rounds.take_over(self, left)
         # Listening before the store's slow import: adopted ranks reconnect at once.
         self.channel = Channel(sock, on_message=self._on_message,
-                               admit=functools.partial(messages.admits, self))
+                               admit=functools.partial(messages.admits, self),
+                               job_user=run_as)
         if tier0 is not None:
             self.tier0 = Tier0(node=node, host=host, options=tier0, lookup=self._node_record,
-                               on_kept=functools.partial(messages.snapshot_kept, self))
+                               on_kept=functools.partial(messages.snapshot_kept, self),
+                               user=run_as)
         import torch.distributed as dist  # the agent hosts a round's store when it is first
 
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -169,6 +189,7 @@ class Agent:
         # or throughput monitoring here, and no progress reports from the workers.
         self.monitors = monitors
         self.allowed_roots: list[str] = []  # no limit (see __init__)
+        self.run_as: JobUser | None = None  # the ranks run as the agent's user
         self.session: E.Session | None = None
         self.wake = threading.Event()
         self._over_since: tuple[int, float] | None = None  # (round, when) its end was seen

@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazarus.core.jobuser import JobUser
 from lazarus.core.privatedir import private_dir
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,15 @@ def _name(job: str, rank: int, step: int) -> str:
 
 class Tier0Store:
     """`root`: created 0700 when missing; UserError when it is a symlink, another user's, or
-    open to others (lazarus.core.privatedir)."""
+    open to others (lazarus.core.privatedir). `user`: the ranks' user when not the agent's:
+    `incoming/` is theirs to write, and the copies kept are readable by their group (a
+    round restores from them), never writable."""
 
-    def __init__(self, root: Path, *, limit_bytes: int, keep: int = 2):
-        self.root = private_dir(Path(root), "tier-0 directory")
+    def __init__(self, root: Path, *, limit_bytes: int, keep: int = 2,
+                 user: JobUser | None = None):
+        self.user = user
+        gid = user.gid if user else None
+        self.root = private_dir(Path(root), "tier-0 directory", pass_gid=gid)
         self.limit_bytes = limit_bytes
         self.keep = keep
         self._lock = threading.Lock()
@@ -71,6 +77,11 @@ class Tier0Store:
             # Leftovers of an earlier agent of this node: of no known job now.
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+            if user is not None:
+                if sub == "incoming":
+                    user.give(self.root / sub)
+                else:
+                    private_dir(self.root / sub, "tier-0 directory", pass_gid=gid)
 
     @property
     def incoming(self) -> Path:
@@ -100,10 +111,19 @@ class Tier0Store:
             if not stat.S_ISREG(st.st_mode):
                 dest.unlink(missing_ok=True)
                 return None
-            os.fchmod(fd, 0o600)
+            self._seal(fd)
         finally:
             os.close(fd)
         return self._add(Copy(job, rank, step, dest, st.st_size, True))
+
+    def _seal(self, fd: int) -> None:
+        """A kept copy: the agent's, read-only to the ranks' group (they restore from it)
+        when they run as a user of their own, else to nobody but the agent."""
+        if self.user is None:
+            os.fchmod(fd, 0o600)
+        else:
+            os.fchown(fd, os.geteuid(), self.user.gid)
+            os.fchmod(fd, 0o640)
 
     def add_replica(self, job: str, rank: int, step: int, data: bytes) -> Copy:
         dest = self.root / "replica" / _name(job, rank, step)
@@ -112,6 +132,8 @@ class Tier0Store:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.flush()
+                self._seal(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from lazarus.agent import replica
 from lazarus.agent.tier0 import Tier0Store
 from lazarus.core import sealed
 from lazarus.core.errors import UserError
+from lazarus.core.jobuser import JobUser
 from lazarus.core.privatedir import private_dir
 from lazarus.core.records import NodeRecord, RoundRecord
 
@@ -47,12 +48,15 @@ class Tier0Options:
     encrypt: bool = False
 
 
-def default_dir(workdir: Path, node: str) -> Path:
+def default_dir(workdir: Path, node: str, job_uid: int | None = None) -> Path:
     """A directory in host memory (/dev/shm when there is one) private to this user, one per
-    (workdir, node): several local clusters on one machine do not share it."""
+    (workdir, node): several local clusters on one machine do not share it. Ranks of a user
+    of their own (`job_uid`) get a parent of their own as well: theirs to pass through,
+    where the agent's other parent is its alone."""
     tag = hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:12]
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(workdir)
-    return base / f"lazarus-{os.geteuid()}" / f"{tag}-{node}"
+    parent = f"lazarus-{os.geteuid()}" + (f"-as-{job_uid}" if job_uid is not None else "")
+    return base / parent / f"{tag}-{node}"
 
 
 def add_tier0_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +76,8 @@ def add_tier0_args(p: argparse.ArgumentParser) -> None:
                         "clear; costs a pass over each copy on both sides")
 
 
-def tier0_options(args: argparse.Namespace, workdir: Path) -> Tier0Options | None:
+def tier0_options(args: argparse.Namespace, workdir: Path,
+                  job_uid: int | None = None) -> Tier0Options | None:
     if args.tier0 == "off":
         return None
     if not args.tier0_memory_mb > 0:
@@ -81,7 +86,7 @@ def tier0_options(args: argparse.Namespace, workdir: Path) -> Tier0Options | Non
     if args.replica_encrypt and key is None:
         raise UserError("--replica-encrypt needs a replica key (--replica-key-file or "
                         f"${KEY_ENV}): it is what the encryption key is derived from")
-    return Tier0Options(directory=args.tier0_dir or default_dir(workdir, args.node),
+    return Tier0Options(directory=args.tier0_dir or default_dir(workdir, args.node, job_uid),
                         limit_bytes=int(args.tier0_memory_mb * (1 << 20)), key=key,
                         private_parent=args.tier0_dir is None, encrypt=args.replica_encrypt)
 
@@ -103,7 +108,8 @@ class Tier0:
 
     def __init__(self, *, node: str, host: str, options: Tier0Options,
                  lookup: Callable[[str], NodeRecord | None],
-                 on_kept: Callable[[int, int, bool], None] = lambda rank, step, durable: None):
+                 on_kept: Callable[[int, int, bool], None] = lambda rank, step, durable: None,
+                 user: JobUser | None = None):
         self.node = node
         self.key = options.key
         self.encrypt = options.encrypt
@@ -111,8 +117,10 @@ class Tier0:
         self.on_kept = on_kept
         try:
             if options.private_parent:
-                private_dir(options.directory.parent, "tier-0 directory")
-            self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes)
+                private_dir(options.directory.parent, "tier-0 directory",
+                            pass_gid=user.gid if user else None)
+            self.store = Tier0Store(options.directory, limit_bytes=options.limit_bytes,
+                                    user=user)
         except OSError as e:
             raise UserError(f"--tier0-dir {options.directory}: {e.strerror or e} (give a "
                             "writable directory in host memory, or --tier0 off)") from None

@@ -29,6 +29,7 @@ from lazarus.agent.adopt import AdoptedRank
 from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
 from lazarus.core import exitcodes, jobcommand, rankfiles
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
+from lazarus.core.jobuser import JobUser
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,13 @@ class Group:
 
 class Workers:
     """`nproc` is the number of ranks this node runs; `park` keeps that many warm workers.
-    `notes_dir`: where ranks leave their exit codes (lazarus.core.contract.exit_note_path)."""
+    `notes_dir`: where ranks leave their exit codes (lazarus.core.contract.exit_note_path).
+    `user`: whom the workers (and the zygote) run as, when not the agent's user."""
 
     def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, notes_dir: Path,
-                 park: bool = True, log_bytes: int = RANK_LOG_BYTES):
+                 park: bool = True, log_bytes: int = RANK_LOG_BYTES, user: JobUser | None = None):
         self.log_bytes = log_bytes
+        self.user = user
         self.nproc = nproc
         self.env = env
         self.log_dir = log_dir
@@ -140,15 +143,16 @@ class Workers:
 
     def _spawn(self) -> subprocess.Popen:
         """A cold worker: its own interpreter, imports and all."""
-        out = open(self._worker_log(), "ab")
+        out = rankfiles.open_log(self._worker_log())
         try:
             # A session of its own: a signal to the agent's process group (a terminal's
             # Ctrl-C, a supervisor's stop) does not reach the ranks.
             return subprocess.Popen(PARK_CMD, stdin=subprocess.PIPE, stdout=out,
                                     stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    **(self.user.popen_kwargs() if self.user else {}))
         finally:
-            out.close()
+            os.close(out)
 
     def _worker_log(self) -> Path:
         return self.log_dir / f"worker-{time.time_ns()}.log"
@@ -193,7 +197,7 @@ class Workers:
         if (z is None and not self._zygote_unfit
                 and time.monotonic() - self._zygote_failed_at >= ZYGOTE_RETRY_S):
             self.zygote = z = Zygote(env=self.env, log_path=self.log_dir / "zygote.log",
-                                     notes_dir=self.notes_dir)
+                                     notes_dir=self.notes_dir, user=self.user)
             self._rehearsed_round = -1  # a new zygote has rehearsed nothing
         return z
 

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from lazarus.agent.adopt import VANISHED, AdoptedRank, read_note, start_time
+from lazarus.core import rankfiles
+from lazarus.core.jobuser import JobUser
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +98,21 @@ class Zygote:
     """One zygote process and what it said so far. Thread-safe: the agent's loop asks for
     parked workers, its preflight thread for test processes."""
 
-    def __init__(self, *, env: dict[str, str], log_path: Path, notes_dir: Path):
+    def __init__(self, *, env: dict[str, str], log_path: Path, notes_dir: Path,
+                 user: JobUser | None = None):
+        """`user`: whom the zygote, and so every worker it forks, runs as (None: the
+        agent's user)."""
         self.notes_dir = notes_dir
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with open(log_path, "ab") as out:
+        out = rankfiles.open_log(log_path)
+        try:
             self.proc = subprocess.Popen([*ZYGOTE_CMD, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         **(user.popen_kwargs() if user else {}))
+        finally:
+            os.close(out)
         theirs.close()
         ours.setblocking(False)
         self.sock = ours

@@ -18,6 +18,7 @@ apt_install() {
 apt_install etcd etcd-server "the embedded and local-cluster modes"
 apt_install chromium chromium "\`lazarus report --png\` and the report's rendering test"
 apt_install systemd-analyze systemd "\`systemd-analyze verify\` of deploy/systemd/ (tests/deploy)"
+apt_install setfacl acl "deploy/job-user.sh: ranks of a user of their own (--run-as) reach the interpreter"
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

@@ -90,9 +90,9 @@ def enter(a: WorkerAssignment) -> dict[str, str]:
     """Make this process rank `a.rank` of round `a.round`: its output into the round's log,
     its environment torchrun's for the round (returned). A rank that survived its round
     (lazarus.trainer.inplace) comes here again for the next one."""
-    if a.log_path:
-        _redirect_output(a.log_path)
     try:
+        if a.log_path:  # a directory the rank's user cannot write ends it here, said why
+            _redirect_output(a.log_path)
         env = environment(a, round_port(a))
         if a.cwd:
             os.chdir(a.cwd)

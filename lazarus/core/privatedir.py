@@ -16,10 +16,14 @@ from pathlib import Path
 from lazarus.core.errors import UserError
 
 
-def private_dir(path: Path, what: str, *, others_may_read: bool = False) -> Path:
+def private_dir(path: Path, what: str, *, others_may_read: bool = False,
+                pass_gid: int | None = None) -> Path:
     """`path`, created mode 0700 (with its parents) when missing. UserError when it is a
     symlink, is not a directory, belongs to another user, or is open to group or others
-    (with `others_may_read`, only writable by them)."""
+    (with `others_may_read`, only writable by them). `pass_gid`: the group of the ranks'
+    user (lazarus.core.jobuser), which may pass through it (0710) but not list or write it;
+    a private directory is given to that group, one of another group with any group bit
+    set is refused."""
     path = Path(path)
     try:
         path.mkdir(mode=0o700, parents=True)
@@ -37,6 +41,14 @@ def private_dir(path: Path, what: str, *, others_may_read: bool = False) -> Path
         raise UserError(f"{what} {str(path)!r} belongs to uid {st.st_uid}, not to this user "
                         f"(uid {os.geteuid()}); give a directory of your own")
     mode = stat.S_IMODE(st.st_mode)
+    if pass_gid is not None and not mode & 0o067:
+        if st.st_gid != pass_gid or mode & 0o010 == 0:
+            if mode & 0o070:
+                raise UserError(f"{what} {str(path)!r} is open to group {st.st_gid}, not to "
+                                f"the ranks' group {pass_gid} alone; `chmod 700 {path}`")
+            os.chown(path, -1, pass_gid, follow_symlinks=False)
+            os.chmod(path, 0o710, follow_symlinks=False)
+        return path
     if mode & (0o022 if others_may_read else 0o077):
         allowed = "writable by" if others_may_read else "open to"
         raise UserError(f"{what} {str(path)!r} is {allowed} other users (mode {mode:04o}); "

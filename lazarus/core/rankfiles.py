@@ -18,9 +18,33 @@ from pathlib import Path
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+# The ranks' own user, when they run as one (`lazarus agent --run-as`): one per agent process.
+_job_uid: list[int] = []
+
+
+def trust(uid: int) -> None:
+    """Take files of `uid` as well: the user the ranks run as (lazarus.core.jobuser)."""
+    _job_uid[:] = [uid]
+
+
 def owners() -> frozenset[int]:
     """The users whose files in the ranks' directories the agent takes."""
-    return frozenset({os.geteuid()})
+    return frozenset({os.geteuid(), *_job_uid})
+
+
+def open_log(path: Path | str) -> int:
+    """An fd appending to the agent's own log file at `path` in a directory the ranks' user
+    owns (a zygote's, a cold worker's): created when missing, never through a symlink or a
+    FIFO planted there, nor a file of an untrusted user."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _FLAGS, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in owners():
+            raise PermissionError(f"{path}: not a file of a trusted user")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open(path: Path | str, flags: int, kind: int) -> int:

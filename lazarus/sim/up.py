@@ -24,7 +24,7 @@ from lazarus.sim import diskfault
 
 from lazarus.core import endpoint_file
 
-from lazarus.core import jobspec, settings
+from lazarus.core import jobspec, jobuser, settings
 from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
@@ -122,6 +122,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="agents: ... and never before this many seconds (default: the agent's, 10)")
     p.add_argument("--replica-encrypt", action="store_true",
                    help="agents: encrypt the tier-0 copies they send each other")
+    p.add_argument("--run-as", metavar="USER", default=None,
+                   help="agents: run the ranks as this user, not yours (as root; make one with "
+                        "`bash deploy/job-user.sh USER`): the job's code then cannot read the "
+                        "cluster's credentials (docs/security.md)")
     p.add_argument("--monitors", choices=("on", "off"), default="on",
                    help="agents' GPU, host, hang and throughput monitors and the workers' "
                         "progress reports; 'off' exists to measure what they cost")
@@ -202,6 +206,21 @@ def _agent_args(args: argparse.Namespace) -> list[str]:
     if args.replica_encrypt:
         out.append("--replica-encrypt")
     return out
+
+
+def _run_as(name: str, workdir: Path, metrics: Path) -> jobuser.JobUser:
+    """The user the ranks run as, given what this run has them write: the checkpoint dir,
+    theirs; the metrics file, theirs; the workdir (and the metrics' directory), passable by
+    them, not listable (the cluster's credentials are in it, closed to them)."""
+    jobuser.check_agent_may_switch()
+    user = jobuser.JobUser.resolve(name)
+    user.open_to(workdir, "--workdir")
+    user.give(workdir / "checkpoints")
+    user.open_to(metrics.parent, "--metrics' directory")
+    fd = os.open(metrics, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.fchown(fd, user.uid, user.gid)
+    os.close(fd)
+    return user
 
 
 def _policy_args(items: list[str]) -> dict:
@@ -408,6 +427,7 @@ def run(args: argparse.Namespace) -> dict:
     metrics = (args.metrics or workdir / "metrics.jsonl").resolve()
     if metrics.exists():
         metrics.unlink()  # this run's story only
+    run_as = _run_as(args.run_as, workdir, metrics) if args.run_as is not None else None
     trainer_faults = [f for f in schedule if f.kind in chaos.TRAINER_KINDS]
     own = bool(args.command)  # the user's script, not the built-in trainer
     if own and trainer_faults:
@@ -419,7 +439,7 @@ def run(args: argparse.Namespace) -> dict:
                         "a script of your own keeps its checkpoints where it likes")
     job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
     _check_targets(schedule, [f"n{i}" for i in range(args.nodes + args.spares)])
-    agent_args = _agent_args(args)
+    agent_args = _agent_args(args) + (["--run-as", run_as.name] if run_as else [])
     say = print
     if own:
         say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "

@@ -1,0 +1,118 @@
+"""The Unix user a node's ranks run as when it is not the agent's (`lazarus agent --run-as
+USER`; docs/security.md, "Ranks under a user of their own").
+
+The agent keeps its etcd credentials, its socket's directory and its tier-0 store as its own;
+the job's code gets only what this module hands it: the directories it writes (rank logs,
+exit notes, stacks and flight records, snapshots on their way in, its allowed root) as its
+own, and the agent's directories above them to pass through (mode 0710, the job user's group),
+never to list or write.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from lazarus.core.errors import UserError
+
+@dataclass(frozen=True, slots=True)
+class JobUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary, as the user's login would have them
+    home: str
+
+    @classmethod
+    def resolve(cls, name: str) -> JobUser:
+        """The user `name` (or a uid), checked: it exists, is not root and is not this
+        process's own user; UserError naming the problem otherwise."""
+        try:
+            entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        except (KeyError, ValueError):
+            raise UserError(f"--run-as {name!r}: no such user on this node "
+                            f"(create it first, e.g. `bash deploy/job-user.sh {name}`)") from None
+        if entry.pw_uid == 0:
+            raise UserError(f"--run-as {name!r}: that is root; ranks run as an unprivileged user")
+        if entry.pw_uid == os.geteuid():
+            raise UserError(f"--run-as {name!r}: that is the agent's own user; name another one, "
+                            f"or leave --run-as out")
+        groups = tuple(g for g in os.getgrouplist(entry.pw_name, entry.pw_gid) if g != entry.pw_gid)
+        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
+
+    def popen_kwargs(self) -> dict:
+        """subprocess.Popen's arguments that start a process as this user: all three, or the
+        child keeps the agent's supplementary groups (root's, for a root agent)."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+
+    def env(self) -> dict[str, str]:
+        """What a login of this user would have: caches (torch's, Triton's) go to its home."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+    def give(self, path: Path) -> Path:
+        """`path`, a directory of the agent's making (created when missing), made this user's
+        own, mode 0700: the job writes there, and nobody else but the agent."""
+        path = Path(path)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_dir(path)
+        os.chown(path, self.uid, self.gid, follow_symlinks=False)
+        os.chmod(path, 0o700, follow_symlinks=False)
+        return path
+
+    def can_pass(self, path: Path) -> bool:
+        """Whether this user may reach what is inside `path` (every directory on the way
+        passable, ACLs included): asked of the kernel, as that user."""
+        try:
+            return subprocess.run(["test", "-x", str(path)], stdin=subprocess.DEVNULL,
+                                  capture_output=True, timeout=30,
+                                  **self.popen_kwargs()).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+    def open_to(self, path: Path, what: str) -> None:
+        """Make this user able to pass through `path`, a directory of this process's user
+        (`what` names it in errors): when it is private (no group bits), its group becomes
+        this user's with group x (0710); UserError when the user still cannot reach it."""
+        path = Path(path)
+        if self.can_pass(path):
+            return
+        st = os.stat(path)
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o070:
+            os.chown(path, -1, self.gid)
+            os.chmod(path, stat.S_IMODE(st.st_mode) | 0o010)
+        if not self.can_pass(path):
+            raise UserError(f"{what} {str(path)!r}: the ranks' user {self.name} cannot reach it "
+                            f"(a directory on the way closed to it); give one it can reach")
+
+    def group_name(self) -> str:
+        try:
+            return grp.getgrgid(self.gid).gr_name
+        except KeyError:
+            return str(self.gid)
+
+
+def job_dir(workdir: Path) -> Path:
+    """Where ranks of a user of their own may write by default (their allowed root, the
+    preflight's checkpoint test): theirs, inside the agent's workdir they may only pass."""
+    return Path(workdir) / "job"
+
+
+def _check_dir(path: Path) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{str(path)!r} is not a directory (a symlink?); the agent makes it")
+
+
+def check_agent_may_switch() -> None:
+    """UserError unless this process may start, watch and stop another user's ranks: only
+    root, for now. (An agent of its own user with capabilities would pass them on: ambient
+    capabilities survive its children's change of user and exec, so job code would get
+    CAP_SETUID; docs/security.md.)"""
+    if os.geteuid() != 0:
+        raise UserError(f"--run-as: the agent runs as uid {os.geteuid()}; only a root agent "
+                        f"starts ranks as another user (docs/security.md)")
