@@ -29,6 +29,10 @@ if os.geteuid() != 0:
     EXPECTED_SKIPS["tests/e2e/test_partition.py::"
                    "test_a_node_cut_off_from_etcd_and_a_node_cut_off_from_its_peers"] = (
         "network namespaces are not available here")
+    # starts ranks as a second Unix user, which only root may (CI runs as root)
+    for name in ("test_ranks_of_their_own_user_recover_in_place_and_cannot_reach_the_clusters_secrets",
+                 "test_a_non_root_agent_asked_to_run_as_another_user_says_it_cannot"):
+        EXPECTED_SKIPS[f"tests/e2e/test_run_as.py::{name}"] = "--run-as needs root"
 
 # The fast tier, `pytest -m "not slow"` (README): every unit test, and of the tests that start
 # whole clusters or trainings only this one: a real local cluster recovering from a worker

@@ -58,3 +58,18 @@ def test_another_users_directory_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
     with pytest.raises(UserError, match=f"belongs to uid {owner}, not to this user"):
         private_dir(path, "--workdir")
+
+
+def test_a_directory_the_ranks_user_passes_through_is_0710_of_its_group(tmp_path):
+    """--run-as: the agent's directories above the ranks' own are given to the ranks' group
+    to pass (x), never to list or write; one open to another group is refused."""
+    gid = os.getgid()  # a group this process may give a directory to, root or not
+    path = private_dir(tmp_path / "work", "--workdir", pass_gid=gid)
+    st = os.stat(path)
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o710, gid)
+    assert private_dir(path, "--workdir", pass_gid=gid) == path  # as it left it: fine
+    with pytest.raises(UserError, match="open to"):
+        private_dir(path, "--workdir")  # without the ranks' user, it is not private
+    os.chmod(path, 0o750)
+    with pytest.raises(UserError, match="open to"):
+        private_dir(path, "--workdir", pass_gid=gid + 1)

@@ -112,3 +112,24 @@ def test_a_rank_log_is_rotated_in_place_and_a_planted_keep_file_is_replaced(tmp_
     appender.write(b"after\n")
     appender.close()
     assert tail(log, 1000) == "after"
+
+
+def test_the_agents_own_log_in_a_rank_writable_dir_is_not_opened_through_a_plant(tmp_path, secret):
+    """The zygote's and cold workers' logs lie beside the ranks' own, in a directory the
+    ranks' user owns (--run-as): a symlink or FIFO planted at the name is refused, a file
+    that is there is appended to."""
+    link = tmp_path / "zygote.log"
+    link.symlink_to(secret)
+    with pytest.raises(OSError):
+        rankfiles.open_log(link)
+    assert secret.read_bytes() == SECRET
+    fifo = tmp_path / "worker-1.log"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError):
+        rankfiles.open_log(fifo)  # neither blocks nor opens
+    path = tmp_path / "worker-2.log"
+    for line in (b"one\n", b"two\n"):
+        fd = rankfiles.open_log(path)
+        os.write(fd, line)
+        os.close(fd)
+    assert path.read_bytes() == b"one\ntwo\n"
