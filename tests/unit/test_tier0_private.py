@@ -16,6 +16,7 @@ from lazarus.agent import tier0_agent
 from lazarus.agent.tier0 import Tier0Store
 from lazarus.agent.tier0_agent import Tier0, Tier0Options
 from lazarus.core.errors import UserError
+from lazarus.core.jobuser import JobUser
 
 NOBODY = 65534
 
@@ -24,7 +25,7 @@ def agent_options(tmp_path, monkeypatch, **args) -> Tier0Options:
     """What `lazarus agent` makes of its flags, with the default directory moved from
     /dev/shm to `tmp_path/shm`."""
     monkeypatch.setattr(tier0_agent, "default_dir",
-                        lambda workdir, node: tmp_path / "shm" / f"lazarus-{os.geteuid()}"
+                        lambda workdir, node, job_uid=None: tmp_path / "shm" / f"lazarus-{os.geteuid()}"
                         / f"tag-{node}")
     parser = argparse.ArgumentParser()
     tier0_agent.add_tier0_args(parser)
@@ -111,6 +112,28 @@ def test_the_directories_are_0700_and_every_shard_0600(tmp_path, monkeypatch):
         assert sorted(p.name for p in (store.root / "replica").iterdir()) == [replica.path.name]
     finally:
         t0.close()
+
+
+def test_ranks_of_their_own_user_write_incoming_and_read_the_kept_copies(tmp_path):
+    """--run-as: `incoming/` is the ranks' user's own; the store and its copies are the
+    agent's, which the ranks' group passes through and reads (a round restores from them),
+    never writes. (The ranks' user here is this process's: the modes and groups are what
+    is checked; tests/e2e/test_run_as.py runs it with a second user.)"""
+    user = JobUser("job", os.getuid(), os.getgid(), (), str(tmp_path))
+    store = Tier0Store(tmp_path / "t0", limit_bytes=1 << 20, user=user)
+    for d in (store.root, store.root / "local", store.root / "replica"):
+        st = os.lstat(d)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o710, user.gid), d
+    assert stat.S_IMODE(os.lstat(store.incoming).st_mode) == 0o700
+    shard = store.incoming / "s5.t0"
+    shard.write_bytes(b"a rank's shard")
+    os.chmod(shard, 0o666)   # whatever the rank left
+    local = store.add_local("j", 0, 5, shard)
+    replica = store.add_replica("j", 1, 5, b"the peer's shard")
+    for c in (local, replica):
+        st = os.lstat(c.path)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, os.geteuid(),
+                                                                     user.gid), c.path
 
 
 def test_a_replica_is_never_written_through_a_planted_symlink(tmp_path):
