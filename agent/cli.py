@@ -85,8 +85,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--run-as", default=None, metavar="USER",
                    help="run the ranks (the job's code) as this user, not the agent's: they "
                         "then cannot read the agent's credentials or touch its files "
-                        "(docs/security.md). Needs a root agent; the default "
-                        "--allowed-root becomes WORKDIR/job, that user's")
+                        "(docs/security.md). Needs a root agent, or the capabilities "
+                        "listed there; the default --allowed-root becomes WORKDIR/job, "
+                        "that user's")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")

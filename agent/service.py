@@ -119,6 +119,10 @@ class Agent:
                 private_dir(workdir / sub, "--workdir", pass_gid=job_gid)
                 run_as.give(workdir / sub / node)
             run_as.give(job_dir(workdir))
+            if not run_as.can_pass(job_dir(workdir)):
+                raise UserError(f"--run-as {run_as.name}: that user cannot reach --workdir "
+                                f"{workdir} (a directory above it is closed to it); give a "
+                                f"workdir it can pass through")
         self._node_lock = NodeLock(workdir / f"{node}.lock", node)
         # Ranks a previous agent of this node left running (lazarus.agent.adopt). Their lease
         # is resumed first, before the slow start-up below: the node must not lapse meanwhile.

@@ -31,8 +31,11 @@ if os.geteuid() != 0:
         "network namespaces are not available here")
     # starts ranks as a second Unix user, which only root may (CI runs as root)
     for name in ("test_ranks_of_their_own_user_recover_in_place_and_cannot_reach_the_clusters_secrets",
-                 "test_a_non_root_agent_asked_to_run_as_another_user_says_it_cannot"):
+                 "test_a_non_root_agent_asked_to_run_as_another_user_says_it_cannot",
+                 "test_an_agent_that_is_not_root_starts_ranks_that_hold_no_capability"):
         EXPECTED_SKIPS[f"tests/e2e/test_run_as.py::{name}"] = "--run-as needs root"
+    EXPECTED_SKIPS["tests/deploy/test_systemd.py::test_the_units_commands_run_a_daemon_and_an_agent"] = (
+        "needs root")
 
 # The fast tier, `pytest -m "not slow"` (README): every unit test, and of the tests that start
 # whole clusters or trainings only this one: a real local cluster recovering from a worker

@@ -11,6 +11,7 @@ never to list or write.
 from __future__ import annotations
 
 import grp
+import ctypes
 import os
 import pwd
 import stat
@@ -19,6 +20,47 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+
+# What an agent that is not root needs to start, watch and stop ranks of another user
+# (systemd: AmbientCapabilities=, deploy/systemd/lazarus-agent.service): become them (SETUID;
+# SETGID, setgroups too), hand them directories (CHOWN), take over and re-mode the snapshots
+# they write (FOWNER), read and rotate their files (DAC_OVERRIDE), stop them (KILL).
+CAPABILITIES = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_KILL": 5,
+                "CAP_SETGID": 6, "CAP_SETUID": 7}
+
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAP_V3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+# Resolved here, not in the forked child (no dlopen or import between fork and exec).
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl, _capget, _capset = _libc.prctl, _libc.capget, _libc.capset
+
+
+def _drop_inherited_capabilities() -> None:
+    """In the child, between fork and exec (Popen's preexec_fn): an agent that is not root
+    holds its capabilities as ambient ones, which would survive the change of user and the
+    exec, and give job code CAP_SETUID. Cleared here, with the inheritable set (a program
+    with file capabilities could take them from it): the exec then leaves none."""
+    if _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+        os._exit(126)
+    header, data = _CapHeader(_CAP_V3, 0), (_CapData * 2)()
+    if _capget(ctypes.byref(header), data) != 0:
+        os._exit(126)
+    for half in data:
+        half.inheritable = 0
+    if _capset(ctypes.byref(header), data) != 0:
+        os._exit(126)
+
 
 @dataclass(frozen=True, slots=True)
 class JobUser:
@@ -46,9 +88,13 @@ class JobUser:
         return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
 
     def popen_kwargs(self) -> dict:
-        """subprocess.Popen's arguments that start a process as this user: all three, or the
-        child keeps the agent's supplementary groups (root's, for a root agent)."""
-        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+        """subprocess.Popen's arguments that start a process as this user, with no
+        capability: all three ids, or the child keeps the agent's supplementary groups
+        (root's, for a root agent)."""
+        kwargs = {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+        if os.geteuid() != 0:  # root's change of user drops every capability by itself
+            kwargs["preexec_fn"] = _drop_inherited_capabilities
+        return kwargs
 
     def env(self) -> dict[str, str]:
         """What a login of this user would have: caches (torch's, Triton's) go to its home."""
@@ -108,11 +154,22 @@ def _check_dir(path: Path) -> None:
         raise UserError(f"{str(path)!r} is not a directory (a symlink?); the agent makes it")
 
 
+def missing_capabilities() -> list[str]:
+    """The capabilities --run-as needs that this process lacks (none for root)."""
+    if os.geteuid() == 0:
+        return []
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        eff = 0
+    return [name for name, bit in CAPABILITIES.items() if not eff >> bit & 1]
+
+
 def check_agent_may_switch() -> None:
-    """UserError unless this process may start, watch and stop another user's ranks: only
-    root, for now. (An agent of its own user with capabilities would pass them on: ambient
-    capabilities survive its children's change of user and exec, so job code would get
-    CAP_SETUID; docs/security.md.)"""
-    if os.geteuid() != 0:
-        raise UserError(f"--run-as: the agent runs as uid {os.geteuid()}; only a root agent "
-                        f"starts ranks as another user (docs/security.md)")
+    """UserError unless this process may start, watch and stop another user's ranks: root,
+    or a user holding CAPABILITIES."""
+    if missing := missing_capabilities():
+        raise UserError(f"--run-as: the agent (uid {os.geteuid()}) starts ranks as another user "
+                        f"only as root or with {', '.join(missing)} (systemd: "
+                        f"AmbientCapabilities=, as deploy/systemd/lazarus-agent.service)")

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
@@ -135,37 +138,100 @@ def _credentials(unit: Path, security, dest: Path) -> Path:
     return dest
 
 
+# Who the agent unit runs as here: a user of its own (the unit's `lazarus`, made by the
+# test), and the ranks' user the shipped lazarus.env names.
+AGENT_STANDIN = "lazarus-test-agent"
+
+
+def _as_agent_unit(unit: Path) -> list[str]:
+    """The agent unit's user, capabilities and no-new-privileges, as systemd applies them."""
+    text = unit.read_text()
+    caps = re.search(r"^AmbientCapabilities=(.+)$", text, re.M)[1].split()
+    bounding = re.search(r"^CapabilityBoundingSet=(.+)$", text, re.M)[1].split()
+    spec = ",".join("+" + c.removeprefix("CAP_").lower() for c in caps)
+    assert "NoNewPrivileges=yes" in text
+    return ["setpriv", "--reuid", AGENT_STANDIN, "--regid", AGENT_STANDIN, "--init-groups",
+            "--no-new-privs", "--inh-caps", spec, "--ambient-caps", spec, "--bounding-set",
+            "-all," + ",".join("+" + c.removeprefix("CAP_").lower() for c in bounding)]
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
 @pytest.mark.e2e
 def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
+    """The agent as its unit runs it: a user of its own with the unit's capabilities, its
+    ranks' processes (the zygote every rank forks from) as the ranks' user with none."""
+    if os.geteuid() != 0:
+        pytest.skip("the agent unit runs as a user of its own, its ranks as another: needs root")
+    env_file = _env_file(DEPLOY / "lazarus.env")
+    for user in (AGENT_STANDIN, env_file["LAZARUS_RUN_AS"]):
+        subprocess.run(["bash", "deploy/job-user.sh", user], cwd=DEPLOY.parents[1], check=True,
+                       capture_output=True, timeout=120)
+    agent_uid = pwd.getpwnam(AGENT_STANDIN).pw_uid
+    job_uid = pwd.getpwnam(env_file["LAZARUS_RUN_AS"]).pw_uid
+    # what systemd's StateDirectory= and LoadCredential= make: the agent user's, reachable
+    base = Path(tempfile.mkdtemp(prefix="lazarus-unit-"))
     units = _render(tmp_path)
     api = f"127.0.0.1:{free_port()}"
     procs = []
-    # etcd as the units expect it: TLS with client certificates, authentication on
-    with EmbeddedEtcd(tmp_path / "etcd", secure=True) as etcd:
-        # lazarus.env as shipped, but for this machine: its etcd, a local API, a spare node.
-        env = {**_env_file(DEPLOY / "lazarus.env"), "LAZARUS_ETCD": f"https://{etcd.endpoint}",
-               "LAZARUS_API": api, "LAZARUS_WORKDIR": str(tmp_path / "work"),
-               "LAZARUS_NPROC": "1", "LAZARUS_ROLE": "spare"}
-        try:
-            for unit in units:
-                creds = _credentials(unit, etcd.security, tmp_path / f"credentials-{unit.stem}")
-                specifiers = {"%H": "localhost", "%d": str(creds)}
-                log = open(tmp_path / f"{unit.stem}.log", "wb")
-                procs.append(subprocess.Popen(
-                    _exec_start(unit, env, specifiers), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                    env={**os.environ, **env}))
-                log.close()
-            nodes = _wait_for_nodes(api, tmp_path / "credentials-lazarus-daemon", procs,
-                                    tmp_path)
-        finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
-            for proc in procs:
-                proc.wait(timeout=60)
+    try:
+        os.chown(base, agent_uid, -1)
+        os.chmod(base, 0o711)
+        # etcd as the units expect it: TLS with client certificates, authentication on
+        with EmbeddedEtcd(tmp_path / "etcd", secure=True) as etcd:
+            # lazarus.env as shipped, but for this machine: its etcd, a local API, a spare.
+            env = {**env_file, "LAZARUS_ETCD": f"https://{etcd.endpoint}",
+                   "LAZARUS_API": api, "LAZARUS_WORKDIR": str(base / "work"),
+                   "LAZARUS_NPROC": "1", "LAZARUS_ROLE": "spare"}
+            try:
+                for unit in units:
+                    agent = unit.stem == "lazarus-agent"
+                    creds = _credentials(unit, etcd.security,
+                                         (base if agent else tmp_path) / f"credentials-{unit.stem}")
+                    if agent:
+                        for path in (creds, *creds.iterdir()):
+                            os.chown(path, agent_uid, -1)
+                    specifiers = {"%H": "localhost", "%d": str(creds)}
+                    log = open(tmp_path / f"{unit.stem}.log", "wb")
+                    procs.append(subprocess.Popen(
+                        [*(_as_agent_unit(unit) if agent else []),
+                         *_exec_start(unit, env, specifiers)],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        preexec_fn=die_with_parent, env={**os.environ, **env}, cwd=base))
+                    log.close()
+                nodes = _wait_for_nodes(api, tmp_path / "credentials-lazarus-daemon", procs,
+                                        tmp_path)
+                zygote = _wait_for_zygote(procs[1].pid, tmp_path)
+                agent_status, zygote_status = _status(procs[1].pid), _status(zygote)
+            finally:
+                for proc in procs:
+                    proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
+                for proc in procs:
+                    proc.wait(timeout=60)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     assert [(n["node"], n["role"], n["state"]) for n in nodes] == [("localhost", "spare", "spare")]
     # Both stopped cleanly on SIGTERM, as TimeoutStopSec expects.
     assert [proc.returncode for proc in procs] == [0, 0]
+    assert int(agent_status["Uid"].split()[0]) == agent_uid
+    assert int(agent_status["CapEff"], 16) != 0  # it has what --run-as takes ...
+    assert int(zygote_status["Uid"].split()[0]) == job_uid
+    for field in ("CapInh", "CapPrm", "CapEff", "CapAmb"):  # ... and its ranks have none
+        assert int(zygote_status[field], 16) == 0, (field, zygote_status)
+
+
+def _wait_for_zygote(agent: int, logs: Path) -> int:
+    """The pid of the agent's worker zygote, once it runs (a hang guard, not a timing)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for child in psutil.Process(agent).children():
+            if "--zygote" in child.cmdline():
+                return child.pid
+        time.sleep(0.2)
+    pytest.fail(f"the agent started no zygote; logs in {logs}")
 
 
 def _wait_for_nodes(api: str, creds: Path, procs: list[subprocess.Popen], logs: Path) -> list:

@@ -94,5 +94,35 @@ def test_a_non_root_agent_asked_to_run_as_another_user_says_it_cannot(job_user, 
     r = _as_user(sys.executable, "-m", "lazarus.cli", "agent", "--etcd", "127.0.0.1:1",
                  "--workdir", str(base / "w"), "--run-as", "nobody")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "only a root agent starts ranks as another user" in r.stderr
+    assert "starts ranks as another user only as root or with CAP_CHOWN" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+AGENT = "lazarus-test-agent"  # an agent's own user that is not root, as the systemd unit's
+CAPS = "+setuid,+setgid,+chown,+fowner,+kill,+dac_override"
+PROBE = """
+import subprocess, sys
+from lazarus.core import jobuser
+jobuser.check_agent_may_switch()
+user = jobuser.JobUser.resolve(sys.argv[1])
+print(subprocess.run(["grep", "-E", "^(Uid|Cap)", "/proc/self/status"], capture_output=True,
+                     text=True, check=True, **user.popen_kwargs()).stdout)
+"""
+
+
+def test_an_agent_that_is_not_root_starts_ranks_that_hold_no_capability(job_user):
+    """The systemd unit's agent: its own user, with the capabilities --run-as needs as
+    ambient ones (AmbientCapabilities=). Its ranks, started as the job's user the way the
+    agent starts them (JobUser.popen_kwargs), must hold none: ambient capabilities survive a
+    change between two users that are not root, and an exec."""
+    subprocess.run(["bash", "deploy/job-user.sh", AGENT], cwd=REPO, check=True,
+                   capture_output=True, timeout=120)
+    r = subprocess.run(["setpriv", "--reuid", AGENT, "--regid", AGENT, "--init-groups",
+                        "--inh-caps", CAPS, "--ambient-caps", CAPS, "--",
+                        sys.executable, "-c", PROBE, USER],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    status = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line)
+    assert int(status["Uid"].split()[0]) == job_user.uid, status
+    for field in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(status[field], 16) == 0, (field, status)
