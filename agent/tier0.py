@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazarus.core.errors import UserError
 from lazarus.core.jobuser import JobUser
 from lazarus.core.privatedir import private_dir
 
@@ -80,6 +81,10 @@ class Tier0Store:
             if user is not None:
                 if sub == "incoming":
                     user.give(self.root / sub)
+                    if not user.can_pass(self.root / sub):
+                        raise UserError(f"tier-0 directory {str(self.root)!r}: the ranks' user "
+                                        f"{user.name} cannot reach it (a directory above it "
+                                        f"is closed to it)")
                 else:
                     private_dir(self.root / sub, "tier-0 directory", pass_gid=gid)
 

@@ -104,7 +104,14 @@ class JobUser:
         """`path`, a directory of the agent's making (created when missing), made this user's
         own, mode 0700: the job writes there, and nobody else but the agent."""
         path = Path(path)
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.is_symlink():
+            # Planted where the agent makes a directory of theirs (stacks/NODE/nccl, in a
+            # directory the ranks own): never followed, and no refusal to start either.
+            path.unlink()
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # not a directory: said next
         _check_dir(path)
         os.chown(path, self.uid, self.gid, follow_symlinks=False)
         os.chmod(path, 0o700, follow_symlinks=False)

@@ -438,6 +438,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError("--chaos disk-full/disk-free fill the built-in trainer's checkpoint dir; "
                         "a script of your own keeps its checkpoints where it likes")
     job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
+    if run_as is not None and own and job.cwd and not run_as.can_pass(Path(job.cwd)):
+        raise UserError(f"--run-as {run_as.name}: that user cannot reach this directory "
+                        f"({job.cwd}), where your script runs; run from one it can")
     _check_targets(schedule, [f"n{i}" for i in range(args.nodes + args.spares)])
     agent_args = _agent_args(args) + (["--run-as", run_as.name] if run_as else [])
     say = print

@@ -40,3 +40,21 @@ def test_another_user_is_taken_with_its_groups_and_login_environment():
     assert user.popen_kwargs() == {"user": other.pw_uid, "group": other.pw_gid,
                                    "extra_groups": list(user.groups)}
     assert user.env() == {"HOME": other.pw_dir, "USER": other.pw_name, "LOGNAME": other.pw_name}
+
+
+def test_a_directory_given_to_the_ranks_replaces_a_symlink_planted_there(tmp_path):
+    """stacks/NODE/nccl lies in a directory the ranks own: what they plant at the name is
+    neither followed (the agent would hand its target over) nor a reason not to start."""
+    target = tmp_path / "agents-own"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "nccl"
+    link.symlink_to(target)
+    user = JobUser("job", os.getuid(), os.getgid(), (), str(tmp_path))
+    assert user.give(link) == link
+    assert link.is_dir() and not link.is_symlink()
+    assert oct(os.stat(target).st_mode & 0o777) == oct(0o700)
+    a_file = tmp_path / "a-file-of-the-operators"
+    a_file.write_text("kept")
+    with pytest.raises(UserError, match="not a directory"):
+        user.give(a_file)
+    assert a_file.read_text() == "kept"
