@@ -140,7 +140,8 @@ class Agent:
         sock = str(workdir / f"{node}.sock")
         # The ranks run the job's code: none of this process's secrets (an API token, etcd
         # credentials) go to them.
-        env = {**without_secrets(os.environ), **(run_as.env() if run_as else {}),
+        env = {**without_secrets(os.environ),
+               **(run_as.env(fallback_home=job_dir(workdir)) if run_as else {}),
                "LAZARUS_AGENT_SOCKET": sock, "LAZARUS_NODE": node,
                STACKS_ENV: str(workdir / "stacks" / node),
                AGENT_GRACE_ENV: str(lease_ttl_s + ORPHAN_MARGIN_S),

@@ -68,24 +68,36 @@ class JobUser:
     uid: int
     gid: int
     groups: tuple[int, ...]  # supplementary, as the user's login would have them
-    home: str
+    home: str  # "" when the user is a bare uid, with no passwd entry
 
     @classmethod
-    def resolve(cls, name: str) -> JobUser:
-        """The user `name` (or a uid), checked: it exists, is not root and is not this
-        process's own user; UserError naming the problem otherwise."""
+    def resolve(cls, spec: str) -> JobUser:
+        """The user of `spec`: a user name, or `UID[:GID]` (a container's user need not be
+        in its /etc/passwd: then it has no home, and its group is GID, else UID). Checked:
+        not root, not this process's own user; UserError naming the problem otherwise."""
+        uid_text, sep, gid_text = spec.partition(":")
+        numeric = uid_text.isdigit() and (not sep or gid_text.isdigit())
+        if sep and not numeric:
+            raise UserError(f"--run-as {spec!r}: give a user name, or UID[:GID] in numbers")
         try:
-            entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
-        except (KeyError, ValueError):
-            raise UserError(f"--run-as {name!r}: no such user on this node "
-                            f"(create it first, e.g. `bash deploy/job-user.sh {name}`)") from None
-        if entry.pw_uid == 0:
-            raise UserError(f"--run-as {name!r}: that is root; ranks run as an unprivileged user")
-        if entry.pw_uid == os.geteuid():
-            raise UserError(f"--run-as {name!r}: that is the agent's own user; name another one, "
-                            f"or leave --run-as out")
-        groups = tuple(g for g in os.getgrouplist(entry.pw_name, entry.pw_gid) if g != entry.pw_gid)
-        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
+            entry = pwd.getpwuid(int(uid_text)) if numeric else pwd.getpwnam(spec)
+        except KeyError:
+            if not numeric:
+                raise UserError(f"--run-as {spec!r}: no such user on this node (create it "
+                                f"first, e.g. `bash deploy/job-user.sh {spec}`)") from None
+            entry = None
+        uid = entry.pw_uid if entry else int(uid_text)
+        if uid == 0:
+            raise UserError(f"--run-as {spec!r}: that is root; ranks run as an unprivileged user")
+        if uid == os.geteuid():
+            raise UserError(f"--run-as {spec!r}: that is the agent's own user; name another "
+                            f"one, or leave --run-as out")
+        if entry is None:
+            gid = int(gid_text) if sep else uid
+            return cls(str(uid), uid, gid, (), "")
+        gid = int(gid_text) if sep else entry.pw_gid
+        groups = tuple(g for g in os.getgrouplist(entry.pw_name, gid) if g != gid)
+        return cls(entry.pw_name, uid, gid, groups, entry.pw_dir)
 
     def popen_kwargs(self) -> dict:
         """subprocess.Popen's arguments that start a process as this user, with no
@@ -96,9 +108,10 @@ class JobUser:
             kwargs["preexec_fn"] = _drop_inherited_capabilities
         return kwargs
 
-    def env(self) -> dict[str, str]:
-        """What a login of this user would have: caches (torch's, Triton's) go to its home."""
-        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+    def env(self, fallback_home: Path) -> dict[str, str]:
+        """What a login of this user would have: caches (torch's, Triton's) go to its home,
+        or to `fallback_home` (a directory of theirs) when it has none."""
+        return {"HOME": self.home or str(fallback_home), "USER": self.name, "LOGNAME": self.name}
 
     def give(self, path: Path) -> Path:
         """`path`, a directory of the agent's making (created when missing), made this user's

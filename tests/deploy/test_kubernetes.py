@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lazarus.core.jobuser import CAPABILITIES, JobUser
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 VALIDATE = str(Path(sys.executable).parent / "kubernetes-validate")
 
@@ -84,9 +86,12 @@ def test_agents_seal_their_tier0_copies_with_a_key_from_a_secret():
     assert volumes["replica-key"]["secret"]["secretName"] == "lazarus-replica-key"
 
 
-def test_no_pod_of_lazarus_runs_its_code_as_root():
-    """Issue 23: the agent ran as root, so did every job's code. Only the agent's init step
-    that makes its host workdir its own is root, with just the capabilities that takes."""
+def test_no_job_code_runs_as_root_or_as_the_agent():
+    """Issue 23: the agent ran as root, so did every job's code. The daemon runs as a user
+    of its own with no capability. The agent runs as root with only the capabilities that
+    starting another user's ranks takes (a non-root container gets no ambient ones), and
+    its ranks as the pod's non-root user (--run-as UID:GID), who cannot read the agent's
+    secrets (0400, root's; the pod's fsGroup is the ranks' group)."""
     import yaml
 
     docs = [d for d in yaml.safe_load_all((DEPLOY / "lazarus.yaml").read_text()) if d]
@@ -98,16 +103,28 @@ def test_no_pod_of_lazarus_runs_its_code_as_root():
         assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0, name
         for c in pod["containers"]:
             sc = c["securityContext"]
-            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
-            assert sc["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
-            assert "runAsUser" not in sc and "privileged" not in sc, (name, c["name"])
-        # Secrets readable by the pod's group, nobody else
-        for v in pod["volumes"]:
-            if "secret" in v:
-                assert v["secret"]["defaultMode"] == 0o440, (name, v["name"])
-    (init,) = pods["lazarus-agent"]["initContainers"]
+            assert sc["allowPrivilegeEscalation"] is False and "privileged" not in sc
+    daemon = pods["lazarus-daemon"]["containers"][0]["securityContext"]
+    assert daemon["capabilities"] == {"drop": ["ALL"]} and "runAsUser" not in daemon
+    for v in pods["lazarus-daemon"]["volumes"]:
+        if "secret" in v:  # readable by the daemon's group, nobody else
+            assert v["secret"]["defaultMode"] == 0o440, v["name"]
+
+    pod = pods["lazarus-agent"]
+    agent = pod["containers"][0]
+    sc = agent["securityContext"]
+    assert (sc["runAsUser"], sc["runAsNonRoot"]) == (0, False)
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sorted("CAP_" + c for c in sc["capabilities"]["add"]) == sorted(CAPABILITIES)
+    args = " ".join(agent["args"])
+    ranks = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['fsGroup']}"
+    assert f"--run-as {ranks}" in args
+    assert JobUser.resolve(ranks).uid > 0  # a bare uid: no passwd entry needed in the image
+    for v in pod["volumes"]:
+        if "secret" in v:  # root's alone: not the ranks' group
+            assert v["secret"]["defaultMode"] == 0o400, v["name"]
+    (init,) = pod["initContainers"]
     assert init["command"][:1] == ["install"] and "0700" in init["command"]
-    assert init["command"][-1] == "/var/lib/lazarus/agent"
-    agent = pods["lazarus-agent"]["containers"][0]
-    assert "--workdir /var/lib/lazarus/agent" in " ".join(agent["args"])
+    assert init["command"][-5:] == ["-o", "0", "-g", "0", "/var/lib/lazarus/agent"]
+    assert "--workdir /var/lib/lazarus/agent" in args
     assert init["securityContext"]["capabilities"]["drop"] == ["ALL"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +40,20 @@ def test_another_user_is_taken_with_its_groups_and_login_environment():
     assert user.gid not in user.groups
     assert user.popen_kwargs() == {"user": other.pw_uid, "group": other.pw_gid,
                                    "extra_groups": list(user.groups)}
-    assert user.env() == {"HOME": other.pw_dir, "USER": other.pw_name, "LOGNAME": other.pw_name}
+    assert user.env(Path("/unused")) == {"HOME": other.pw_dir, "USER": other.pw_name,
+                                         "LOGNAME": other.pw_name}
+
+
+def test_a_bare_uid_is_a_user_of_a_container_without_a_passwd_entry():
+    """Kubernetes: `--run-as 10001:10001`, the pod's runAsUser and fsGroup, in no /etc/passwd."""
+    free = next(u for u in range(60001, 65000) if u not in {p.pw_uid for p in pwd.getpwall()})
+    user = JobUser.resolve(f"{free}:{free + 1}")
+    assert (user.name, user.uid, user.gid, user.groups, user.home) == (str(free), free, free + 1,
+                                                                     (), "")
+    assert user.env(Path("/w/job"))["HOME"] == "/w/job"  # no home of its own: one of theirs
+    assert JobUser.resolve(str(free)).gid == free
+    with pytest.raises(UserError, match="UID:GID. in numbers|UID\\[:GID\\] in numbers"):
+        JobUser.resolve("someone:wheel")
 
 
 def test_a_directory_given_to_the_ranks_replaces_a_symlink_planted_there(tmp_path):
