@@ -52,10 +52,15 @@ def test_ranks_of_their_own_user_recover_in_place_and_cannot_reach_the_clusters_
     steps = 36
     summary, got = run_up(base, "--run-as", USER, "--nodes", "2", "--spares", "1",
                           "--steps", str(steps), "--memory-every", "2",
-                          "--chaos", "kill-worker@9:n1")
+                          "--chaos", "kill-worker@9:n1,kill-node@20:n1")
     assert summary["final_state"] == "SUCCEEDED", summary
-    (crash,) = summary["recoveries"]
+    crash, lost = summary["recoveries"]
     assert (crash["detected_as"], crash["culprit"]) == ("worker_crash", "n1"), crash
+    # the spare's new rank restores a copy it fetched from a peer, as the job's user
+    assert (lost["detected_as"], lost["culprit"]) == ("node_lost", "n1"), lost
+    assert lost["restored_from_tier"] == 0, lost
+    spare = (base / "up" / "agent-n2.log").read_text()
+    assert "fetched from n0" in spare, spare[-2000:]
     assert got == reference(tmp_path_factory.mktemp("ref"), train_table(steps), nproc=2, dp=2,
                             tp=1)
     up = base / "up"
