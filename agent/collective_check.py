@@ -88,10 +88,14 @@ def with_peer(peer: str, store_host: str, store_port: int, *, host: str, nbytes:
                     timeout_s + ack_s + CHILD_START_S, zygote=zygote)
 
 
-def checkpoint(directory: str, *, zygote) -> tuple[bool, str]:
+def checkpoint(directory: str, *, zygote, user=None, env: dict | None = None
+               ) -> tuple[bool, str]:
     """The checkpoint round trip (lazarus.agent.preflight) in a child forked from the agent's
-    zygote: the agent itself then never loads torch."""
-    return in_child("checkpoint", {"directory": directory}, CHILD_START_S, zygote=zygote)
+    zygote: the agent itself then never loads torch. Without a zygote, a cold child, as
+    `user` with `env` when the ranks run as a user of their own (lazarus.core.jobuser): the
+    test writes in the job's directory, which the agent must not do as itself."""
+    return in_child("checkpoint", {"directory": directory}, CHILD_START_S, zygote=zygote,
+                    user=user, env=env)
 
 
 def _checkpoint(directory: str) -> tuple[bool, str]:
@@ -106,7 +110,8 @@ def child_command() -> list[str]:
     return [sys.executable, "-m", __name__]
 
 
-def in_child(test: str, args: dict, limit_s: float, *, zygote=None) -> tuple[bool, str]:
+def in_child(test: str, args: dict, limit_s: float, *, zygote=None, user=None,
+             env: dict | None = None) -> tuple[bool, str]:
     """Run `test` with `args` in a child process and return its verdict; a child that has
     none within `limit_s` is killed, and one that dies is a failure with its last words.
     With the agent's `zygote` (lazarus.agent.zygote) the child is forked from it, which has
@@ -119,7 +124,8 @@ def in_child(test: str, args: dict, limit_s: float, *, zygote=None) -> tuple[boo
             __name__, [request], stdout=out.fileno(), stderr=err.fileno())
         if child is None:
             child = subprocess.Popen([*child_command(), request], stdin=subprocess.PIPE,
-                                     stdout=out, stderr=err)
+                                     stdout=out, stderr=err, env=env,
+                                     **(user.popen_kwargs() if user is not None else {}))
         try:
             child.wait(limit_s)
         except subprocess.TimeoutExpired:

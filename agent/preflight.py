@@ -84,6 +84,10 @@ class PreflightConfig:
     # The agent's worker zygote (lazarus.agent.zygote): the checkpoint and collective tests
     # then run in children forked from it; without one, in this process and a cold child.
     zygote: object = None
+    # The ranks' user when not the agent's (lazarus.core.jobuser), and the ranks' environment:
+    # the checkpoint test then runs as them, zygote or not.
+    run_as: object = None
+    child_env: dict | None = None
 
 
 def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
@@ -251,8 +255,9 @@ def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list
         ("gpu", gpu_check),
         ("storage", lambda: storage(dirs, c.storage_bytes)),
         ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)
-         if c.zygote is None else coll.checkpoint(str(c.checkpoint_dir or c.workdir),
-                                                  zygote=c.zygote)),
+         if c.zygote is None and c.run_as is None else coll.checkpoint(
+             str(c.checkpoint_dir or c.workdir), zygote=c.zygote, user=c.run_as,
+             env=c.child_env)),
         ("clock", lambda: clock(etcd, c.skew_limit_s, now=now)),
         ("collective", lambda: coll.with_peer(*c.pair, host=c.host, nbytes=c.collective_bytes,
                                               min_bus_gbps=c.min_bus_gbps, zygote=c.zygote)

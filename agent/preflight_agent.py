@@ -37,7 +37,9 @@ def checks(agent: Agent) -> list[pre.Check]:
                                  else None,
                                  # its tests' processes are forked: no torch import of their
                                  # own, none in the agent (docs/constraints.md)
-                                 zygote=agent.workers.ready_zygote(ZYGOTE_START_S))
+                                 zygote=agent.workers.ready_zygote(ZYGOTE_START_S),
+                                 run_as=agent.run_as,
+                                 child_env=agent.workers.env if agent.run_as else None)
     gpu = agent.health.gpu
     done = pre.run_checks(config, etcd=agent.etcd,
                           gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))

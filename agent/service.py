@@ -118,6 +118,8 @@ class Agent:
             for sub in ("stacks", "logs"):
                 private_dir(workdir / sub, "--workdir", pass_gid=job_gid)
                 run_as.give(workdir / sub / node)
+            for sub in ("nccl", "nccl-pipes"):  # the flight recorder's, in theirs
+                run_as.give(workdir / "stacks" / node / sub, in_theirs=True)
             run_as.give(job_dir(workdir))
             if not run_as.can_pass(job_dir(workdir)):
                 raise UserError(f"--run-as {run_as.name}: that user cannot reach --workdir "
@@ -153,9 +155,6 @@ class Agent:
         if not monitors:
             env[PROGRESS_ENV] = "off"
         self.stacks_dir = workdir / "stacks" / node
-        if run_as is not None:  # the flight recorder's directories, made just above
-            for sub in ("nccl", "nccl-pipes"):
-                run_as.give(self.stacks_dir / sub)
         self.workers = Workers(nproc=nproc, env=env, log_dir=workdir / "logs" / node,
                                notes_dir=self.stacks_dir, park=park, log_bytes=rank_log_bytes,
                                user=run_as)

@@ -113,7 +113,12 @@ class Tier0Store:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            # A hard link planted in incoming/ names another file: sealing it would hand the
+            # ranks' group that file (and with --run-as it must be the ranks' own).
+            owner = self.user.uid if self.user else os.geteuid()
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != owner:
+                log.warning("ignoring tier-0 snapshot %s: not a file of the ranks' own, linked "
+                            "once", path)
                 dest.unlink(missing_ok=True)
                 return None
             self._seal(fd)

@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from lazarus.agent.adopt import VANISHED, AdoptedRank, read_note, start_time
 from lazarus.core import rankfiles
 from lazarus.core.jobuser import JobUser
@@ -162,7 +164,7 @@ class Zygote:
     def spawn(self, log_path: Path) -> None:
         """Ask for one parked worker with its output in `log_path`; `take` hands it over once
         its pid came."""
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        fd = rankfiles.open_log(log_path)
         try:
             self._request(*PARK, stdout=fd, stderr=fd, session=True, for_pool=True)
         finally:
@@ -246,25 +248,49 @@ class Zygote:
                     self._gone("it exited" if self.proc.poll() is not None else "it closed")
                     return
                 word, _, rest = msg.decode("ascii", "replace").partition(" ")
-                if word == "ready":
-                    self.ready = True
-                elif word == "pid" and self._waiting:
-                    entry = self._waiting.pop(0)
-                    pid = int(rest)
-                    if pid <= 0:  # refused
-                        entry[1].close()
-                        continue
-                    entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir, entry[4])
-                    if entry[3]:
-                        self._forked.append(entry[2])
-                elif word == "rehearsed":
-                    self._rehearsing_since = None
-                    log.info("worker zygote: rehearsal %s (%s)", rest, self.proc.pid)
-                elif word == "exit":
-                    pid, _, code = rest.partition(" ")
-                    self._codes[int(pid)] = int(code)
-                    if len(self._codes) > MAX_CODES:  # codes nobody asks for: workers whose
-                        del self._codes[next(iter(self._codes))]  # end was read elsewhere
+                try:
+                    self._heard(word, rest)
+                except ValueError as e:
+                    # It runs the job's user's code paths (--run-as): what it says is checked,
+                    # and a zygote that talks nonsense is let go.
+                    self._gone(f"it sent {msg[:80]!r} ({e})")
+                    return
+
+    def _heard(self, word: str, rest: str) -> None:
+        """(lock held) One message of the zygote's; ValueError when malformed."""
+        if word == "ready":
+            self.ready = True
+        elif word == "pid" and self._waiting:
+            entry = self._waiting.pop(0)
+            pid = int(rest)
+            if pid <= 0 or not self._forked_by_it(pid):  # refused, or not its child
+                entry[1].close()
+                return
+            entry[2] = ForkedWorker(pid, entry[1], self, self.notes_dir, entry[4])
+            if entry[3]:
+                self._forked.append(entry[2])
+        elif word == "rehearsed":
+            self._rehearsing_since = None
+            log.info("worker zygote: rehearsal %s (%s)", rest, self.proc.pid)
+        elif word == "exit":
+            pid, _, code = rest.partition(" ")
+            self._codes[int(pid)] = int(code)
+            if len(self._codes) > MAX_CODES:  # codes nobody asks for: workers whose
+                del self._codes[next(iter(self._codes))]  # end was read elsewhere
+
+    def _forked_by_it(self, pid: int) -> bool:
+        """Whether `pid` is a child of this zygote, of its user: the agent later signals the
+        pids it takes as workers, and a zygote of the job's user (--run-as) whose code was
+        tampered with could name any process on the node."""
+        try:
+            child, zygote = psutil.Process(pid), psutil.Process(self.proc.pid)
+            ok = child.ppid() == self.proc.pid and child.uids().real == zygote.uids().real
+        except psutil.Error:
+            ok = False
+        if not ok:
+            log.warning("worker zygote (pid %d) named pid %d, not a child of its own: ignored",
+                        self.proc.pid, pid)
+        return ok
 
     def take(self) -> list[ForkedWorker]:
         """The parked workers forked since the last call."""

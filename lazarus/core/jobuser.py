@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core.privatedir import set_dir
 
 # What an agent that is not root needs to start, watch and stop ranks of another user
 # (systemd: AmbientCapabilities=, deploy/systemd/lazarus-agent.service): become them (SETUID;
@@ -92,10 +93,13 @@ class JobUser:
         if uid == os.geteuid():
             raise UserError(f"--run-as {spec!r}: that is the agent's own user; name another "
                             f"one, or leave --run-as out")
+        gid = (int(gid_text) if sep else uid) if entry is None else (
+            int(gid_text) if sep else entry.pw_gid)
+        if gid == 0 or gid == os.getegid():
+            raise UserError(f"--run-as {spec!r}: its group ({gid}) is root's or the agent's; "
+                            f"the ranks' group may pass the agent's directories")
         if entry is None:
-            gid = int(gid_text) if sep else uid
             return cls(str(uid), uid, gid, (), "")
-        gid = int(gid_text) if sep else entry.pw_gid
         groups = tuple(g for g in os.getgrouplist(entry.pw_name, gid) if g != gid)
         return cls(entry.pw_name, uid, gid, groups, entry.pw_dir)
 
@@ -103,7 +107,10 @@ class JobUser:
         """subprocess.Popen's arguments that start a process as this user, with no
         capability: all three ids, or the child keeps the agent's supplementary groups
         (root's, for a root agent)."""
-        kwargs = {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+        # Never an empty list: CPython 3.12.0 skipped setgroups() for one (CVE-2023-6507),
+        # and the child kept the agent's groups.
+        kwargs = {"user": self.uid, "group": self.gid,
+                  "extra_groups": list(self.groups) or [self.gid]}
         if os.geteuid() != 0:  # root's change of user drops every capability by itself
             kwargs["preexec_fn"] = _drop_inherited_capabilities
         return kwargs
@@ -113,21 +120,26 @@ class JobUser:
         or to `fallback_home` (a directory of theirs) when it has none."""
         return {"HOME": self.home or str(fallback_home), "USER": self.name, "LOGNAME": self.name}
 
-    def give(self, path: Path) -> Path:
+    def give(self, path: Path, *, in_theirs: bool = False) -> Path:
         """`path`, a directory of the agent's making (created when missing), made this user's
-        own, mode 0700: the job writes there, and nobody else but the agent."""
+        own, mode 0700: the job writes there, and nobody else but the agent. `in_theirs`:
+        its parent is this user's already (stacks/NODE/nccl), so whatever is at the name was
+        planted there and is removed; elsewhere a symlink is removed, and anything else
+        that is not a directory is a UserError."""
         path = Path(path)
-        if path.is_symlink():
-            # Planted where the agent makes a directory of theirs (stacks/NODE/nccl, in a
-            # directory the ranks own): never followed, and no refusal to start either.
+        if path.is_symlink():  # never followed: the agent would hand over its target
+            path.unlink()
+        elif in_theirs and path.exists() and not path.is_dir():
             path.unlink()
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except FileExistsError:
             pass  # not a directory: said next
-        _check_dir(path)
-        os.chown(path, self.uid, self.gid, follow_symlinks=False)
-        os.chmod(path, 0o700, follow_symlinks=False)
+        try:
+            set_dir(path, 0o700, uid=self.uid, gid=self.gid)
+        except OSError as e:
+            raise UserError(f"{str(path)!r} is not a directory the agent can give to "
+                            f"{self.name} ({e.strerror}); remove what is there") from None
         return path
 
     def can_pass(self, path: Path) -> bool:
@@ -166,12 +178,6 @@ def job_dir(workdir: Path) -> Path:
     """Where ranks of a user of their own may write by default (their allowed root, the
     preflight's checkpoint test): theirs, inside the agent's workdir they may only pass."""
     return Path(workdir) / "job"
-
-
-def _check_dir(path: Path) -> None:
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UserError(f"{str(path)!r} is not a directory (a symlink?); the agent makes it")
 
 
 def missing_capabilities() -> list[str]:

@@ -27,7 +27,7 @@ def private_dir(path: Path, what: str, *, others_may_read: bool = False,
     path = Path(path)
     try:
         path.mkdir(mode=0o700, parents=True)
-        os.chmod(path, 0o700, follow_symlinks=False)  # whatever the umask took away
+        set_dir(path, 0o700)  # whatever the umask took away
     except FileExistsError:
         pass
     except OSError as e:
@@ -46,11 +46,23 @@ def private_dir(path: Path, what: str, *, others_may_read: bool = False,
             if mode & 0o070:
                 raise UserError(f"{what} {str(path)!r} is open to group {st.st_gid}, not to "
                                 f"the ranks' group {pass_gid} alone; `chmod 700 {path}`")
-            os.chown(path, -1, pass_gid, follow_symlinks=False)
-            os.chmod(path, 0o710, follow_symlinks=False)
+            set_dir(path, 0o710, gid=pass_gid)
         return path
     if mode & (0o022 if others_may_read else 0o077):
         allowed = "writable by" if others_may_read else "open to"
         raise UserError(f"{what} {str(path)!r} is {allowed} other users (mode {mode:04o}); "
                         f"`chmod 700 {path}`, or give another directory")
     return path
+
+
+def set_dir(path: Path, mode: int, *, uid: int = -1, gid: int = -1) -> None:
+    """Set the directory `path`'s mode (and owner, group) through a descriptor of it:
+    never through a symlink swapped in (ELOOP, ENOTDIR: OSError), and without lchmod, which
+    Linux lacks."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if uid != -1 or gid != -1:
+            os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)

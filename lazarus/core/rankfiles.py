@@ -10,9 +10,13 @@ trusts (its own; the job's user too, once ranks run as one). Anything else reads
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import stat
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # Opened without following a final symlink and without blocking on a FIFO; never inherited.
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -23,28 +27,49 @@ _job_uid: list[int] = []
 
 
 def trust(uid: int) -> None:
-    """Take files of `uid` as well: the user the ranks run as (lazarus.core.jobuser)."""
+    """Take the ranks' files as `uid`'s only: the user they run as (lazarus.core.jobuser).
+    Files of the agent's own user there are then not the ranks': the agent's own logs
+    (`open_log`), or something linked in."""
     _job_uid[:] = [uid]
 
 
 def owners() -> frozenset[int]:
-    """The users whose files in the ranks' directories the agent takes."""
-    return frozenset({os.geteuid(), *_job_uid})
+    """The users whose files in the ranks' directories the agent takes: the ranks' (the
+    agent's own unless they run as a user of their own, whose files those all are)."""
+    return frozenset(_job_uid or {os.geteuid()})
+
+
+def _sound(st: os.stat_result, kind: int, uids: frozenset[int]) -> bool:
+    """Of `kind`, owned by one of `uids`, and, a regular file, linked once: a hard link
+    planted in the ranks' directory names another file of that owner's."""
+    return (stat.S_IFMT(st.st_mode) == kind and st.st_uid in uids
+            and (kind != stat.S_IFREG or st.st_nlink == 1))
 
 
 def open_log(path: Path | str) -> int:
     """An fd appending to the agent's own log file at `path` in a directory the ranks' user
-    owns (a zygote's, a cold worker's): created when missing, never through a symlink or a
-    FIFO planted there, nor a file of an untrusted user."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _FLAGS, 0o600)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in owners():
-            raise PermissionError(f"{path}: not a file of a trusted user")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    owns (a zygote's, a cold worker's). Whatever else is at the name -- a symlink, a FIFO, a
+    directory, a file of theirs or a hard link -- was planted: it is removed and the file
+    made anew. Never raises: /dev/null when the name cannot be had."""
+    me = frozenset({os.geteuid()})
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _FLAGS, 0o600)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            if _sound(os.fstat(fd), stat.S_IFREG, me):
+                return fd
+            os.close(fd)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # not through symlinks
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+    log.warning("log %s: its name is taken by something the ranks put there; output lost", path)
+    return os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
 
 
 def _open(path: Path | str, flags: int, kind: int) -> int:
@@ -54,7 +79,7 @@ def _open(path: Path | str, flags: int, kind: int) -> int:
     fd = os.open(path, flags | _FLAGS)
     try:
         st = os.fstat(fd)
-        if stat.S_IFMT(st.st_mode) != kind or st.st_uid not in owners():
+        if not _sound(st, kind, owners()):
             raise PermissionError(f"{path}: not a {'file' if kind == stat.S_IFREG else 'pipe'} "
                                   f"of a trusted user")
     except BaseException:
@@ -66,7 +91,7 @@ def _open(path: Path | str, flags: int, kind: int) -> int:
 def size(path: Path | str) -> int:
     """The size of the regular file at `path` (not through a symlink); OSError otherwise."""
     st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid not in owners():
+    if not _sound(st, stat.S_IFREG, owners()):
         raise PermissionError(f"{path}: not a file of a trusted user")
     return st.st_size
 

@@ -97,6 +97,7 @@ class LocalCluster:
         self._agent_spec: dict[str, tuple[int, str]] = {}
         self._events_seen: set[str] = set()
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
+        self.job_uid: int | None = None    # whom the ranks run as (--run-as in agent_args)
         # Where jobs may write (`lazarus agent --allowed-root`): beside the cluster's workdir,
         # where the tests and `lazarus up` keep their metrics and checkpoints.
         self.allowed_roots: list[Path] = [workdir.resolve().parent]
@@ -332,8 +333,8 @@ class LocalCluster:
         for node in self.agents:  # ranks a stopped agent left running for its successor
             self._kill_ranks(node)
             # the host memory a killed agent's snapshots held
-            shutil.rmtree(tier0_agent.default_dir(self.workdir / "nodes", node),
-                          ignore_errors=True)
+            shutil.rmtree(tier0_agent.default_dir(self.workdir / "nodes", node,
+                                                  self.job_uid), ignore_errors=True)
         if self.etcd is not None:
             self.etcd.close()
             self.etcd = None

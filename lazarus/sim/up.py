@@ -214,9 +214,11 @@ def _run_as(name: str, workdir: Path, metrics: Path) -> jobuser.JobUser:
     them, not listable (the cluster's credentials are in it, closed to them)."""
     jobuser.check_agent_may_switch()
     user = jobuser.JobUser.resolve(name)
-    user.open_to(workdir, "--workdir")
+    user.open_to(workdir, "--workdir")  # this run's own: its group may change, not another's
     user.give(workdir / "checkpoints")
-    user.open_to(metrics.parent, "--metrics' directory")
+    if not user.can_pass(metrics.parent):
+        raise UserError(f"--metrics {metrics}: the ranks' user {user.name} cannot reach its "
+                        f"directory; give one it can (the default is in the workdir)")
     fd = os.open(metrics, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.fchown(fd, user.uid, user.gid)
     os.close(fd)
@@ -442,7 +444,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"--run-as {run_as.name}: that user cannot reach this directory "
                         f"({job.cwd}), where your script runs; run from one it can")
     _check_targets(schedule, [f"n{i}" for i in range(args.nodes + args.spares)])
-    agent_args = _agent_args(args) + (["--run-as", run_as.name] if run_as else [])
+    agent_args = _agent_args(args) + (["--run-as", args.run_as] if run_as else [])
     say = print
     if own:
         say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
@@ -467,6 +469,7 @@ def run(args: argparse.Namespace) -> dict:
         cluster.allowed_roots = [workdir.resolve(), metrics.parent] + (
             [Path(job.cwd)] if own and job.cwd else [])
         cluster.agent_args += agent_args
+        cluster.job_uid = run_as.uid if run_as else None
         cluster.trainer_faults = _rank_faults(trainer_faults, args.nodes * args.nproc_per_node)
         cluster.start_etcd()
         say(f"etcd: {cluster.endpoint}, TLS with client certificates and authentication on "

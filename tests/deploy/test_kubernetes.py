@@ -117,14 +117,20 @@ def test_no_job_code_runs_as_root_or_as_the_agent():
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sorted("CAP_" + c for c in sc["capabilities"]["add"]) == sorted(CAPABILITIES)
     args = " ".join(agent["args"])
-    ranks = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['fsGroup']}"
+    ranks = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
     assert f"--run-as {ranks}" in args
     assert JobUser.resolve(ranks).uid > 0  # a bare uid: no passwd entry needed in the image
+    # No fsGroup: the kubelet makes Secret files readable by it whatever their mode, and no
+    # service account token: either would be the ranks' to read.
+    assert "fsGroup" not in pod["securityContext"]
+    assert pod["automountServiceAccountToken"] is False
     for v in pod["volumes"]:
-        if "secret" in v:  # root's alone: not the ranks' group
+        if "secret" in v:  # root's alone
             assert v["secret"]["defaultMode"] == 0o400, v["name"]
     (init,) = pod["initContainers"]
-    assert init["command"][:1] == ["install"] and "0700" in init["command"]
-    assert init["command"][-5:] == ["-o", "0", "-g", "0", "/var/lib/lazarus/agent"]
+    script = " ".join(init["args"])
+    assert "install -d -m 0700 -o 0 -g 0 /var/lib/lazarus/agent" in script
+    assert "chown -R 0:0 /var/lib/lazarus/agent" in script  # an older agent's, of uid 10001
+    assert f"chown {ranks} /checkpoints" in script  # the ranks write there
     assert "--workdir /var/lib/lazarus/agent" in args
     assert init["securityContext"]["capabilities"]["drop"] == ["ALL"]

@@ -34,12 +34,14 @@ def test_the_agents_own_user_is_refused(monkeypatch):
 
 
 def test_another_user_is_taken_with_its_groups_and_login_environment():
-    other = next(p for p in pwd.getpwall() if p.pw_uid not in (0, os.geteuid()))
+    other = next(p for p in pwd.getpwall()
+                 if p.pw_uid not in (0, os.geteuid()) and p.pw_gid not in (0, os.getegid()))
     user = JobUser.resolve(other.pw_name)
     assert (user.uid, user.gid, user.home) == (other.pw_uid, other.pw_gid, other.pw_dir)
     assert user.gid not in user.groups
-    assert user.popen_kwargs() == {"user": other.pw_uid, "group": other.pw_gid,
-                                   "extra_groups": list(user.groups)}
+    assert {k: v for k, v in user.popen_kwargs().items() if k != "preexec_fn"} == {
+        "user": other.pw_uid, "group": other.pw_gid,
+        "extra_groups": list(user.groups) or [other.pw_gid]}  # never [] (CVE-2023-6507)
     assert user.env(Path("/unused")) == {"HOME": other.pw_dir, "USER": other.pw_name,
                                          "LOGNAME": other.pw_name}
 
@@ -54,6 +56,8 @@ def test_a_bare_uid_is_a_user_of_a_container_without_a_passwd_entry():
     assert JobUser.resolve(str(free)).gid == free
     with pytest.raises(UserError, match="UID:GID. in numbers|UID\\[:GID\\] in numbers"):
         JobUser.resolve("someone:wheel")
+    with pytest.raises(UserError, match="root's or the agent's"):
+        JobUser.resolve(f"{free}:0")
 
 
 def test_a_directory_given_to_the_ranks_replaces_a_symlink_planted_there(tmp_path):

@@ -116,20 +116,39 @@ def test_a_rank_log_is_rotated_in_place_and_a_planted_keep_file_is_replaced(tmp_
 
 def test_the_agents_own_log_in_a_rank_writable_dir_is_not_opened_through_a_plant(tmp_path, secret):
     """The zygote's and cold workers' logs lie beside the ranks' own, in a directory the
-    ranks' user owns (--run-as): a symlink or FIFO planted at the name is refused, a file
-    that is there is appended to."""
-    link = tmp_path / "zygote.log"
-    link.symlink_to(secret)
-    with pytest.raises(OSError):
-        rankfiles.open_log(link)
-    assert secret.read_bytes() == SECRET
-    fifo = tmp_path / "worker-1.log"
-    os.mkfifo(fifo)
-    with pytest.raises(OSError):
-        rankfiles.open_log(fifo)  # neither blocks nor opens
-    path = tmp_path / "worker-2.log"
-    for line in (b"one\n", b"two\n"):
+    ranks' user owns (--run-as): a symlink, FIFO, directory or hard link planted at the name
+    is removed and the log made anew, never written through, and the agent goes on; a log
+    that is its own is appended to."""
+    def append(path, line: bytes) -> None:
         fd = rankfiles.open_log(path)
         os.write(fd, line)
         os.close(fd)
+
+    link = tmp_path / "zygote.log"
+    link.symlink_to(secret)
+    fifo = tmp_path / "worker-1.log"
+    os.mkfifo(fifo)
+    directory = tmp_path / "worker-2.log"
+    (directory / "inner").mkdir(parents=True)
+    hard = tmp_path / "worker-3.log"
+    os.link(secret, hard)
+    for plant in (link, fifo, directory, hard):
+        append(plant, b"agent\n")
+        assert plant.is_file() and not plant.is_symlink() and plant.read_bytes() == b"agent\n"
+    assert secret.read_bytes() == SECRET
+    path = tmp_path / "worker-4.log"
+    for line in (b"one\n", b"two\n"):
+        append(path, line)
     assert path.read_bytes() == b"one\ntwo\n"
+
+
+def test_a_hard_link_in_a_ranks_directory_is_not_taken(tmp_path, secret):
+    """A rank log that is a hard link to a file of the agent's: rotating it would empty that
+    file, reading it would report it."""
+    log_path = tmp_path / "rank-0.log"
+    os.link(secret, log_path)
+    with pytest.raises(OSError):
+        rankfiles.read(log_path)
+    with pytest.raises(OSError):
+        rankfiles.rotate(log_path, tmp_path / "rank-0.log.1")
+    assert secret.read_bytes() == SECRET

@@ -155,3 +155,16 @@ def test_a_symlink_in_incoming_is_not_taken_over(tmp_path):
     link.symlink_to(victim)
     assert store.add_local("j", 0, 5, link) is None
     assert store.path("j", 0, 5) is None
+
+
+def test_a_hard_link_planted_in_incoming_is_not_taken_over(tmp_path):
+    """Reported as a snapshot, a hard link to another file would be re-moded for the
+    ranks' group to read; it is dropped, and the file keeps its mode."""
+    store = Tier0Store(tmp_path / "t0", limit_bytes=1 << 20)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    os.link(victim, store.incoming / "s5.t0")
+    assert store.add_local("j", 0, 5, store.incoming / "s5.t0") is None
+    assert victim.read_bytes() == b"precious" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert store.path("j", 0, 5) is None
