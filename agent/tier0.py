@@ -40,6 +40,17 @@ from lazarus.core.privatedir import private_dir
 log = logging.getLogger(__name__)
 
 
+def _discard(path: Path) -> None:
+    """Remove whatever is at `path` (a directory swapped in too), never following a link."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 @dataclass(frozen=True, slots=True)
 class Copy:
     job: str
@@ -103,13 +114,14 @@ class Tier0Store:
             log.warning("ignoring tier-0 snapshot %s: not a file in %s", path, self.incoming)
             return None
         dest = self.root / "local" / _name(job, rank, step)
-        os.replace(path, dest)
-        # On the file taken, not a path a rank could swap meanwhile: a rank writes it under
-        # its umask (0644 seen).
+        # On the entry taken, not a path a rank could swap meanwhile (a rank writes it under
+        # its umask, 0644 seen): what was swapped in for the file is taken and dropped.
         try:
+            os.replace(path, dest)
             fd = os.open(dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             log.warning("ignoring tier-0 snapshot %s: gone or not a file once taken", path)
+            _discard(dest)
             return None
         try:
             st = os.fstat(fd)
@@ -119,7 +131,7 @@ class Tier0Store:
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != owner:
                 log.warning("ignoring tier-0 snapshot %s: not a file of the ranks' own, linked "
                             "once", path)
-                dest.unlink(missing_ok=True)
+                _discard(dest)
                 return None
             self._seal(fd)
         finally:
