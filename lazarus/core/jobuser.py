@@ -10,7 +10,6 @@ never to list or write.
 
 from __future__ import annotations
 
-import grp
 import ctypes
 import os
 import pwd
@@ -161,17 +160,10 @@ class JobUser:
             return
         st = os.stat(path)
         if st.st_uid == os.geteuid() and not st.st_mode & 0o070:
-            os.chown(path, -1, self.gid)
-            os.chmod(path, stat.S_IMODE(st.st_mode) | 0o010)
+            set_dir(path, stat.S_IMODE(st.st_mode) | 0o010, gid=self.gid)
         if not self.can_pass(path):
             raise UserError(f"{what} {str(path)!r}: the ranks' user {self.name} cannot reach it "
                             f"(a directory on the way closed to it); give one it can reach")
-
-    def group_name(self) -> str:
-        try:
-            return grp.getgrgid(self.gid).gr_name
-        except KeyError:
-            return str(self.gid)
 
 
 def job_dir(workdir: Path) -> Path:
