@@ -110,8 +110,8 @@ def main(argv: list[str]) -> int:
                         f"got {args.long_phase_floor}")
     run_as = None
     if args.run_as is not None:
-        jobuser.check_agent_may_switch()
         run_as = jobuser.JobUser.resolve(args.run_as)
+        jobuser.check_agent_may_switch()
     host_limits = _host_limits(args)
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     stop = threading.Event()

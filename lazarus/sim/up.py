@@ -212,8 +212,8 @@ def _run_as(name: str, workdir: Path, metrics: Path) -> jobuser.JobUser:
     """The user the ranks run as, given what this run has them write: the checkpoint dir,
     theirs; the metrics file, theirs; the workdir (and the metrics' directory), passable by
     them, not listable (the cluster's credentials are in it, closed to them)."""
-    jobuser.check_agent_may_switch()
     user = jobuser.JobUser.resolve(name)
+    jobuser.check_agent_may_switch()
     user.open_to(workdir, "--workdir")  # this run's own: its group may change, not another's
     user.give(workdir / "checkpoints")
     if not user.can_pass(metrics.parent):

@@ -126,6 +126,10 @@ BAD_COMMAND_LINES = [
     (["run", "--nodes", "0", "--", "python", "-c", "pass"], "--nodes must be at least 1"),
     (["run", "--", "python", "missing-train.py"], "'missing-train.py' is not a readable file"),
     (["worker", "--zygote", "999"], "--zygote 999: not an open socket"),
+    (["up", "--run-as", "no-such-user-x"], "--run-as 'no-such-user-x': no such user"),
+    (["up", "--run-as", "root"], "--run-as 'root': that is root"),
+    (["agent", "--run-as", "someone:wheel"], "give a user name, or UID[:GID] in numbers"),
+    (["agent", "--run-as", "0"], "--run-as '0': that is root"),
 ]
 
 
