@@ -90,6 +90,9 @@ class Group:
     # local rank -> why it started in a fresh process, not kept from the round before (ANEW_*):
     # what a recovery's event says of the ranks that did not go on in place
     anew: dict[int, str] = field(default_factory=dict)
+    # local ranks that run a program of the job's own (jobcommand.PROGRAM): no Lazarus code
+    # in their process says whether their exit was a lost peer; their output does
+    programs: set[int] = field(default_factory=set)
 
     @property
     def alive(self) -> bool:
@@ -293,7 +296,10 @@ class Workers:
             a = next(iter(assignments.values()))
             self.rehearse(round_, a.command, a.train, a.world_size)
         self.drop_kept()
-        self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept, anew=anew)
+        programs = {lr for lr, a in assignments.items()
+                     if jobcommand.how_run(a.command) == jobcommand.PROGRAM}
+        self.group = Group(round=round_, procs=procs, ranks=ranks, kept=kept, anew=anew,
+                           programs=programs)
         return self.group
 
     def drop_kept(self) -> None:
@@ -341,10 +347,15 @@ class Workers:
         changed = False
         for local_rank, proc in g.procs.items():
             if local_rank not in g.exit_codes and (code := proc.poll()) is not None:
-                if exitcodes.watchdog_abort(code, tail(rank_log(self.log_dir, g.round,
-                                                               g.ranks[local_rank]), 8192)):
+                output = tail(rank_log(self.log_dir, g.round, g.ranks[local_rank]), 8192)
+                if exitcodes.watchdog_abort(code, output):
                     log.warning("round %d rank %d (pid %d): NCCL's watchdog aborted it; "
                                 "counted as a lost peer", g.round, g.ranks[local_rank], proc.pid)
+                    code = exitcodes.PEER_LOST
+                elif local_rank in g.programs and exitcodes.peer_lost_in_output(code, output):
+                    log.warning("round %d rank %d (pid %d) exited with %d on a lost peer's "
+                                "error; counted as a lost peer", g.round, g.ranks[local_rank],
+                                proc.pid, code)
                     code = exitcodes.PEER_LOST
                 g.exit_codes[local_rank] = code
                 changed = True
@@ -374,6 +385,7 @@ class Workers:
 
     def _kill(self, procs: list) -> None:
         for proc in procs:
+            _kill_group(proc.pid)
             if proc.poll() is None:
                 try:
                     proc.send_signal(signal.SIGKILL)
@@ -409,13 +421,27 @@ class Workers:
             self.zygote = None
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL what worker `pid` started in its process group: every worker leads a session
+    of its own (parked cold or forked by the zygote), and what it starts stays in it -- a
+    shell wrapper's python, a script's data loader processes -- even once the worker itself
+    died (a wrapper killed by a fault leaves its python training). Linux gives no new process
+    the pid of a group that still has members; once it has none, the pid could only name a
+    new process that made a group of its own with it in the moments since -- a risk taken,
+    against ranks left training outside any round."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def ended_why(g: Group, local_rank: int) -> str:
     """Why the process of `local_rank` in `g` does not go on to the next round (ANEW_*)."""
-    if local_rank == g.first_failure:
-        return ANEW_FAILED
     if local_rank in g.survivors:
         return ANEW_LET_GO
     code = g.exit_codes.get(local_rank)
+    if local_rank == g.first_failure and code != exitcodes.PEER_LOST:
+        return ANEW_FAILED
     if code is None:
         code = g.procs[local_rank].poll()
     if code is None:

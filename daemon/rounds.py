@@ -112,9 +112,13 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                                  restore=memory.label if memory else record.restore,
                                  restore_step=record.restore_step)
     where = ("from memory (tier 0)" if memory else "from storage (tier 1)") if step else ""
-    msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size} "
-           f"(dp {record.dp} x tp {record.tp}), "
-           + (f"restoring step {step} {where}" if step else "from scratch") + f" -- {reason}")
+    # A script of the user's own: its parallelism is its own business, and with no copy
+    # the daemon knows of, it resumes from its own checkpoints (or starts, the first time).
+    shape = f" (dp {record.dp} x tp {record.tp})" if job.builtin else ""
+    start = ("from scratch" if job.builtin
+             else "the script resumes from its own checkpoints, if any")
+    msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size}"
+           f"{shape}, " + (f"restoring step {step} {where}" if step else start) + f" -- {reason}")
     fields = {"members": members, "restore_step": record.restore_step}
     if step:
         fields["restore_tier"] = 0 if memory else 1

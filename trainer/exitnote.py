@@ -16,8 +16,6 @@ import sys
 import traceback
 from typing import NoReturn
 
-import psutil
-
 from lazarus.core.contract import STACKS_ENV, exit_note_path
 
 
@@ -31,11 +29,25 @@ def record(code: int) -> None:
     tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"pid": pid, "started": psutil.Process(pid).create_time(),
-                                   "code": code}))
+        tmp.write_text(json.dumps({"pid": pid, "started": start_time(pid), "code": code}))
         os.replace(tmp, path)  # the agent reads a whole note or none
     except OSError:
         pass  # the agent then counts this exit as a crash: the safe side
+
+
+def start_time(pid: int) -> float:
+    """When `pid` started, on psutil's clock (the agent's: lazarus.agent.adopt.start_time).
+    Without psutil (a rank in the user's own environment, lazarus.trainer.rankboot): psutil's
+    own formula, the boot time plus the start in clock ticks, from /proc."""
+    try:
+        import psutil
+    except ImportError:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return psutil.Process(pid).create_time()
 
 
 def exit_now(code: int) -> NoReturn:

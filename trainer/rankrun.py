@@ -7,15 +7,18 @@ its assignment and runs the job's command in torchrun's environment:
     `init_process_group()` from the environment joins this round and never a dead one's keys;
   - the rank's output goes to its round's log file on the node (the agent bounds its size);
   - a Python command (`python train.py ...`, `python -m pkg ...`, the built-in trainer) runs
-    inside this process, so a restart pays neither a process start nor `import torch`; any
-    other program replaces this process (exec).
-A rank of a script that reports nothing itself (level 0) is watched from a thread here
-(lazarus.trainer.collwatch): whether it joined its process group, and its collectives. Its
-final destroy_process_group() is bounded in time (lazarus.trainer.teardown).
+    inside this process, so a restart pays neither a process start nor `import torch`;
+    another Python by its path replaces this process with that interpreter, which runs the
+    command the same way (lazarus.trainer.rankboot); any other program replaces it too, with
+    a watcher beside it (lazarus.trainer.progwatch).
+A rank of a script that reports nothing itself (level 0) is watched from a thread in its
+process (lazarus.trainer.collwatch): whether it joined its process group, and its
+collectives. Its final destroy_process_group() is bounded in time (lazarus.trainer.teardown).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
@@ -72,6 +75,7 @@ def collective_timeout() -> float | None:
     ($LAZARUS_PG_TIMEOUT_S), else the agent's (twice its first-step allowance), applied to
     torch's defaults -- a script that passes a timeout of its own keeps it. The agent's hang
     detector acts first, with stacks and a culprit; this is the backstop."""
+    import torch.distributed.constants as constants
     import torch.distributed.distributed_c10d as c10d
 
     for name in (PG_TIMEOUT_ENV, SCRIPT_PG_TIMEOUT_ENV):
@@ -80,8 +84,12 @@ def collective_timeout() -> float | None:
         except ValueError:
             continue
         if seconds > 0:
-            c10d.default_pg_timeout = timedelta(seconds=seconds)
-            c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+            timeout = timedelta(seconds=seconds)
+            c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+            # Frameworks pass torch's default explicitly, read from here when they are
+            # imported (Lightning's strategies: `timeout=default_pg_timeout`): the script
+            # imports them after this.
+            constants.default_pg_timeout = constants.default_pg_nccl_timeout = timeout
             return seconds
     return None
 
@@ -112,10 +120,42 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
     """Become rank `a.rank` of round `a.round`: never returns (the command's exit code ends
     this process, or the command replaces it)."""
     env = enter(a)
-    if not jobcommand.runs_warm(a.command):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execvpe(a.command[0], a.command, env)
+    how = jobcommand.how_run(a.command)
+    if how == jobcommand.OWN_PYTHON:
+        from lazarus.trainer import rankboot
+        env[rankboot.ROOTS_ENV] = json.dumps(rankboot.roots())
+        _exec(rankboot.exec_args(a.command[0], jobcommand.python_options(a.command)), env)
+    if how == jobcommand.PROGRAM:
+        from lazarus.trainer import progwatch
+        progwatch.start(a)
+        _exec(a.command, env)
+    run_here(a)
+
+
+def _exec(argv: list[str], env: dict[str, str]) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:  # checked runnable a moment ago: gone or changed since
+        print(f"lazarus: cannot run {argv[0]!r}: {e}", file=sys.stderr, flush=True)
+        exitnote.exit_now(127)
+
+
+def run_own_python() -> NoReturn:
+    """(In the job's interpreter, lazarus.trainer.rankboot) run the rank's command here."""
+    a = WorkerAssignment.from_json(os.environ[ASSIGNMENT_ENV])
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        _refuse(a, f"[job] command: {sys.executable} cannot import torch ({e}); install "
+                   "torch in the job's environment (docs/adopting.md, \"Your environment\")")
+    run_here(a)
+
+
+def run_here(a: WorkerAssignment) -> NoReturn:
+    """Run the rank's Python command in this interpreter (the agent's or the job's own):
+    never returns."""
     if not jobcommand.is_builtin(a.command):
         collective_timeout()
         from lazarus.trainer.collwatch import watch

@@ -31,12 +31,6 @@ HANDOVER_MAX_S = 600.0
 # How long init waits for the store and for every peer of the round to show up.
 STORE_TIMEOUT = timedelta(seconds=300)
 
-# Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.
-_PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken pipe",
-               "connection refused", "socket timeout", "nccl communicator was aborted",
-               "gloo", "nccl error", "timed out", "connectfullmesh")
-
-
 def handover_s(issued_at: object, now: float | None = None) -> float:
     """Seconds since the agent handed the assignment over at `issued_at` (wall clock): 0 when
     it did not say (0, not a number) or the clocks disagree; at most HANDOVER_MAX_S."""
@@ -52,8 +46,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
     if isinstance(exc, dist.DistError):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
+    return isinstance(exc, (RuntimeError, ConnectionError)) and exitcodes.names_lost_peer(str(exc))
 
 
 def _pg_timeout() -> timedelta:

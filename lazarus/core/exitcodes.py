@@ -8,6 +8,8 @@ it names a culprit.
 
 from __future__ import annotations
 
+import re
+
 PEER_LOST = 75          # a collective failed because a peer is gone (secondary failure)
 BAD_CHECKPOINT = 76     # the checkpoint to restore is missing, incomplete or corrupt
 ORPHANED = 77           # the rank's agent stayed away past the grace (AGENT_GRACE_ENV)
@@ -35,3 +37,41 @@ def watchdog_abort(code: int, output: str) -> bool:
         return False
     text = output.lower()
     return any(sign in text for sign in WATCHDOG_SIGNS)
+
+
+# Messages of the errors gloo / NCCL / the c10d store raise when a peer vanished.
+PEER_SIGNS = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "connection refused", "socket timeout", "nccl communicator was aborted",
+              "gloo", "nccl error", "timed out", "connectfullmesh")
+# torch.distributed's own errors of a peer or the store going away, as a traceback names them
+_DIST_ERRORS = ("DistError", "DistNetworkError", "DistBackendError", "DistStoreError")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+_PEER_ERRORS = ("RuntimeError", "ConnectionError", "ConnectionResetError",
+                "ConnectionRefusedError", "BrokenPipeError", "TimeoutError")
+
+
+def names_lost_peer(text: str) -> bool:
+    """Whether an error's message says a peer (or the round's store) went away."""
+    text = text.lower()
+    return any(sign in text for sign in PEER_SIGNS)
+
+
+def peer_lost_in_output(code: int, output: str) -> bool:
+    """Whether a rank that exited with `code` ended on a Python exception of a lost peer, as
+    its last `output` shows: the error a rank's collective raises when its peer is gone,
+    uncaught. Read for ranks whose process Lazarus does not run itself (a shell wrapper's
+    python): one that runs in a parked worker says so with PEER_LOST."""
+    if code != 1:  # an uncaught exception; a signal or the script's own exit code is not
+        return False
+    # torch prefixes what an uncaught exception prints with the rank, once it has a group
+    lines = [_RANK_PREFIX.sub("", line, count=1) for line in output.splitlines()]
+    try:
+        start = max(i for i, line in enumerate(lines)
+                    if line.startswith("Traceback (most recent call last):"))
+    except ValueError:
+        return False
+    # The exception's line: the traceback's first unindented line after its frames.
+    last = next((line for line in lines[start + 1:] if line and not line[0].isspace()), "")
+    name, _, message = last.partition(":")
+    name = name.rpartition(".")[2]
+    return name in _DIST_ERRORS or (name in _PEER_ERRORS and names_lost_peer(message))

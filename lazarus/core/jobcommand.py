@@ -3,8 +3,14 @@
 A job names a command, as torchrun is given one; the built-in trainer is the default command,
 not a special case (`BUILTIN`). Every rank is started the same way: a parked worker (Python and
 torch already imported, lazarus.agent.workers) takes the round's assignment, sets torchrun's
-environment and runs the command -- a Python command inside itself (warm: no process start,
-no `import torch`), any other program by exec (lazarus.trainer.rankrun).
+environment and runs the command (lazarus.trainer.rankrun) one of three ways (`how_run`):
+  - WARM: `python ...` (the agent's own interpreter) inside itself: no process start, no
+    `import torch`;
+  - OWN_PYTHON: another interpreter by its path (a venv's, a conda env's, a container's) is
+    exec'd with the rank side of Lazarus on its path (lazarus.trainer.rankboot): the script
+    runs in its own environment, watched as a warm one is;
+  - PROGRAM: anything else (a shell wrapper) runs as a child the worker watches
+    (lazarus.trainer.supervise).
 
 Checked when the job is submitted, and again by each agent before it starts a rank: an agent
 that cannot run it says why in one line, and the run fails with that line.
@@ -13,6 +19,7 @@ that cannot run it says why in one line, and the run fails with that line.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from collections.abc import Mapping
@@ -37,11 +44,41 @@ def is_builtin(command: list[str] | tuple[str, ...]) -> bool:
     return tuple(command) == BUILTIN
 
 
+WARM, OWN_PYTHON, PROGRAM = "warm", "own python", "program"
+# What names a Python interpreter: python, python3, python3.12 (a path's last part)
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def how_run(command: list[str] | tuple[str, ...]) -> str:
+    """WARM, OWN_PYTHON or PROGRAM (see the module's docstring)."""
+    prog = command[0]
+    if prog in _PYTHONS:
+        return WARM
+    if not _PYTHON_NAME.fullmatch(os.path.basename(prog)):
+        return PROGRAM
+    if "/" not in prog:  # python3.X of another minor version, on PATH
+        return OWN_PYTHON
+    return WARM if same_environment(prog, sys.executable) else OWN_PYTHON
+
+
 def runs_warm(command: list[str] | tuple[str, ...]) -> bool:
     """Whether `command` runs inside the agent's own Python (a parked worker), not by exec:
     `python ...` or the agent's interpreter by its path."""
-    prog = command[0]
-    return prog in _PYTHONS or os.path.realpath(prog) == os.path.realpath(sys.executable)
+    return how_run(command) == WARM
+
+
+def venv_of(python: str) -> str | None:
+    """The virtual environment whose interpreter `python` is (the directory holding its
+    pyvenv.cfg), or None for a base interpreter (a system's, a conda env's, a container's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    return os.path.realpath(root) if os.path.isfile(os.path.join(root, "pyvenv.cfg")) else None
+
+
+def same_environment(a: str, b: str) -> bool:
+    """Whether interpreters `a` and `b` see the same packages: the same binary, and the same
+    venv or none. A venv's python is a symlink to its base interpreter, so the binary alone
+    does not tell a user's venv from ours."""
+    return os.path.realpath(a) == os.path.realpath(b) and venv_of(a) == venv_of(b)
 
 
 def parse(job: Mapping, source: str) -> tuple[list[str], dict[str, str], str | None]:
@@ -75,13 +112,15 @@ def check_runnable(command: list[str], *, cwd: str | None, path: str | None = No
     base = Path(cwd) if cwd else Path.cwd()
     if cwd is not None and not base.is_dir():
         raise UserError(f"[job] cwd {cwd!r} is not a directory here")
-    if runs_warm(command):
+    kind = how_run(command)
+    if kind != PROGRAM:
         script = _python_script(command)
         if script is not None:
             p = base / script
             if not p.is_file() or not os.access(p, os.R_OK):
                 raise UserError(f"[job] command: {script!r} is not a readable file"
                                 + (f" in {cwd}" if cwd else f" (relative to {base})"))
+    if kind == WARM:
         return
     prog = command[0]
     if "/" in prog:
@@ -103,26 +142,38 @@ def _python_script(command: list[str]) -> str | None:
 
 
 def split_python(command: list[str]) -> tuple[str, str, list[str]]:
-    """(kind, target, argv) of a Python command that runs warm: kind "module" (-m MOD),
-    "code" (-c CODE) or "script" (a path); argv is what sys.argv becomes. Interpreter options
-    other than these (-u, -O, -W ...) are dropped: the parked interpreter is already running."""
+    """(kind, target, argv) of a Python command: kind "module" (-m MOD), "code" (-c CODE) or
+    "script" (a path); argv is what sys.argv becomes. Interpreter options other than these
+    (-u, -O, -W ...) are `python_options`: a warm command drops them (the parked interpreter
+    is already running), an OWN_PYTHON one passes them to its interpreter."""
+    return _parse_python(command)[1:]
+
+
+def python_options(command: list[str]) -> list[str]:
+    """The interpreter options of a Python command, before its script, -m or -c."""
+    return _parse_python(command)[0]
+
+
+def _parse_python(command: list[str]) -> tuple[list[str], str, str, list[str]]:
     args = command[1:]
     i = 0
     while i < len(args):
         a = args[i]
+        options = args[:i]
         if a in ("-m", "-c"):
             if i + 1 >= len(args):
                 raise UserError(f"[job] command: {a} needs an argument")
             kind = "module" if a == "-m" else "code"
-            return kind, args[i + 1], ([args[i + 1]] if kind == "module" else ["-c"]) + args[i + 2:]
+            return (options, kind, args[i + 1],
+                    ([args[i + 1]] if kind == "module" else ["-c"]) + args[i + 2:])
         if a.startswith(("-m", "-c")) and len(a) > 2:
             kind = "module" if a[1] == "m" else "code"
-            return kind, a[2:], ([a[2:]] if kind == "module" else ["-c"]) + args[i + 1:]
+            return options, kind, a[2:], ([a[2:]] if kind == "module" else ["-c"]) + args[i + 1:]
         if a in ("-W", "-X", "--check-hash-based-pycs"):
             i += 2
             continue
         if a.startswith("-"):
             i += 1
             continue
-        return "script", a, args[i:]
+        return options, "script", a, args[i:]
     raise UserError(f"[job] command {command!r:.200}: python with no script, -m or -c")

@@ -84,8 +84,8 @@ def build_job(args: argparse.Namespace, command: list[str], *, check: bool) -> j
 
 
 def _name(command: list[str]) -> str:
-    words = [a for a in command[1:] if not a.startswith("-")] if jobcommand.runs_warm(command) \
-        else command
+    words = ([a for a in command[1:] if not a.startswith("-")]
+             if jobcommand.how_run(command) != jobcommand.PROGRAM else command)
     return os.path.basename(words[0] if words else command[0]) or "job"
 
 

@@ -134,6 +134,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="agents: a rank with no timed steps yet (and any rank of a script that "
                         "reports none) hangs after this many seconds without a collective "
                         "(default: the agent's, 300)")
+    p.add_argument("--rdzv-timeout", type=float, default=120.0,
+                   help="seconds for a round's ranks to start and join their process group "
+                        "(default %(default)s)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="with -- COMMAND: add to every rank's environment (repeatable)")
     p.add_argument("--cwd", default=None,
@@ -151,7 +154,7 @@ def _user_job(args: argparse.Namespace, command: list[str], metrics: Path) -> jo
     from lazarus.ops.run import build_job
 
     args.min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
-    args.max_restarts, args.rdzv_timeout, args.name = 20, 120.0, None
+    args.max_restarts, args.name = 20, None
     args.spares_ok, args.metrics_file = False, str(metrics)
     return build_job(args, command, check=True)
 
@@ -169,7 +172,8 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                         f"{args.nodes} node(s) x {args.nproc_per_node} = {world} ranks")
     min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
     doc = {"job": {"name": "lazarus-up", "nodes": args.nodes, "min_nodes": min_nodes,
-                   "nproc_per_node": args.nproc_per_node, "rendezvous_timeout_s": 120},
+                   "nproc_per_node": args.nproc_per_node,
+                   "rendezvous_timeout_s": args.rdzv_timeout},
            "train": {"steps": args.steps, "metrics": str(metrics),
                      "model": {"name": args.model},
                      "parallelism": {"tp": args.tp},
@@ -593,8 +597,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
-          f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
+    if summary["steps_completed"] or summary["final_loss"] is not None:
+        print(f"\n{summary['final_state']}: {summary['steps_completed']} steps in "
+              f"{summary['wall_time_s']:.1f} s, final loss {summary['final_loss']}")
+    else:  # a script that reports no steps (level 0): what it did is in its own output
+        print(f"\n{summary['final_state']} in {summary['wall_time_s']:.1f} s; steps and loss "
+              f"unknown: the script reports none (its output: {summary['workdir']}/nodes/logs)")
     for f in summary["faults"]:
         if f.get("skipped"):
             print(f"not injected: {f['item']} -- {f['skipped']}")

@@ -67,9 +67,30 @@ def test_a_python_command_is_run_as_the_interpreter_would(command, expect):
 
 
 def test_other_programs_are_executed():
-    assert not jobcommand.runs_warm(["bash", "train.sh"])
-    assert not jobcommand.runs_warm(["/opt/other/bin/python", "t.py"])
+    assert jobcommand.how_run(["bash", "train.sh"]) == jobcommand.PROGRAM
+    assert jobcommand.how_run(["/opt/other/bin/python", "t.py"]) == jobcommand.OWN_PYTHON
+    assert jobcommand.how_run(["/opt/conda/envs/x/bin/python3.12", "t.py"]) == jobcommand.OWN_PYTHON
+    assert jobcommand.how_run(["/usr/bin/pythonista", "t.py"]) == jobcommand.PROGRAM
     assert jobcommand.runs_warm([sys.executable, "t.py"])
+
+
+def test_a_venvs_python_is_told_from_ours(tmp_path):
+    """A venv's python is a symlink to the same base interpreter as ours: what tells them
+    apart is the venv it belongs to (its pyvenv.cfg), not the binary."""
+    import venv
+
+    venv.create(tmp_path / "theirs", symlinks=True, with_pip=False)
+    theirs = tmp_path / "theirs" / "bin" / "python"
+    assert os.path.realpath(theirs) == os.path.realpath(sys.executable)
+    assert jobcommand.how_run([str(theirs), "train.py"]) == jobcommand.OWN_PYTHON
+    # ours by another of its names is still ours
+    ours = os.path.join(os.path.dirname(sys.executable), "python3")
+    assert jobcommand.how_run([ours, "train.py"]) == jobcommand.WARM
+    # the script of another interpreter is checked as a warm command's is
+    with pytest.raises(UserError, match="'missing.py' is not a readable file"):
+        jobcommand.check_runnable([str(theirs), "missing.py"], cwd=str(tmp_path))
+    assert jobcommand.python_options([str(theirs), "-u", "-X", "dev", "t.py", "-u"]) == [
+        "-u", "-X", "dev"]
 
 
 def test_torchruns_environment():
