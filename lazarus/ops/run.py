@@ -83,9 +83,14 @@ def build_job(args: argparse.Namespace, command: list[str], *, check: bool) -> j
     return job
 
 
+# Programs that run a script named next: a job of `bash train.sh` is named train.sh
+_SHELLS = ("sh", "bash", "dash", "zsh")
+
+
 def _name(command: list[str]) -> str:
-    words = ([a for a in command[1:] if not a.startswith("-")]
-             if jobcommand.how_run(command) != jobcommand.PROGRAM else command)
+    named_by_script = (jobcommand.how_run(command) != jobcommand.PROGRAM
+                       or os.path.basename(command[0]) in _SHELLS)
+    words = [a for a in command[1:] if not a.startswith("-")] if named_by_script else command
     return os.path.basename(words[0] if words else command[0]) or "job"
 
 

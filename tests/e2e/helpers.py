@@ -112,3 +112,21 @@ def paused_and_stopped(view) -> bool:
         return False
     return all(view.node_status.get(n) is not None and view.node_status[n].workers != "running"
                for n in view.status.members)
+
+
+# A user's venv with real frameworks that Lazarus's own venv does not have (docs/adopting.md,
+# "Your environment"), built once at the repository's root: about a minute, torch's CPU wheel
+# coming from this machine's disk.
+FRAMEWORK_VENV = Path(__file__).resolve().parents[2] / ".venv-frameworks"
+FRAMEWORK_PACKAGES = ["torch==2.13.0", "numpy", "lightning>=2.6,<2.7", "accelerate>=1.10"]
+
+
+def framework_venv() -> Path:
+    python = FRAMEWORK_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import lightning, accelerate, torch"]
+    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(FRAMEWORK_VENV)],
+                       check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *FRAMEWORK_PACKAGES],
+                       check=True, timeout=1200)
+    return FRAMEWORK_VENV

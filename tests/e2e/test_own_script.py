@@ -135,6 +135,19 @@ def test_a_script_that_exits_at_its_start_fails_the_run_with_its_words(cluster):
     assert out.count("[round_started]") == 3  # not max_restarts (20) silent restarts
 
 
+def test_an_interpreter_without_torch_fails_the_run_at_once_with_its_line(cluster, tmp_path):
+    """The job's own Python (docs/adopting.md, "Your environment") that cannot run a rank:
+    said once, by the agents, not three crashed rounds later."""
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = tmp_path / "bare" / "bin" / "python"
+    proc = _run(cluster, "--nodes", "2", "--", str(python), "-c", "print('hi')")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{python} cannot import torch" in proc.stdout, proc.stdout
+    assert proc.stdout.count("[round_started]") == 1, proc.stdout
+
+
 def test_a_script_that_never_joins_its_process_group_is_named(cluster):
     proc = _run(cluster, "--nodes", "2", "--rdzv-timeout", "8", "--max-restarts", "0", "--",
                 "python", "-c", "import time; time.sleep(600)")

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import accelerate
 import torch
 from accelerate import Accelerator
 
@@ -51,6 +52,7 @@ def main() -> None:
     ckpt_dir = Path(args.ckpt_dir)
     last = newest(ckpt_dir)
     print(f"environment: {sys.prefix}", flush=True)
+    print(f"accelerate from: {accelerate.__file__}", flush=True)
     print(f"resume from: {last}", flush=True)
     if last is not None:
         accelerator.load_state(str(last))

@@ -4,6 +4,7 @@ Lazarus; the e2e tests run it from a venv of its own (Lightning is not in Lazaru
 `VENV/bin/python lightning_train.py` and through a shell wrapper, on CPU with gloo."""
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,8 +38,9 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--step-time", type=float, default=0.05)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--devices", type=int, default=1)
+    # what torchrun says of the world, as elastic Lightning scripts read it
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("GROUP_WORLD_SIZE", 1)))
+    p.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 16, generator=g)

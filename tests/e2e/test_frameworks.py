@@ -1,0 +1,129 @@
+"""Real frameworks nobody here wrote, in the user's own environment (docs/adopting.md, "Your
+environment"): PyTorch Lightning and HF Accelerate installed in a venv of their own -- not
+Lazarus's -- launched as their users launch them, `-- VENV/bin/python train.py` and `-- bash
+train.sh` (a wrapper that activates the venv), each through a worker kill and a node loss.
+Each recovery names the struck node, never its healthy peer (a wrapper's survivor that lost
+its peer is told from its output), every new round resumes from the framework's own newest
+checkpoint, and a run far longer than its rendezvous timeout is never restarted for it (an
+exec'd rank's joining is seen; tests/bench/bench_long_exec.py runs one for 5 minutes). The
+venv is built once (tests.e2e.helpers.framework_venv)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import framework_venv
+
+pytestmark = pytest.mark.e2e
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# Rounds' ranks must join within this (a new interpreter importing torch and a framework on
+# a busy 2-core machine: up to ~15 s): a rank whose joining went unseen would restart its
+# round and show as a round too many. The recoveries' `recovered` events are the other sign
+# that joining is seen: a level-0 round counts as back only once every rank joined.
+RDZV_TIMEOUT_S = "30"
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    """A user's venv with the frameworks; Lightning is in no environment of Lazarus's."""
+    ours = subprocess.run([sys.executable, "-c", "import lightning"], capture_output=True)
+    assert ours.returncode != 0, "Lightning is in Lazarus's venv: the test would prove nothing"
+    return framework_venv()
+
+
+def _up(tmp_path: Path, *command: str) -> dict:
+    summary = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(tmp_path / "up"),
+         "--nodes", "2", "--min-nodes", "2",
+         "--summary", str(summary), "--rdzv-timeout", RDZV_TIMEOUT_S,
+         # each strikes once the round that answered the one before runs
+         "--chaos", "kill-worker@6s,kill-node@8s", "--quiet", "--timeout", "500",
+         "--", *command], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "steps and loss unknown: the script reports none" in proc.stdout, proc.stdout
+    assert "(dp " not in proc.stdout and "from scratch" not in proc.stdout, proc.stdout
+    return json.loads(summary.read_text())
+
+
+def _rank_logs(workdir: Path) -> dict[tuple[str, int, int], str]:
+    """(node, round, rank) -> what that rank printed."""
+    return {(p.parent.parent.name, int(p.parent.name[6:]), int(p.stem[5:])):
+            p.read_text(errors="replace")
+            for p in workdir.glob("nodes/logs/*/round-*/rank-*.log")}
+
+
+def _check_recoveries(result: dict, venv: Path, logs: dict, *, steps: int) -> None:
+    assert result["final_state"] == "SUCCEEDED"
+    got = {r["kind"]: r for r in result["recoveries"]}
+    assert set(got) == {"kill-worker", "kill-node"}, result["recoveries"]
+    for kind, r in got.items():
+        assert r["culprit"] == r["target"].split()[0], (kind, r)
+        assert r["recovered_after_s"] is not None, (kind, r)
+    assert got["kill-worker"]["detected_as"] == "worker_crash"
+    assert got["kill-node"]["detected_as"] == "node_lost"
+    # three rounds: the first and one per fault; none restarted for a "missing" join
+    rounds = sorted({r for _, r, _ in logs})
+    assert len(rounds) == 3, sorted(logs)
+    started = {}
+    for (node, round_, rank), text in logs.items():
+        m = re.search(r"started at step (\d+)", text)
+        if m is None:  # the lost node's rank, killed while it started
+            assert node == got["kill-node"]["target"], (node, round_, text[-800:])
+            continue
+        assert f"environment: {venv}" in text, (node, round_, text[-800:])
+        started.setdefault(round_, set()).add(int(m[1]))
+    # every rank of a round starts where the others do: the newest checkpoint, never step 0
+    # once there is one, never an older one than the round before
+    assert all(len(s) == 1 for s in started.values()), started
+    in_order = [started[r].pop() for r in rounds]
+    assert in_order[0] == 0 and all(s > 0 for s in in_order[1:]), in_order
+    assert in_order == sorted(in_order), in_order
+    last = [text for (_, r, _), text in logs.items() if r == rounds[-1]]
+    assert all(f"done at step {steps}" in text for text in last), [t[-500:] for t in last]
+
+
+def test_lightning_in_its_own_venv_by_its_python(tmp_path, venv):
+    """`-- VENV/bin/python train.py`: the ranks run in that interpreter (a venv's python is a
+    symlink to the same base interpreter as Lazarus's), Lightning's 30-minute collective
+    timeout, which it passes to torch explicitly, gives way to Lazarus's backstop."""
+    steps = 300
+    result = _up(tmp_path, str(venv / "bin" / "python"), str(SCRIPTS / "lightning_train.py"),
+                 "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", str(steps), "--step-time", "0.02")
+    logs = _rank_logs(tmp_path / "up")
+    _check_recoveries(result, venv, logs, steps=steps)
+    first = min(round_ for _, round_, _ in logs)
+    for (node, round_, rank), text in logs.items():
+        assert "collective timeout: 0:10:00" in text, (node, round_, text[-800:])
+        # Lightning says so on rank 0 only
+        if rank == 0 and round_ > first:
+            assert "Restoring states from the checkpoint" in text, (node, round_, text[-800:])
+
+
+def test_accelerate_in_its_own_venv_through_a_wrapper(tmp_path, venv):
+    """`-- bash train.sh VENV train.py`: a shell wrapper that activates the venv and runs
+    python. The wrapper's python is watched from beside it: its joining seen, its lost peer
+    (the node loss) told from its own crash by its output, so the lost node is named."""
+    steps = 300
+    result = _up(tmp_path, "bash", str(SCRIPTS / "train.sh"), str(venv),
+                 str(SCRIPTS / "accelerate_train.py"), "--ckpt-dir", str(tmp_path / "ckpt"),
+                 "--max-steps", str(steps), "--step-time", "0.02")
+    logs = _rank_logs(tmp_path / "up")
+    _check_recoveries(result, venv, logs, steps=steps)
+    for key, text in logs.items():
+        assert f"wrapper: {venv}/bin/python" in text, (key, text[-800:])
+        if "started at step" in text:
+            assert f"accelerate from: {venv}/lib/" in text, (key, text[-800:])
+    # no rank of a stopped round is left training: the wrapper's python went with it
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "ckpt")], capture_output=True,
+                          text=True)
+    assert left.stdout.strip() == "", left.stdout
+    assert os.path.isfile(tmp_path / "ckpt" / f"step-{steps}" / "COMPLETE")
