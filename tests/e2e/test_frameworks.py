@@ -97,7 +97,8 @@ def test_lightning_in_its_own_venv_by_its_python(tmp_path, venv):
     timeout, which it passes to torch explicitly, gives way to Lazarus's backstop."""
     steps = 300
     result = _up(tmp_path, str(venv / "bin" / "python"), str(SCRIPTS / "lightning_train.py"),
-                 "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", str(steps), "--step-time", "0.02")
+                 "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", str(steps),
+                 "--step-time", "0.02")
     logs = _rank_logs(tmp_path / "up")
     _check_recoveries(result, venv, logs, steps=steps)
     first = min(round_ for _, round_, _ in logs)
