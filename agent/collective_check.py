@@ -41,7 +41,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from lazarus.agent.dcpprobe import checkpoint_round_trip
 from lazarus.core import etcd as E
 from lazarus.core.contract import DEVICE_ENV
 
@@ -99,9 +101,6 @@ def checkpoint(directory: str, *, zygote, user=None, env: dict | None = None
 
 
 def _checkpoint(directory: str) -> tuple[bool, str]:
-    from pathlib import Path
-
-    from lazarus.agent.preflight import checkpoint_round_trip
     return checkpoint_round_trip(Path(directory))
 
 

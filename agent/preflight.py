@@ -24,11 +24,9 @@ run, then every `every_s` while its node runs none, and publishes one compact ve
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
-import shutil
 import ssl
 import tempfile
 import threading
@@ -40,6 +38,7 @@ from pathlib import Path
 
 from lazarus.agent import clockskew
 from lazarus.agent import collective_check as coll
+from lazarus.agent.dcpprobe import checkpoint_round_trip, os_error
 from lazarus.agent.gpu import HEALTHY, GpuVerdict
 from lazarus.core import etcd as E
 from lazarus.core.etcd_auth import EtcdAuth
@@ -95,16 +94,11 @@ def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
     try:
         ok, reason = fn()
     except OSError as e:
-        ok, reason = False, _os_error(e)
+        ok, reason = False, os_error(e)
     except (E.EtcdUnavailable, ValueError, RuntimeError) as e:
         ok, reason = False, str(e) or type(e).__name__
     return Check(name=name, ok=ok, reason=reason, cost_s=time.perf_counter() - start,
                  skipped=ok and reason.startswith("skipped:"))
-
-
-def _os_error(e: OSError) -> str:
-    code = errno.errorcode.get(e.errno, "error") if e.errno else type(e).__name__
-    return f"{code}: {e.strerror or e}"
 
 
 # -- gpu ---------------------------------------------------------------------------------------
@@ -136,7 +130,7 @@ def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
         try:
             back = _write_read(path, data)
         except OSError as e:
-            return False, f"{d}: {_os_error(e)}"
+            return False, f"{d}: {os_error(e)}"
         if back != data:
             return False, f"{d}: read back {len(back)} bytes that differ from those written"
         done.append(str(d))
@@ -165,42 +159,6 @@ def _write_read(path: Path, data: bytes) -> bytes:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-# -- checkpoint --------------------------------------------------------------------------------
-def checkpoint_round_trip(directory: Path) -> tuple[bool, str]:
-    """Save a small state dict with torch.distributed.checkpoint (as the trainer saves its
-    shards), load it into zeroed tensors, compare, remove it."""
-    import torch  # lazily: `lazarus preflight --skip checkpoint` need not load torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not directory.is_dir():
-        return True, f"skipped: {directory} not there yet"
-    gen = torch.Generator().manual_seed(os.getpid())
-    state = {"weight": torch.randn(512, 512, generator=gen), "step": torch.tensor(7)}
-    try:
-        target = Path(tempfile.mkdtemp(prefix=".lazarus-preflight-", dir=directory))
-    except OSError as e:
-        return False, f"{directory}: {_os_error(e)}"
-    try:
-        dcp.save(state, checkpoint_id=target, no_dist=True)
-        back = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(back, checkpoint_id=target, no_dist=True)
-        size = sum(p.stat().st_size for p in target.iterdir())
-    except OSError as e:
-        return False, f"{directory}: {_os_error(e)}"
-    except CheckpointException as e:
-        # DCP wraps the storage's error (a BaseException, not an OSError): the first says it
-        first = next(iter(e.failures.values()), None)
-        cause = first[0] if isinstance(first, tuple) else first
-        return False, f"{directory}: " + (_os_error(cause) if isinstance(cause, OSError)
-                                          else f"DCP: {cause or e!r}")
-    finally:
-        shutil.rmtree(target, ignore_errors=True)
-    if not all(torch.equal(state[k], back[k]) for k in state):
-        return False, f"{directory}: the state loaded back differs from the one saved"
-    return True, f"{size / MiB:.1f} MiB saved and loaded through DCP in {directory}"
 
 
 # -- clock -------------------------------------------------------------------------------------

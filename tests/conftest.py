@@ -37,7 +37,7 @@ if os.geteuid() != 0:
     EXPECTED_SKIPS["tests/deploy/test_systemd.py::test_the_units_commands_run_a_daemon_and_an_agent"] = (
         "needs root")
 
-# The fast tier, `pytest -m "not slow"` (README): every unit test, and of the tests that start
+# The fast tier, `pytest -m "not slow"` (docs/testing.md): every unit test, and of the tests that start
 # whole clusters or trainings only this one: a real local cluster recovering from a worker
 # crash and a node loss, bit for bit on its reference. Everything else under these
 # directories is `slow`.

@@ -145,7 +145,7 @@ def _shard_files(directory: Path, metadata: dcp_metadata.Metadata | None) -> set
     return {s.relative_path for s in storage.values()}
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     # Only a process that uses CUDA has a CUDA generator worth keeping: asking would make a
     # CUDA context in a CPU rank on a GPU machine.
@@ -155,7 +155,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     def tensor(b64: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
 
@@ -695,7 +695,7 @@ class Checkpointer:
             # Not raised here: the other ranks are about to enter the save's collectives.
             # _finish fails the save on every rank alike.
             refused = f"rank {self._rank}: {e}"
-        rng = _rng_state()
+        rng = rng_state()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         writer = FileSystemWriter(directory)
@@ -930,7 +930,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
             raise TypeError("world_size is not a number")
         step = int(manifest["step"])
         if saved_world == world:
-            _set_rng_state(json.loads((path / _rng_file(rank)).read_text()))
+            set_rng_state(json.loads((path / _rng_file(rank)).read_text()))
         else:
             torch.manual_seed(reseed_value(step, rank))  # seeds CUDA generators too
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

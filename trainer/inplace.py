@@ -28,6 +28,9 @@ from typing import TypeVar
 
 from lazarus.core.contract import AGENT_GRACE_ENV, IN_PLACE_ENV, WorkerAssignment
 from lazarus.core.errors import UserError
+from lazarus.trainer.peerloss import is_peer_failure
+from lazarus.trainer.rankprocess import this_process
+from lazarus.trainer.rankrun import enter
 
 T = TypeVar("T")
 
@@ -56,9 +59,6 @@ def enabled(a: WorkerAssignment) -> bool:
 # One abort at a time: the agent's word (`told_by_agent`) and the rank's own failure may
 # both come.
 _abort_lock = threading.Lock()
-# The round this process runs (None: its first, as started), and the round whose groups its
-# agent said to abort.
-_rounds: dict[str, int | None] = {"now": None, "told": None}
 
 
 def release_groups(timeout_s: float = ABORT_S) -> bool:
@@ -95,11 +95,12 @@ def told_by_agent(round_: int) -> None:
     later one) raise, which the rank takes as a lost peer (`lost_peer`). On gloo nothing is
     aborted: gloo's abort does not cancel a collective in progress, and the culprit's end
     resets the sockets its peers wait on, which fails theirs (docs/inplace.md)."""
-    from lazarus.trainer.collprogress import uses_nccl
+    from lazarus.trainer.collprogress import uses_nccl  # imports torch: a rank's, not here
 
-    if _rounds["told"] == round_ or _rounds["now"] not in (None, round_):
+    process = this_process()
+    if process.told == round_ or process.round not in (None, round_):
         return  # said before, or of a round this process has left
-    _rounds["told"] = round_
+    process.told = round_
     nccl = uses_nccl()
     print(f"round {round_}: the agent says a peer on another node is gone"
           f"{'; aborting the process groups' if nccl else ''}", file=sys.stderr, flush=True)
@@ -107,17 +108,10 @@ def told_by_agent(round_: int) -> None:
         threading.Thread(target=release_groups, daemon=True, name="lazarus-told").start()
 
 
-def was_told() -> bool:
-    """Whether the agent said a peer of this process's round is gone."""
-    return _rounds["told"] is not None and _rounds["now"] in (None, _rounds["told"])
-
-
 def lost_peer(a: WorkerAssignment, e: BaseException) -> bool:
     """Whether `e` ends this rank's round because a peer is gone: its text says so, or the
     agent said so first (after which any failure is the abort's)."""
-    from lazarus.trainer.worker import is_peer_failure
-
-    return is_peer_failure(e) or _rounds["told"] == a.round
+    return is_peer_failure(e) or this_process().told == a.round
 
 
 def peer_gone(a: WorkerAssignment, e: BaseException) -> str:
@@ -134,12 +128,12 @@ def enter_next(nxt: WorkerAssignment) -> None:
     parameters) that only the collector frees, and on a GPU two copies may not fit."""
     import torch
 
-    from lazarus.trainer.rankrun import enter
-
     enter(nxt)
-    _rounds["now"] = nxt.round
-    if not _rounds.pop("collected", False):  # survive() did it while it waited
+    process = this_process()
+    process.round = nxt.round
+    if not process.collected:  # survive() did it while it waited
         gc.collect()
+    process.collected = False
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
@@ -169,7 +163,7 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
     # The last round's model, optimizer and buffers are cycles only the collector frees
     # (0.14 s here): freed now, while the next round is decided, not after it came.
     gc.collect()
-    _rounds["collected"] = True
+    this_process().collected = True
     got = session.await_resume(wait_s)
     if got is None:
         print(f"rank {a.rank} round {a.round}: no next round for this process within "

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lazarus.trainer.rankprocess import RankProcess
+
 
 @dataclass(eq=False)
 class Held:
@@ -44,9 +46,6 @@ class Held:
         self.step, self.extra, self.rng = step, extra, rng
 
 
-_held: list[Held] = []
-
-
 def shape_of(cfg, *, job_id: str, rank: int, world_size: int, device: str) -> str:
     """Everything the model and optimizer objects depend on: equal shapes, equal objects
     (a rank's shard is fixed by its coordinate, so the rank is part of it)."""
@@ -57,19 +56,11 @@ def shape_of(cfg, *, job_id: str, rank: int, world_size: int, device: str) -> st
                        "device": device}, sort_keys=True, default=str)
 
 
-def hold(held: Held) -> None:
-    _held[:] = [held]
-
-
-def drop() -> None:
-    _held.clear()
-
-
-def take(shape: str, *, restoring: bool) -> Held | None:
-    """The objects held for a round of `shape` that restores a step (`restoring`; a round
-    from scratch initialises new ones), or None; whatever is held is let go either way (a
-    mismatch frees its memory before the new round builds its own)."""
-    held = _held.pop() if _held else None
+def take(process: RankProcess, shape: str, *, restoring: bool) -> Held | None:
+    """The objects `process` holds for a round of `shape` that restores a step
+    (`restoring`; a round from scratch initialises new ones), or None; whatever is held is
+    let go either way (a mismatch frees its memory before the new round builds its own)."""
+    held, process.held = process.held, None
     if held is None:
         return None
     if held.shape != shape or held.step < 1 or not restoring:

@@ -33,6 +33,8 @@ from lazarus.core.contract import (ASSIGNMENT_ENV, NCCL_DEFAULTS, PG_TIMEOUT_ENV
                                    torchrun_env)
 from lazarus.core.errors import CheckpointError, UserError
 from lazarus.trainer import exitnote
+from lazarus.trainer.peerloss import is_peer_failure
+from lazarus.trainer.rankprocess import this_process
 
 # How long a rank waits for the agent hosting its round to publish the round's store: the
 # hosting agent does so when it reads the round record, as every agent does.
@@ -211,9 +213,7 @@ def _run_python(command: list[str]) -> int:
         return 130
     except BaseException as e:  # the script's own error: shown as the interpreter would
         traceback.print_exc()
-        from lazarus.trainer.inplace import was_told
-        from lazarus.trainer.worker import is_peer_failure
-        if isinstance(e, Exception) and (is_peer_failure(e) or was_told()):
+        if isinstance(e, Exception) and (is_peer_failure(e) or this_process().was_told()):
             # A collective failed because a peer is gone: said in the exit code, so that the
             # daemon names the peer, not this rank (as the built-in trainer does).
             print(f"lazarus: a peer of rank {os.environ.get('RANK')} is gone; exiting with "

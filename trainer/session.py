@@ -119,6 +119,7 @@ class Session:
                             self._resume.put(msg)
                         elif msg.get("type") == "abort_groups":
                             if msg.get("round") == self.round and not self._closed:
+                                # here: inplace imports this module
                                 from lazarus.trainer import inplace
                                 inplace.told_by_agent(self.round)
                         elif msg.get("type") == "snapshot_kept":

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from lazarus.core.snapshotfile import SnapshotError
 from lazarus.core.stall import CheckpointStall
 from lazarus.trainer import optimstate
 from lazarus.trainer.collprogress import collective_device
-from lazarus.trainer.checkpoint import _rng_state, _set_rng_state, optim_state_problem
+from lazarus.trainer.checkpoint import rng_state, set_rng_state, optim_state_problem
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
 STALL_SHARE = 0.01
@@ -246,7 +247,7 @@ def restore_captured(header: dict, tensors: dict[str, torch.Tensor], values: dic
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     try:
-        _set_rng_state(header["rng"])
+        set_rng_state(header["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"{what}: its RNG state is missing or garbled "
                             f"({type(e).__name__}: {str(e)[:80]})") from None
@@ -384,6 +385,14 @@ def auto_period(stall: float, step_times: list[float], durable_times: list[float
     return min(MAX_AUTO_EVERY, max(1, wish))
 
 
+class Capture(NamedTuple):
+    """A snapshot as still in the host buffers of the rank that took it."""
+    step: int
+    tensors: dict
+    values: dict
+    header: dict
+
+
 class Snapshotter:
     """Takes this rank's tier-0 snapshots into `directory` (the agent's; it owns each file
     once `on_written(step, path)` has told it), at most one in flight.
@@ -416,7 +425,7 @@ class Snapshotter:
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         # (step, tensors, values, header) of the last capture, whose buffers hold it until
         # the next: a survivor restores from it in its next round (restore_captured)
-        self.last: tuple[int, dict, dict, dict] | None = None
+        self.last: Capture | None = None
         self._copier = ShardCopier()
         self._done: list[CheckpointStall] = []
         self._period = every or 1
@@ -445,8 +454,8 @@ class Snapshotter:
         self.last = None
         tensors, values = self._copier.capture(model, optimizer, into=self._buffers)
         self._buffers = tensors
-        header = {**self.header, "step": step, "extra": extra, "rng": _rng_state()}
-        self.last = (step, tensors, values, header)
+        header = {**self.header, "step": step, "extra": extra, "rng": rng_state()}
+        self.last = Capture(step, tensors, values, header)
         stall = time.perf_counter() - t0
         self._inflight = self._executor.submit(self._write, step, tensors, values, header)
         self.last_stall_s = stall

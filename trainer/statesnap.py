@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
-from lazarus.trainer.checkpoint import _rng_state, _set_rng_state
+from lazarus.trainer.checkpoint import rng_state, set_rng_state
 from lazarus.trainer.snapshot import load_file, settle, tensors_of, write_file
 
 # Deeper than any state dict: a cycle or a runaway structure is refused, not recursed into.
@@ -140,7 +140,7 @@ class StateSnapshots:
             self.wait()
             tensors, skeleton = flatten(state)
             header = {**self.header, "step": int(step), "skeleton": skeleton,
-                      "rng": _rng_state()}
+                      "rng": rng_state()}
             self._inflight = self._executor.submit(self._write, int(step), tensors, header)
         return time.perf_counter() - t0
 
@@ -173,7 +173,7 @@ def read(path: str, *, rank: int, world_size: int) -> tuple[int, Any]:
     tensors = {name: t.clone() for name, t in tensors_of(raw, path).items()}
     state = rebuild(header["skeleton"], tensors, path)
     try:
-        _set_rng_state(header["rng"])
+        set_rng_state(header["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"{path}: its RNG state is malformed ({e!s:.100})") from None
     return header["step"], state

@@ -48,6 +48,7 @@ from lazarus.trainer.optim import ScheduleConfig, build_optimizer, lr_at, set_lr
 from lazarus.trainer.device import device_type
 from lazarus.trainer.parallelize import (activation_budget, build_mesh, build_model,
                                          gradient_sync_for)
+from lazarus.trainer.rankprocess import RankProcess, this_process
 from lazarus.trainer.session import Session
 from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
@@ -141,9 +142,41 @@ def agreed(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
     return loss_value, norm_value
 
 
-def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
-          hooks: PhaseHooks | None = None, job_id: str = "", snapshot: str | None = None,
-          snapshot_dir: str | None = None, round_: int = 0,
+# How a round's state is restored (choose_restore), cheapest first.
+KEPT = "kept"            # the objects this survivor kept hold the very step: nothing to load
+CAPTURED = "captured"    # its own last snapshot of that step, still in its host buffers
+SNAPSHOT = "snapshot"    # a tier-0 snapshot file of this rank (its own or its peer's copy)
+CHECKPOINT = "checkpoint"  # a committed checkpoint on storage (tier 1)
+SCRATCH = "scratch"      # nothing: the first round of a run
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    how: str     # one of the above
+    source: str  # what the start line and its metrics row call it: kept, memory, storage, scratch
+
+
+def choose_restore(*, restore_step: int, snapshot: str | None, checkpoint: str | None,
+                   kept_step: int, captured_step: int | None) -> RestorePlan:
+    """Where this rank's state for a round comes from. The round names what to restore
+    (`snapshot`: a tier-0 file; `checkpoint`: a committed checkpoint; neither: from scratch)
+    and its step (`restore_step`); a rank that went on in its own process (lazarus.trainer
+    .inplace) may already hold that step in its kept objects (`kept_step`: the last step they
+    finished; 0: none) or in its last snapshot's buffers (`captured_step`)."""
+    if snapshot is None and checkpoint is None:
+        return RestorePlan(SCRATCH, "scratch")
+    if restore_step >= 1 and kept_step == restore_step:
+        return RestorePlan(KEPT, "kept")
+    if captured_step is not None and captured_step == restore_step:
+        return RestorePlan(CAPTURED, "memory")
+    if snapshot is not None:
+        return RestorePlan(SNAPSHOT, "memory")
+    return RestorePlan(CHECKPOINT, "storage")
+
+
+def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = None,
+          restore: str | None = None, hooks: PhaseHooks | None = None, job_id: str = "",
+          snapshot: str | None = None, snapshot_dir: str | None = None, round_: int = 0,
           allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None,
           handed: float | None = None, in_place: bool = False, restore_step: int = 0) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
@@ -154,246 +187,318 @@ def train(cfg: TrainConfig, *, session: Session, restore: str | None = None,
     (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
     the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
     the agent handed this rank its assignment, `handed`: when the rank took it
-    (time.perf_counter()): the start line times from them.
-    `in_place`: this process ran an earlier round (lazarus.trainer.inplace); the start line
-    says so, and the model and optimizer it kept are used again when they fit the round
-    (lazarus.trainer.kept). `restore_step`: the step the round restores, whichever tier."""
+    (time.perf_counter()): the start line times from them. `process`: what this process
+    carries between rounds (default: this process's); `in_place`: this process ran an
+    earlier round (lazarus.trainer.inplace); the start line says so, and the model and
+    optimizer it kept are used again when they fit the round (lazarus.trainer.kept).
+    `restore_step`: the step the round restores, whichever tier."""
     start = StartTimes(began=time.perf_counter() if began is None else began, handed=handed)
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
                                 "data.dir": corpus}, allowed_roots):
         raise JobRefused(why)
-    rank = dist.get_rank()
-    kind = device_type()
-    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    par, opt, data, ck = cfg.parallelism, cfg.optimizer, cfg.data, cfg.checkpoint
-    shape = kept.shape_of(cfg, job_id=job_id, rank=rank, world_size=dist.get_world_size(),
-                          device=kind)
-    held = kept.take(shape, restoring=restore is not None or snapshot is not None)
-    mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
-    # Before any DTensor op: the caches this process inherited or kept, and the meshes of
-    # the objects it kept, are this world's now.
-    warm = meshes.adopt(mesh)
-    torch.manual_seed(cfg.seed)
-    if cfg.deterministic:
-        make_deterministic()
+    rnd = RankRound(cfg, session=session, process=process or this_process(),
+                    hooks=hooks or PhaseHooks(), job_id=job_id, round_=round_, start=start,
+                    in_place=in_place)
+    rnd.build(restoring=restore is not None or snapshot is not None)
+    rnd.restore(restore_step=restore_step, snapshot=snapshot, checkpoint=restore)
+    rnd.run(snapshot_dir)
 
-    model_cfg = get_model_config(cfg.model.name)
-    reused = held is not None
-    if reused:
-        model, optimizer = held.model, held.optimizer
-        kept.reuse(held)
-    else:
-        model = build_model(model_cfg, mesh, par, seed=cfg.seed,
-                            fused_kernels=cfg.model.fused_kernels,
-                            init=restore is None and snapshot is None)
-        optimizer = build_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
-        held = kept.Held(shape, model, optimizer)
-    kept.hold(held)
-    # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
-    plan = plan_batches(data.global_batch, par.dp, data.micro_batch,
-                        memory=activation_budget(model, par, seq_len=data.seq_len))
-    if plan.warning and rank == 0:
-        print(f"warning: {plan.warning}", flush=True)
-    dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
-    check_model_vocab(dataset, model_cfg.vocab_size, cfg.model.name)
-    loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,
-                            dp_rank=mesh["dp"].get_local_rank(), dp_size=par.dp, micro_batch=plan.micro_batch)
-    schedule = ScheduleConfig(schedule=opt.schedule, lr=opt.lr, min_lr=opt.min_lr,
-                              warmup_steps=opt.warmup_steps, total_steps=cfg.steps,
-                              decay_fraction=opt.wsd_decay_fraction)
 
-    step = 0
-    extra: dict = {}
-    guard = Guard(cfg.guard)
-    start.mark("build")
-    source = ("memory" if snapshot is not None else "storage" if restore is not None
-              else "scratch")
-    captured, held.captured = held.captured, None
-    if captured is not None and (captured[0] != restore_step or source == "scratch"):
-        captured = None
-    if restore_step >= 1 and held.step == restore_step and source != "scratch":
-        # The objects kept from the last round hold that very step: nothing to load.
-        extra = dict(held.extra)
-        ckpt._set_rng_state(held.rng)
-        restore, source = f"its own state at step {held.step}, kept in place", "kept"
-    elif captured is not None:
-        # Ahead of it, but its last snapshot is that step, still in its host buffers.
-        _, tensors, values, header = captured
-        extra = tier0.restore_captured(header, tensors, values, model, optimizer,
-                                       what=f"its own snapshot of step {restore_step}")["extra"]
-        restore, source = f"its own snapshot of step {restore_step}, in memory", "memory"
-    elif snapshot is not None:
-        extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
-                              world_size=dist.get_world_size(), what=snapshot)["extra"]
-        restore = f"memory (tier 0) {snapshot}"
-    elif restore is not None:
-        extra = ckpt.load_checkpoint(Path(restore), model, optimizer)
-    if restore is not None:
-        step = int(extra["step"])
-        loader.load_state_dict(extra["loader"])
-        if "guard" in extra:  # checkpoints written before the guard existed have none
-            guard.load_state_dict(extra["guard"])
-        if rank == 0:
-            print(f"resumed from {restore} at step {step}", flush=True)
-        held.mark(step, extra, ckpt._rng_state())
-    start.mark("restore")
-    windows = DataWindows(loader, skip=data.skip_windows)
-    lr_scaled = lr_scale_span(opt, step, extra)
+class RankRound:
+    """One round of this rank of the built-in trainer: built (or taken from what the process
+    kept), restored as `choose_restore` says, then stepped to cfg.steps."""
 
-    groups = [dist.group.WORLD] + [mesh.get_group(d) for d in mesh.mesh_dim_names]
-    completed = Completed(device)
+    def __init__(self, cfg: TrainConfig, *, session: Session, process: RankProcess,
+                 hooks: PhaseHooks, job_id: str, round_: int, start: StartTimes,
+                 in_place: bool):
+        self.cfg, self.session, self.process, self.hooks = cfg, session, process, hooks
+        self.job_id, self.round, self.start, self.in_place = job_id, round_, start, in_place
+        self.rank = dist.get_rank()
+        kind = device_type()
+        self.device = (torch.device(kind, torch.cuda.current_device()) if kind == "cuda"
+                       else torch.device("cpu"))
+        self.step = 0
+        self.extra: dict = {}
+        self.restored = False    # the round continued from a step rather than from scratch
+        self.source = "scratch"
+        self.capture = None      # the kept snapshot buffers this round's snapshots reuse
+        self.skipped_steps: list[int] = []  # rejected steps: they make a checkpoint bad
+        self.judged = 0          # the last step whose guard verdict is in
 
-    def _collectives() -> int:
+    def build(self, *, restoring: bool) -> None:
+        """The model, optimizer and data of this round: the process's kept objects when they
+        fit (`restoring` a step), else new ones."""
+        cfg, rank = self.cfg, self.rank
+        par, data = cfg.parallelism, cfg.data
+        kind = self.device.type
+        shape = kept.shape_of(cfg, job_id=self.job_id, rank=rank,
+                              world_size=dist.get_world_size(), device=kind)
+        held = kept.take(self.process, shape, restoring=restoring)
+        self.mesh = mesh = build_mesh(kind, dp=par.dp, tp=par.tp)
+        # Before any DTensor op: the caches this process inherited or kept, and the meshes of
+        # the objects it kept, are this world's now.
+        self.warm = meshes.adopt(mesh)
+        torch.manual_seed(cfg.seed)
+        if cfg.deterministic:
+            make_deterministic()
+
+        self.model_cfg = get_model_config(cfg.model.name)
+        self.reused = held is not None
+        if held is not None:
+            self.model, self.optimizer = held.model, held.optimizer
+            kept.reuse(held)
+        else:
+            self.model = build_model(self.model_cfg, mesh, par, seed=cfg.seed,
+                                     fused_kernels=cfg.model.fused_kernels, init=not restoring)
+            self.optimizer = build_optimizer(self.model, lr=cfg.optimizer.lr,
+                                             weight_decay=cfg.optimizer.weight_decay)
+            held = kept.Held(shape, self.model, self.optimizer)
+        self.held = self.process.held = held
+        # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
+        plan = plan_batches(data.global_batch, par.dp, data.micro_batch,
+                            memory=activation_budget(self.model, par, seq_len=data.seq_len))
+        if plan.warning and rank == 0:
+            print(f"warning: {plan.warning}", flush=True)
+        dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
+        check_model_vocab(dataset, self.model_cfg.vocab_size, cfg.model.name)
+        self.loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,
+                                     dp_rank=mesh["dp"].get_local_rank(), dp_size=par.dp,
+                                     micro_batch=plan.micro_batch)
+        opt = cfg.optimizer
+        self.schedule = ScheduleConfig(schedule=opt.schedule, lr=opt.lr, min_lr=opt.min_lr,
+                                       warmup_steps=opt.warmup_steps, total_steps=cfg.steps,
+                                       decay_fraction=opt.wsd_decay_fraction)
+        self.guard = Guard(cfg.guard)
+        self.start.mark("build")
+
+    def restore(self, *, restore_step: int, snapshot: str | None,
+                checkpoint: str | None) -> None:
+        """This round's state, from where `choose_restore` says."""
+        held, model, optimizer, rank = self.held, self.model, self.optimizer, self.rank
+        captured, held.captured = held.captured, None
+        plan = choose_restore(restore_step=restore_step, snapshot=snapshot,
+                              checkpoint=checkpoint, kept_step=held.step,
+                              captured_step=captured.step if captured is not None else None)
+        if captured is not None and captured.step == restore_step and plan.how != SCRATCH:
+            self.capture = captured
+        self.source = plan.source
+        extra: dict = {}
+        if plan.how == KEPT:
+            extra = dict(held.extra)
+            ckpt.set_rng_state(held.rng)
+            label = f"its own state at step {held.step}, kept in place"
+        elif plan.how == CAPTURED:
+            extra = tier0.restore_captured(captured.header, captured.tensors, captured.values,
+                                           model, optimizer,
+                                           what=f"its own snapshot of step {restore_step}")["extra"]
+            label = f"its own snapshot of step {restore_step}, in memory"
+        elif plan.how == SNAPSHOT:
+            extra = tier0.restore(tier0.load_file(snapshot), model, optimizer, rank=rank,
+                                  world_size=dist.get_world_size(), what=snapshot)["extra"]
+            label = f"memory (tier 0) {snapshot}"
+        elif plan.how == CHECKPOINT:
+            extra = ckpt.load_checkpoint(Path(checkpoint), model, optimizer)
+            label = checkpoint
+        if plan.how != SCRATCH:
+            self.restored = True
+            self.step = int(extra["step"])
+            self.loader.load_state_dict(extra["loader"])
+            if "guard" in extra:  # checkpoints written before the guard existed have none
+                self.guard.load_state_dict(extra["guard"])
+            if rank == 0:
+                print(f"resumed from {label} at step {self.step}", flush=True)
+            held.mark(self.step, extra, ckpt.rng_state())
+        self.extra = extra
+        self.start.mark("restore")
+
+    def is_good(self, ckpt_step: int) -> bool:
+        """Good = committed, and no spike in the steps after it (docs/architecture.md,
+        "Checkpoints"), here seen to the end of that span: a checkpoint too recent to judge
+        is not good yet. The one this process restored from was judged good by whoever
+        chose it. (Retention asks from the background.)"""
+        if ckpt_step == self.restored_step and self.restored:
+            return True
+        span = self.cfg.checkpoint.good_after_steps
+        return (ckpt_step + span <= self.judged
+                and not any(ckpt_step < s <= ckpt_step + span for s in self.skipped_steps))
+
+    def _open_savers(self, snapshot_dir: str | None) -> None:
+        """The checkpointer and the tier-0 snapshotter of this round, after rank 0 claimed
+        the checkpoint dir for the job."""
+        ck, rank, session = self.cfg.checkpoint, self.rank, self.session
+        if ck.dir is not None:
+            # Rank 0 claims the directory; every rank learns the verdict and stops together.
+            verdict = exchange.broadcast(
+                ckpt.claim(Path(ck.dir), self.job_id, adopt=ck.resume is not None)
+                if rank == 0 else None, src=0)
+            if verdict is not None:
+                raise JobRefused(verdict)
+            # Later rounds learn of a node that cannot see the dir at their restore, and the
+            # daemon cordons it (lazarus.daemon.restorefail); the job itself is wrong only here.
+            if not self.restored and (why := ckpt.check_shared(Path(ck.dir))):
+                raise JobRefused(why)
+        self.checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last,
+                                               is_good=self.is_good, job_id=self.job_id)
+                             if ck.dir is not None else None)
+        par = self.cfg.parallelism
+        self.snapshots = (tier0.Snapshotter(
+            Path(snapshot_dir), every=ck.memory_every, first_step=self.step,
+            header={"job": self.job_id, "round": self.round, "rank": rank,
+                    "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
+            on_written=session.snapshot_written, kept=session.snapshots_kept,
+            buffers=self.capture.tensors if self.capture is not None else None)
+            if snapshot_dir is not None and ck.memory_every >= 0 and session.connected
+            else None)
+
+    def run(self, snapshot_dir: str | None) -> None:
+        """Step to cfg.steps; the savers are closed however it ends."""
+        cfg = self.cfg
+        self.restored_step = self.judged = self.step
+        self.windows = DataWindows(self.loader, skip=cfg.data.skip_windows)
+        self.lr_scaled = lr_scale_span(cfg.optimizer, self.step, self.extra)
+        self.groups = [dist.group.WORLD] + [self.mesh.get_group(d)
+                                            for d in self.mesh.mesh_dim_names]
+        self.completed = Completed(self.device)
+        self.checkpointer = self.snapshots = None
+        self.metrics = None
+        finished = False
+        try:
+            self._open_savers(snapshot_dir)
+            self.metrics = (open(cfg.metrics, "a", encoding="utf-8")
+                            if self.rank == 0 and cfg.metrics else None)
+            self.dp_group = self.mesh["dp"].get_group()
+            self.clock = ComputeClock(self.device)
+            self.stats = DeviceStats(self.device, self.model_cfg, seq_len=cfg.data.seq_len,
+                                     ranks=dist.get_world_size(), peak=cfg.peak_tflops)
+            checkpointer = self.checkpointer
+            self.ctx = StepContext(cfg=cfg, rank=self.rank, loader=self.loader,
+                                   clock=self.clock,
+                                   settle=checkpointer.wait if checkpointer is not None
+                                   else lambda: None)
+            self.start.mark("setup")
+            while self.step < cfg.steps:
+                self._one_step()
+            finished = True
+            self.process.held = None
+        finally:
+            self._close(finished)
+
+    def _collectives(self) -> int:
         # Collectives this rank has done: equal on every rank at the same point of the
         # program, so the agent can tell which rank the others wait for. On CUDA, those its
         # device has passed, not those the host enqueued (lazarus.trainer.collprogress).
-        return completed.count(issued(groups))
+        return self.completed.count(issued(self.groups))
 
-    skipped_steps: list[int] = []  # this process's rejected steps: they make a checkpoint bad
+    def _enter(self, phase: str, **op) -> None:
+        self.session.progress(self.step, phase, self._collectives(), **op)
+        self.hooks(phase, self.ctx)
 
-    restored_step = step
-    judged = [step]  # the last step whose guard verdict is in: retention runs in the background
+    def _one_step(self) -> None:
+        cfg, rank, ctx = self.cfg, self.rank, self.ctx
+        opt, data = cfg.optimizer, cfg.data
+        self.step += 1
+        step = self.step
+        t0 = time.perf_counter()
+        self.clock.start()
+        ctx.step, ctx.window, ctx.batch = step, None, None
 
-    def is_good(ckpt_step: int) -> bool:
-        # Good = committed, and no spike in the steps after it (docs/architecture.md,
-        # "Checkpoints"), here seen to the end of that span: a checkpoint too recent to judge
-        # is not good yet. The one this process restored from was judged good by whoever
-        # chose it.
-        if ckpt_step == restored_step and restore is not None:
-            return True
-        return (ckpt_step + ck.good_after_steps <= judged[0]
-                and not any(ckpt_step < s <= ckpt_step + ck.good_after_steps
-                            for s in skipped_steps))
+        self._enter("data")
+        window, left_out = self.windows.next_window()
+        if rank == 0:
+            for w in left_out:
+                print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
+        lr = lr_at(step, self.schedule)
+        if self.lr_scaled is not None and self.lr_scaled[0] <= step <= self.lr_scaled[1]:
+            lr *= opt.lr_scale
+        set_lr(self.optimizer, lr)
+        ctx.window, ctx.batch = window, self.loader.next_step()
+        self._enter("forward")
+        loss_t, norm_t = forward_backward(self.model, ctx.batch, device=self.device,
+                                          loss_group=self.dp_group)
+        self._enter("collective", op="all_reduce")
+        loss, grad_norm = agreed(loss_t, norm_t)
+        self._enter("optimizer")
+        reason = self.guard.observe(loss, grad_norm)
+        finish_step(self.model, self.optimizer, norm_t, grad_clip=opt.grad_clip,
+                    apply=reason is None)
 
-    if ck.dir is not None:
-        # Rank 0 claims the directory; every rank learns the verdict and stops together.
-        verdict = exchange.broadcast(
-            ckpt.claim(Path(ck.dir), job_id, adopt=ck.resume is not None) if rank == 0 else None,
-            src=0)
-        if verdict is not None:
-            raise JobRefused(verdict)
-        # Later rounds learn of a node that cannot see the dir at their restore, and the
-        # daemon cordons it (lazarus.daemon.restorefail); the job itself is wrong only here.
-        if restore is None and (why := ckpt.check_shared(Path(ck.dir))):
-            raise JobRefused(why)
-    checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last, is_good=is_good,
-                                      job_id=job_id)
-                    if ck.dir is not None else None)
-    snapshots = (tier0.Snapshotter(
-        Path(snapshot_dir), every=ck.memory_every, first_step=step,
-        header={"job": job_id, "round": round_, "rank": rank,
-                "world_size": dist.get_world_size(), "mesh": [par.dp, par.tp]},
-        on_written=session.snapshot_written, kept=session.snapshots_kept,
-        buffers=captured[1] if captured is not None else None)
-        if snapshot_dir is not None and ck.memory_every >= 0 and session.connected else None)
-    metrics = open(cfg.metrics, "a", encoding="utf-8") if rank == 0 and cfg.metrics else None
-    dp_group = mesh["dp"].get_group()
-    clock = ComputeClock(device)
-    stats = DeviceStats(device, model_cfg, seq_len=data.seq_len, ranks=dist.get_world_size(),
-                        peak=cfg.peak_tflops)
-    hooks = hooks or PhaseHooks()
-    ctx = StepContext(cfg=cfg, rank=rank, loader=loader, clock=clock,
-                      settle=checkpointer.wait if checkpointer is not None else lambda: None)
+        result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
+                            tokens=data.global_batch * data.seq_len,
+                            step_time_s=time.perf_counter() - t0)
+        self._report(result, reason, window, compute_s=self.clock.stop())
+        self.judged = step
 
-    def enter(phase: str, **op) -> None:
-        session.progress(step, phase, _collectives(), **op)
-        hooks(phase, ctx)
+        # What a restore needs besides the tensors, once per step: every saver takes
+        # this one (none changes it).
+        lr_scaled = self.lr_scaled
+        resumable = {"step": step, "loader": self.loader.state_dict(),
+                     "schedule": _fields(self.schedule), "global_batch": data.global_batch,
+                     "guard": self.guard.state_dict(),
+                     **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
+                                      "last": lr_scaled[1]}} if lr_scaled else {})}
 
-    start.mark("setup")
+        # This rank's part of the step is done: a survivor of a later failure may go on
+        # from here in its own objects (lazarus.trainer.kept).
+        self.held.mark(step, resumable, ckpt.rng_state())
+        self._save(step, result, resumable)
 
-    finished = False
-    try:
-        while step < cfg.steps:
-            step += 1
-            t0 = time.perf_counter()
-            clock.start()
-            ctx.step, ctx.window, ctx.batch = step, None, None
-
-            enter("data")
-            window, left_out = windows.next_window()
+    def _report(self, result: StepResult, reason: str | None, window: dict, *,
+                compute_s: float) -> None:
+        """The step's start line (the round's first), metrics line and report."""
+        rank, session, metrics, cfg = self.rank, self.session, self.metrics, self.cfg
+        cost = self.stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
+        if not self.start.done:
+            self.start.mark("first_step")
+            row = self.start.row(round_=self.round, step=result.step - 1, source=self.source,
+                                 in_place=self.in_place, warm=self.warm, kept=self.reused)
+            print(self.start.line(row), flush=True)
+            _log(metrics, row)
+        if reason is None:
+            session.report(**_fields(result), skipped=False, compute_s=compute_s,
+                           window=[window["first"], window["last"]])
+            _log(metrics, {**_fields(result), **cost})
             if rank == 0:
-                for w in left_out:
-                    print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
-            lr = lr_at(step, schedule)
-            if lr_scaled is not None and lr_scaled[0] <= step <= lr_scaled[1]:
-                lr *= opt.lr_scale
-            set_lr(optimizer, lr)
-            ctx.window, ctx.batch = window, loader.next_step()
-            enter("forward")
-            loss_t, norm_t = forward_backward(model, ctx.batch, device=device, loss_group=dp_group)
-            enter("collective", op="all_reduce")
-            loss, grad_norm = agreed(loss_t, norm_t)
-            enter("optimizer")
-            reason = guard.observe(loss, grad_norm)
-            finish_step(model, optimizer, norm_t, grad_clip=opt.grad_clip, apply=reason is None)
+                print(result.line(cfg.steps) + DeviceStats.line(cost), flush=True)
+        else:
+            self.skipped_steps.append(result.step)
+            spike = {"reason": reason, "loss": result.loss, "grad_norm": result.grad_norm,
+                     "window": [window["first"], window["last"]]}
+            session.report(**_fields(result), skipped=True, spike=spike, compute_s=compute_s)
+            _log(metrics, {**_fields(result), "skipped": True, "spike": spike})
+            if rank == 0:
+                print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",
+                      flush=True)
 
-            result = StepResult(step=step, loss=loss, grad_norm=grad_norm, lr=lr,
-                                tokens=data.global_batch * data.seq_len, step_time_s=time.perf_counter() - t0)
-            compute_s = clock.stop()
-            cost = stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
-            if not start.done:
-                start.mark("first_step")
-                row = start.row(round_=round_, step=step - 1, source=source, in_place=in_place,
-                                warm=warm, kept=reused)
-                print(start.line(row), flush=True)
-                _log(metrics, row)
-            if reason is None:
-                session.report(**_fields(result), skipped=False, compute_s=compute_s,
-                               window=[window["first"], window["last"]])
-                _log(metrics, {**_fields(result), **cost})
-                if rank == 0:
-                    print(result.line(cfg.steps) + DeviceStats.line(cost), flush=True)
-            else:
-                skipped_steps.append(step)
-                spike = {"reason": reason, "loss": loss, "grad_norm": grad_norm,
-                         "window": [window["first"], window["last"]]}
-                session.report(**_fields(result), skipped=True, spike=spike, compute_s=compute_s)
-                _log(metrics, {**_fields(result), "skipped": True, "spike": spike})
-                if rank == 0:
-                    print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",
-                          flush=True)
-
-            judged[0] = step
-
-            # What a restore needs besides the tensors, once per step: every saver takes
-            # this one (none changes it).
-            resumable = {"step": step, "loader": loader.state_dict(),
-                         "schedule": _fields(schedule), "global_batch": data.global_batch,
-                         "guard": guard.state_dict(),
-                         **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
-                                          "last": lr_scaled[1]}} if lr_scaled else {})}
-
-            # This rank's part of the step is done: a survivor of a later failure may go on
-            # from here in its own objects (lazarus.trainer.kept).
-            held.mark(step, resumable, ckpt._rng_state())
-
-            if snapshots is not None:
-                snapshots.observe_step(result.step_time_s)
-                take_snapshot(snapshots, held, step, model, optimizer, resumable)
-            if checkpointer is not None and _checkpoint_now(session, step, cfg, device):
-                enter("checkpoint")
-                checkpointer.save(step, model, optimizer, resumable,
-                                  async_save=ck.async_save, commit_gate=session.may_commit,
-                                  on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
-                                  # a full or read-only disk costs this checkpoint, not the run
-                                  on_fail=session.checkpoint_failed)
-            for saver in (snapshots, checkpointer):
-                if saver is not None:
-                    _log_stalls(metrics, saver)
-        finished = True
-        kept.drop()
-    finally:
+    def _save(self, step: int, result: StepResult, resumable: dict) -> None:
+        """The step's tier-0 snapshot and checkpoint, each when due."""
+        snapshots, checkpointer, session = self.snapshots, self.checkpointer, self.session
         if snapshots is not None:
+            snapshots.observe_step(result.step_time_s)
+            take_snapshot(snapshots, self.held, step, self.model, self.optimizer, resumable)
+        if checkpointer is not None and _checkpoint_now(session, step, self.cfg, self.device):
+            self._enter("checkpoint")
+            checkpointer.save(step, self.model, self.optimizer, resumable,
+                              async_save=self.cfg.checkpoint.async_save,
+                              commit_gate=session.may_commit,
+                              on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
+                              # a full or read-only disk costs this checkpoint, not the run
+                              on_fail=session.checkpoint_failed)
+        for saver in (snapshots, checkpointer):
+            if saver is not None:
+                _log_stalls(self.metrics, saver)
+
+    def _close(self, finished: bool) -> None:
+        if self.snapshots is not None:
             # A rank that stops early (a peer gone) must not wait on its agent.
-            snapshots.close(settle_s=tier0.SETTLE_S if finished else 0.0)
-            _log_stalls(metrics, snapshots)
-        if checkpointer is not None:
-            checkpointer.close()
-            _log_stalls(metrics, checkpointer)
-        if metrics is not None:
-            metrics.close()
+            self.snapshots.close(settle_s=tier0.SETTLE_S if finished else 0.0)
+            _log_stalls(self.metrics, self.snapshots)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            _log_stalls(self.metrics, self.checkpointer)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 class StartTimes:

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 from lazarus.core import exitcodes
@@ -25,6 +26,7 @@ from lazarus.core.errors import CheckpointError, JobRefused, RestoreFailed, User
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.trainer import exitnote, inplace
 from lazarus.trainer import hooks as phase_hooks
+from lazarus.trainer.rankprocess import RankProcess, this_process
 
 # A hand-over longer than this is a clock stepped between the agent and the rank, not a wait.
 HANDOVER_MAX_S = 600.0
@@ -40,15 +42,6 @@ def handover_s(issued_at: object, now: float | None = None) -> float:
     return waited if 0.0 <= waited <= HANDOVER_MAX_S else 0.0
 
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """True when `exc` says a peer (or the round's store) went away, not that this rank broke."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, (RuntimeError, ConnectionError)) and exitcodes.names_lost_peer(str(exc))
-
-
 def _pg_timeout() -> timedelta:
     spec = os.environ.get(PG_TIMEOUT_ENV)
     if not spec:
@@ -62,10 +55,19 @@ def _pg_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | WorkerAssignment:
-    """Run the rank's round: its exit code, or the next round's assignment when it survived
-    a lost peer and stays for the next round in this process (lazarus.trainer.inplace).
-    `in_place`: this process ran an earlier round already."""
+@dataclass(frozen=True, slots=True)
+class Survived:
+    """A round this rank left on a lost peer, staying for the next one in its process
+    (lazarus.trainer.inplace): `next` is that round's assignment."""
+    next: WorkerAssignment
+
+
+def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
+        in_place: bool = False) -> int | Survived:
+    """Run the rank's round: its exit code, or Survived when it survived a lost peer and
+    stays for the next round in this process (lazarus.trainer.inplace). `process`: what the
+    process carries from round to round (default: this process's); `in_place`: this process
+    ran an earlier round already."""
     import torch
     import torch.distributed as dist
 
@@ -114,7 +116,8 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     try:
-        train(cfg, session=session, restore=a.restore, hooks=hooks, job_id=a.job_id,
+        train(cfg, session=session, process=process, restore=a.restore, hooks=hooks,
+              job_id=a.job_id,
               snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
               allowed_roots=a.allowed_roots, began=began, handed=handed,
               in_place=in_place, restore_step=a.restore_step)
@@ -143,7 +146,7 @@ def run(assignment: WorkerAssignment, *, in_place: bool = False) -> int | Worker
             traceback.clear_frames(e.__traceback__)
             nxt = inplace.survive(a, session, session.last_step, why)
             if nxt is not None:
-                return nxt
+                return Survived(nxt)
         exitnote.exit_now(exitcodes.PEER_LOST)
     finally:
         session.close()
@@ -223,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         assignment = WorkerAssignment.from_json(os.environ[ASSIGNMENT_ENV])
     else:
         raise UserError(f"no assignment: pass --assignment FILE, --park, or set {ASSIGNMENT_ENV}")
+    process = this_process()
     try:
-        code = run(assignment)
-        while isinstance(code, WorkerAssignment):  # survived: the next round, same process
-            inplace.enter_next(code)
-            code = run(code, in_place=True)
+        code = run(assignment, process=process)
+        while isinstance(code, Survived):  # the next round, in this process
+            inplace.enter_next(code.next)
+            code = run(code.next, process=process, in_place=True)
     except BaseException as e:
         exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
         raise

@@ -1,5 +1,5 @@
 """The Kubernetes manifests validate against the Kubernetes API schemas, strictly (no unknown
-field), with the command README.md's "Deploy" section shows. kubernetes-validate carries its
+field), with the command docs/operations.md ("Deploying") shows. kubernetes-validate carries its
 schemas: no cluster and no network."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The systemd units verify cleanly, rendered for this venv as README.md's "Deploy" section
+"""The systemd units verify cleanly, rendered for this venv as docs/operations.md ("Deploying", systemd)
 installs them (the ExecStart paths must exist: systemd-analyze checks them), and their
 commands, with lazarus.env's settings, start a daemon and an agent that work together.
 systemd-analyze knows nothing of our flags; only running the commands does."""

@@ -86,7 +86,7 @@ def test_a_survivor_aborts_a_queued_collective_and_trains_on_in_the_next_round(t
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
-    from lazarus.trainer.checkpoint import _rng_state
+    from lazarus.trainer.checkpoint import rng_state
     from lazarus.trainer.snapshot import capture, encode, restore
 
     def build():
@@ -122,7 +122,7 @@ def test_a_survivor_aborts_a_queued_collective_and_trains_on_in_the_next_round(t
     tensors, values = capture(model, opt)
     kept = encode(tensors, values, header={"job": "gpu", "round": 1, "rank": 0,
                                            "world_size": 1, "step": 2, "extra": {},
-                                           "rng": _rng_state()})
+                                           "rng": rng_state()})
     reference = [step(model, opt)[0] for _ in range(3)]
     mark = local(model)
 
@@ -235,7 +235,7 @@ def test_a_survivor_goes_on_in_its_kept_objects_after_a_failed_forward(tmp_path)
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
-    from lazarus.trainer.checkpoint import _rng_state
+    from lazarus.trainer.checkpoint import rng_state
     from lazarus.trainer.snapshot import capture, encode, restore
 
     batch = torch.randint(0, 256, (4, 257), device=DEV)
@@ -258,11 +258,11 @@ def test_a_survivor_goes_on_in_its_kept_objects_after_a_failed_forward(tmp_path)
     tensors, values = capture(model, opt)
     at2 = encode(tensors, values, header={"job": "gpu", "round": 1, "rank": 0,
                                           "world_size": 1, "step": 2, "extra": {},
-                                          "rng": _rng_state()})
+                                          "rng": rng_state()})
     reference = [step(model, opt) for _ in range(3)]
     restore(at2, model, opt, rank=0, world_size=1)   # back to step 2, in the same objects
     held = kept.Held("gpu", model, opt)
-    held.mark(2, {}, _rng_state())
+    held.mark(2, {}, rng_state())
     kept.hold(held)
 
     def fail(*_args):

@@ -51,6 +51,7 @@ def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
+    from lazarus.trainer.rankprocess import RankProcess
     from lazarus.trainer.train import train_step
 
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False)
@@ -94,7 +95,8 @@ def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str
     mesh = world("round/1", timeout_s=3.0)
     model = build_model(get_model_config("tiny"), mesh, par, seed=3)
     optimizer = build_optimizer(model, lr=1e-3)
-    kept.hold(kept.Held("shape", model, optimizer))
+    process = RankProcess()
+    process.held = kept.Held("shape", model, optimizer)
     restored = FAIL_AT - 1 - ahead  # the step the next round restores
     Path(snapshots).mkdir(exist_ok=True)
     snapper = tier0.Snapshotter(Path(snapshots), every=1, first_step=0,
@@ -106,8 +108,8 @@ def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str
         if s == restored:
             snapper.take(s, model, optimizer, {"step": s})
     snapper.close()
-    kept._held[0].mark(FAIL_AT - 1, {}, {})
-    kept._held[0].captured = snapper.last
+    process.held.mark(FAIL_AT - 1, {}, {})
+    process.held.captured = snapper.last
     before = before[:restored]
     if rank == 1:
         calls = []
@@ -128,7 +130,7 @@ def _rounds(rank: int, port: int, out: str, tp: int, ahead: bool, snapshots: str
 
     # the next world, in the kept objects
     mesh = world("round/2")
-    held = kept.take("shape", restoring=True)
+    held = kept.take(process, "shape", restoring=True)
     reused = held is not None
     kept.reuse(held)
     if rank == 1:

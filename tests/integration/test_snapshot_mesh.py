@@ -58,7 +58,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     steps(model, optimizer, data, 3)
     tensors, values = snapshot.capture(model, optimizer)
     header = {"job": "j", "round": 1, "rank": rank, "world_size": world, "step": 3,
-              "extra": {"loader": data.state_dict()}, "rng": snapshot._rng_state()}
+              "extra": {"loader": data.state_dict()}, "rng": snapshot.rng_state()}
     saved = snapshot.encode(tensors, values, header=header)
     uninterrupted = steps(model, optimizer, data, 3)
 

@@ -35,7 +35,7 @@ spec.loader.exec_module(boot)
 sys.meta_path.insert(1, boot.RankSide(json.loads(sys.argv[1])))
 import lazarus.trainer
 from lazarus.trainer import collwatch, rankrun, session, teardown, inplace, exitnote
-from lazarus.trainer.worker import is_peer_failure
+from lazarus.trainer.peerloss import is_peer_failure
 exitnote.start_time(__import__("os").getpid())
 print("imported", sorted(n for n in sys.modules if n.startswith("lazarus")))
 """

@@ -33,7 +33,7 @@ def _file(model, opt, **extra) -> bytes:
     tensors, values = snapshot.capture(model, opt)
     header = {"job": "j1", "round": 3, "rank": 0, "world_size": 1, "step": 17,
               "extra": {"step": 17, "loader": {"cursor": 136}, **extra},
-              "rng": snapshot._rng_state()}
+              "rng": snapshot.rng_state()}
     return snapshot.encode(tensors, values, header=header)
 
 

@@ -84,7 +84,7 @@ def _trained():
 
 def _file(tensors, values, drop: str | None = None) -> bytes:
     header = {"job": "j", "round": 3, "rank": 0, "world_size": 1, "step": 17,
-              "extra": {"step": 17}, "rng": snapshot._rng_state()}
+              "extra": {"step": 17}, "rng": snapshot.rng_state()}
     header.pop(drop or "", None)
     return snapshot.encode(tensors, values, header=header)
 

@@ -335,7 +335,7 @@ _TOLD = """
 import json, sys, time
 import torch, torch.distributed as dist
 from lazarus.core.contract import WorkerAssignment
-from lazarus.trainer import collprogress, inplace
+from lazarus.trainer import collprogress, inplace, rankprocess
 from lazarus.trainer.session import Session
 
 collprogress.uses_nccl = lambda: {nccl}  # gloo's groups, taken for NCCL's
@@ -351,14 +351,14 @@ def state():
         raised = None
     except Exception as e:
         raised = type(e).__name__
-    return {{"told": inplace._rounds["told"], "initialized": dist.is_initialized(),
+    return {{"told": rankprocess.this_process().told, "initialized": dist.is_initialized(),
             "lost_peer": inplace.lost_peer(a, ValueError("anything")), "raised": raised}}
 
 print("ready", flush=True)
 sys.stdin.readline()                 # the agent spoke of round 1 only
 print(json.dumps(state()), flush=True)
 end = time.monotonic() + 10
-while time.monotonic() < end and (inplace._rounds["told"] != 2 or dist.is_initialized() == {nccl}):
+while time.monotonic() < end and (rankprocess.this_process().told != 2 or dist.is_initialized() == {nccl}):
     time.sleep(0.02)
 print(json.dumps(state()), flush=True)
 session.close()
