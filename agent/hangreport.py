@@ -27,7 +27,7 @@ log = logging.getLogger("lazarus.agent")
 def act(agent: Agent, g: Group, action: ReportHang | WithdrawHang) -> None:
     if isinstance(action, WithdrawHang):
         log.info("hang report of round %d withdrawn: the ranks moved again", action.round)
-        agent._hang = None
+        agent.report.hang = None
     elif isinstance(action, ReportHang):
         report(agent, g, action.verdict)
     else:
@@ -76,7 +76,7 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
             f.write("=== NCCL's flight recorder dumps (pickles: read them with "
                     "python -m torch.distributed.flight_recorder.fr_trace) ===\n" + "".join(
                         f"rank {r}: {path}\n" for r, path in sorted(nccl.items())))
-    agent._hang = {**verdict.to_dict(), "stacks": str(saved), "at": time.time()}
+    agent.report.hang = {**verdict.to_dict(), "stacks": str(saved), "at": time.time()}
     log.warning("hang in round %d: %s; stacks in %s", g.round, verdict.reason, saved)
 
 

@@ -83,7 +83,7 @@ def _local_ranks(agent: Agent) -> list[int]:
 def _step(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
-            st = agent._step
+            st = agent.report.step
             first = st["step"] == 0
             st["step"] = max(st["step"], int(msg.get("step", 0)))
             if first and st["step"] > 0:
@@ -96,11 +96,11 @@ def _step(agent: Agent, msg: dict) -> None:
             # node alone reports them, so a skip is one status write in the whole cluster,
             # not one per node (4,096 at once at the real size).
             if isinstance(spike, dict) and msg.get("rank") == 0:
-                agent._spikes.append({"step": int(msg.get("step", 0)),
+                agent.report.spikes.append({"step": int(msg.get("step", 0)),
                                       "window": spike.get("window"),
                                       "loss": spike.get("loss"),
                                       "reason": spike.get("reason")})
-                del agent._spikes[:-MAX_SPIKES]
+                del agent.report.spikes[:-MAX_SPIKES]
                 agent.wake.set()
             if agent.monitors:
                 _observe_step(agent, msg)
@@ -125,7 +125,7 @@ def _observe_step(agent: Agent, msg: dict) -> None:
         agent.throughput.observe(
             rank=int(msg["rank"]), step=int(msg["step"]), node=agent.node,
             step_time_s=float(msg.get("step_time_s", 0.0)),
-            tokens=int(msg.get("tokens", 0)) // max(1, agent._world_size),
+            tokens=int(msg.get("tokens", 0)) // max(1, agent.report.world_size),
             compute_s=float(compute) if compute is not None else None)
     except (KeyError, TypeError, ValueError):
         pass  # a malformed report costs its sample, nothing else
@@ -146,22 +146,22 @@ def _track_long_phase(agent: Agent) -> None:
     """Note when a local rank enters or leaves a checkpoint/eval (lock held); a change is
     published at once, because the daemon holds other nodes' hang reports meanwhile."""
     since = agent.hangs.long_phase_since()
-    if since is not None and not agent._long_phase["since"]:
+    if since is not None and not agent.report.long_phase["since"]:
         # with the allowance its ranks get there: the daemon holds peers' reports no longer
         # than that (lazarus.daemon.decide._peer_in_long_phase)
-        agent._long_phase = {"since": time.time() - (time.monotonic() - since),
-                             "until": agent._long_phase["until"],
+        agent.report.long_phase = {"since": time.time() - (time.monotonic() - since),
+                             "until": agent.report.long_phase["until"],
                              "allowance_s": round(agent.hangs.timeout_s(), 1)}
         agent.wake.set()
-    elif since is None and agent._long_phase["since"]:
-        agent._long_phase = {"since": 0.0, "until": time.time()}
+    elif since is None and agent.report.long_phase["since"]:
+        agent.report.long_phase = {"since": 0.0, "until": time.time()}
         agent.wake.set()
 
 
 def _joined(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
-            agent._joined.add(msg.get("rank"))
+            agent.report.joined.add(msg.get("rank"))
     agent.wake.set()
 
 
@@ -185,7 +185,7 @@ def _committed(agent: Agent, msg: dict) -> None:
     record, which agents' etcd role may not write (docs/security.md)."""
     try:
         rec = CheckpointRecord(step=int(msg["step"]), path=str(msg["path"]),
-                               round=int(msg["round"]), job_id=agent._job_id,
+                               round=int(msg["round"]), job_id=agent.report.job_id,
                                committed_at=time.time())
     except (KeyError, TypeError, ValueError):
         log.warning("dropping malformed checkpoint report %r", msg)
@@ -226,7 +226,7 @@ def _checkpoint_failed(agent: Agent, msg: dict) -> None:
 
 def _snapshot(agent: Agent, msg: dict) -> None:
     if agent.tier0 is not None and msg.get("round") == _group_round(agent):
-        agent.tier0.taken(agent._job_id, msg)
+        agent.tier0.taken(agent.report.job_id, msg)
 
 
 def _restore_failed(agent: Agent, msg: dict) -> None:
@@ -243,9 +243,9 @@ def _note_restore_failure(agent: Agent, msg: dict) -> None:
     if kind not in RESTORE_KINDS:
         return
     weight = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
-    if agent._restore_failed and weight[kind] <= weight[agent._restore_failed["kind"]]:
+    if agent.report.restore_failed and weight[kind] <= weight[agent.report.restore_failed["kind"]]:
         return
-    agent._restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
+    agent.report.restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
                              "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
 
 
@@ -268,7 +268,7 @@ def _survivor(agent: Agent, msg: dict) -> None:
 def _refused(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
-            agent._refused = str(msg.get("reason", ""))[:500]
+            agent.report.refused = str(msg.get("reason", ""))[:500]
     agent.wake.set()
 
 

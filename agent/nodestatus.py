@@ -8,9 +8,11 @@ only to be written.
 
 from __future__ import annotations
 
+import random
 import time
 from typing import TYPE_CHECKING
 
+from lazarus.agent import decide
 from lazarus.agent.workers import Group, rank_log, tail
 from lazarus.core import etcd as E
 from lazarus.core.records import (OUTPUT_TAIL_BYTES, W_FAILED, W_IDLE, W_RUNNING, W_STARTING,
@@ -36,7 +38,7 @@ def workers_state(agent: Agent, step: int) -> str:
     # script that reports no steps (level 0): once each of its ranks made its process group
     # (lazarus.trainer.collwatch).
     with agent._lock:
-        joined = bool(g.ranks) and set(g.ranks.values()) <= agent._joined
+        joined = bool(g.ranks) and set(g.ranks.values()) <= agent.report.joined
     return W_RUNNING if step > 0 or joined else W_STARTING
 
 
@@ -44,27 +46,31 @@ def state(agent: Agent) -> tuple:
     """What a status write is due for at once when it changes; cheap, asked every pass."""
     g = agent.workers.group
     with agent._lock:
-        step, spikes = agent._step["step"], len(agent._spikes)
-        long_phase = bool(agent._long_phase.get("since"))
-        refused = bool(agent._refused)
-        restore_failed = agent._restore_failed.get("kind")
+        r = agent.report
+        step, spikes = r.step["step"], len(r.spikes)
+        long_phase = bool(r.long_phase.get("since"))
+        refused = bool(r.refused)
+        restore_failed = r.restore_failed.get("kind")
+        hang = r.hang is not None
     health = agent.health.poll() if agent.monitors else {}
     checked = agent.preflight.result if agent.preflight is not None else {}
     return (workers_state(agent, step), g.round if g else 0,
             g.failed_rank() if g else None, spikes, health.get("state"),
-            agent._hang is not None, long_phase, refused, checked.get("at"),
+            hang, long_phase, refused, checked.get("at"),
             restore_failed)
 
 
 def build(agent: Agent) -> NodeStatus:
     g = agent.workers.group
     with agent._lock:
-        st = dict(agent._step)
-        spikes = list(agent._spikes)
+        r = agent.report
+        st = dict(r.step)
+        spikes = list(r.spikes)
         throughput = agent.throughput.summary()
-        long_phase = dict(agent._long_phase)
-        refused = agent._refused
-        restore_failed = dict(agent._restore_failed)
+        long_phase = dict(r.long_phase)
+        refused = r.refused
+        restore_failed = dict(r.restore_failed)
+        hang, job_id, world_size = r.hang, r.job_id, r.world_size
     return NodeStatus(
         node=agent.node, round=g.round if g else 0, workers=workers_state(agent, st["step"]),
         exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
@@ -73,10 +79,10 @@ def build(agent: Agent) -> NodeStatus:
         pids=g.pids() if g else [], parked=len(agent.workers.parked),
         updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
         window=st.get("window") or [],
-        health=agent.health.poll() if agent.monitors else {}, hang=agent._hang,
+        health=agent.health.poll() if agent.monitors else {}, hang=hang,
         throughput=throughput, long_phase=long_phase, refused=refused,
         preflight=dict(agent.preflight.result) if agent.preflight is not None else {},
-        tier0=agent.tier0.holdings(agent._job_id, agent._world_size)
+        tier0=agent.tier0.holdings(job_id, world_size)
         if agent.tier0 is not None else {},
         restore_failed=restore_failed, output_tail=_output_tail(agent, g),
         in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [],
@@ -94,11 +100,36 @@ def _output_tail(agent: Agent, g: Group | None) -> str:
     """The failed rank's last lines, read once per failed round."""
     if g is None or g.first_failure is None:
         return ""
-    if agent._tail[0] != g.round:
+    report = agent.report
+    if report.tail is None:
         rank = g.ranks[g.first_failure]
-        agent._tail = (g.round, tail(rank_log(agent.workers.log_dir, g.round, rank),
-                                     OUTPUT_TAIL_BYTES))
-    return agent._tail[1]
+        report.tail = tail(rank_log(agent.workers.log_dir, g.round, rank), OUTPUT_TAIL_BYTES)
+    return report.tail
+
+
+class Publisher:
+    """When the node status was last written, with what: a write is due at once on a change
+    of `state`, else once a jittered period while the step moves (lazarus.agent.decide
+    .status_due). Each period is stretched at random (PERIOD_JITTER): a round starts every
+    agent's period at once, and without it they stay in step and write in bursts of the
+    whole fleet."""
+
+    def __init__(self, node: str, period_s: float):
+        self.period_s = period_s
+        self.state: tuple | None = None   # None: nothing written under the current lease
+        self.step = -1
+        self.at = 0.0
+        self._jitter = random.Random(node)
+        self.next_period_s = period_s
+
+    def due(self, now: float, state: tuple, step: int, *, force: bool) -> bool:
+        return decide.status_due(now, state, step, published_state=self.state,
+                                 published_step=self.step, published_at=self.at,
+                                 period_s=self.next_period_s, force=force)
+
+    def wrote(self, state: tuple, step: int, now: float) -> None:
+        self.state, self.step, self.at = state, step, now
+        self.next_period_s = self.period_s * (1 + PERIOD_JITTER * self._jitter.random())
 
 
 def write(agent: Agent, state_: tuple, now: float) -> bool:
@@ -112,8 +143,5 @@ def write(agent: Agent, state_: tuple, now: float) -> bool:
     except E.LeaseLost:
         agent.session.mark_lost()
         return False
-    agent._published_state, agent._published_step, agent._published_at = (
-        state_, status.step, now)
-    agent._next_period_s = agent.status_period_s * (
-        1 + PERIOD_JITTER * agent._period_jitter.random())
+    agent.publisher.wrote(state_, status.step, now)
     return True

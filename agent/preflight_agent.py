@@ -26,7 +26,7 @@ def checks(agent: Agent) -> list[pre.Check]:
     and a collective -- with one member of the round when the node is not in it (the path a
     promotion would use), else over the node's own address."""
     _, rec = agent._assignment
-    ckpt = rec.checkpoint_dir if rec is not None else agent._checkpoint_dir
+    ckpt = rec.checkpoint_dir if rec is not None else agent.report.checkpoint_dir
     peer = _test_peer(agent, rec)
     # a directory the ranks' user may write: the checkpoint test runs as that user
     config = pre.PreflightConfig(workdir=job_dir(agent.workdir) if agent.run_as

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
 from lazarus.agent.decide import DropKept, Launch, Refill, ReleaseVictims, SeeRound, StopRound
+from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.workers import rank_log
 from lazarus.core.contract import WorkerAssignment, round_port_key
 from lazarus.core.records import NodeStatus, RecordError, RoundRecord
@@ -86,19 +87,11 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
                                 max_restarts=rec.max_restarts, issued_at=time.time())
         for local, rank in enumerate(ranks)}
     with agent._lock:
-        agent._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
-        agent._spikes = []
+        agent.report = RoundReport(job_id=rec.job_id, world_size=rec.world_size,
+                                   checkpoint_dir=rec.checkpoint_dir)
         agent.hangs.reset()
         agent.throughput.reset()
-        agent._world_size = rec.world_size
-        agent._hang = None
-        agent._refused = ""
-        agent._restore_failed = {}
-        agent._long_phase = {"since": 0.0, "until": 0.0}
-        agent._joined = set()
-    agent._job_id = rec.job_id
-    agent._checkpoint_dir = rec.checkpoint_dir
-    agent.health.watch_checkpoint_dir(agent._checkpoint_dir)
+    agent.health.watch_checkpoint_dir(rec.checkpoint_dir)
     g = agent.workers.launch(rec.round, assignments, resume=functools.partial(resume, agent))
     agent._save_left()
     log.info("round %d: started ranks %s%s%s", rec.round, ranks,
@@ -140,9 +133,10 @@ def save_left(agent: Agent) -> None:
     ranks = [LeftRank(local_rank=lr, rank=g.ranks[lr], pid=p.pid,
                       started=getattr(p, "started", None) or start_time(p.pid) or 0.0)
              for lr, p in sorted(g.procs.items())]
-    Left(node=agent.node, round=g.round, job_id=agent._job_id, world_size=agent._world_size,
+    report = agent.report
+    Left(node=agent.node, round=g.round, job_id=report.job_id, world_size=report.world_size,
          lease=agent.session.lease, channel=agent.channel.path,
-         checkpoint_dir=agent._checkpoint_dir, agent_pid=os.getpid(),
+         checkpoint_dir=report.checkpoint_dir, agent_pid=os.getpid(),
          ranks=ranks).save(agent._left_path)
 
 
@@ -150,8 +144,9 @@ def take_over(agent: Agent, left: Left) -> None:
     """Adopt the ranks a previous agent of this node left running, as this agent's round."""
     procs = adopt(left, agent.stacks_dir)
     agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
-    agent._job_id, agent._world_size = left.job_id, left.world_size
-    agent._checkpoint_dir = left.checkpoint_dir
+    with agent._lock:
+        agent.report = RoundReport(job_id=left.job_id, world_size=left.world_size,
+                                   checkpoint_dir=left.checkpoint_dir)
     agent.health.watch_checkpoint_dir(left.checkpoint_dir)
     agent._adopted_round = left.round
     running = [p.pid for p in procs.values() if p.poll() is None]
@@ -175,5 +170,5 @@ def resume_status(agent: Agent) -> None:
     if old is None or old.round != round_:
         return
     with agent._lock:
-        agent._step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
+        agent.report.step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
                        "tokens_per_s": old.tokens_per_s, "window": old.window}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import threading
 import time
 from pathlib import Path
@@ -32,10 +31,11 @@ from lazarus.core.errors import UserError
 from lazarus.core.records import (RENDEZVOUS, ROLE_ACTIVE, ROLE_SPARE, RUNNING, Keys,
                                   NodeRecord, NodeStatus, RoundRecord, RunStatus)
 from lazarus.agent import decide, hangreport, messages, nodestatus, preflight_agent, rounds
-from lazarus.agent.assignment import read as read_assignment, readable
+from lazarus.agent.assignment import Assignment, read as read_assignment, readable
 from lazarus.agent.adopt import Left, NodeLock, forget, record_path
 from lazarus.agent.channel import Channel
 from lazarus.agent.hang import HangConfig, HangDetector
+from lazarus.agent.roundreport import RoundReport
 from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, STACKS_ENV,
                                    SCRIPT_PG_TIMEOUT_ENV, without_secrets)
 from lazarus.core import rankfiles
@@ -60,10 +60,8 @@ STATUS_PERIOD_S = 15.0
 # The agent converges its workers on its assignment (run/status and the round record) this
 # often, and at once when something wakes it ...
 RECONCILE_S = 0.5
-# ... but reads the assignment from etcd only when its watches on run/ and commands/ deliver
-# news, and else this often, in case a watch lost something: a read per reconcile would be
-# 16,000 reads/s on etcd at 4,096 nodes (docs/architecture.md, "Write budget").
-REREAD_S = 10.0
+# ... but reads the assignment from etcd only on news, else every REREAD_S
+# (lazarus.agent.assignment).
 # How often the ranks' log files are held to their size (lazarus.agent.workers.bound_logs): a
 # rank writes at most a few MB a second.
 LOG_CHECK_S = 5.0
@@ -72,6 +70,11 @@ PREFLIGHT_EVERY_S = 600.0
 # Ranks whose agent is gone wait one lease TTL and this much for the next one before they
 # stop (lazarus.agent.adopt): an agent back within the TTL still needs a moment to listen.
 ORPHAN_MARGIN_S = 5.0
+
+
+def _round_over(round_: int, status: RunStatus | None) -> bool:
+    return status is None or status.round != round_ or status.state not in (RENDEZVOUS,
+                                                                             RUNNING)
 
 
 class Agent:
@@ -199,42 +202,21 @@ class Agent:
         self._over_since: tuple[int, float] | None = None  # (round, when) its end was seen
         self._resume_lease: int | None = None
         self._registered = False            # the node record names this process
-        self._lock = threading.Lock()       # guards the step fields the channel updates
-        self._step = {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
-        self._spikes: list[dict] = []       # skipped steps of the current round (newest last)
-        self._job_id = ""                   # job of the round our workers run
+        self._lock = threading.Lock()       # guards what the channel's thread updates
+        # what this node's ranks of the current round reported; a launch replaces it
+        self.report = RoundReport()
         self.hangs = hangs
         self.throughput = ThroughputTracker()
-        self._world_size = 1
-        self._long_phase = {"since": 0.0, "until": 0.0}  # see NodeStatus.long_phase
-        self._hang: dict | None = None      # this round's hang report, once made
-        self._refused = ""                  # why a rank refused this round's job
-        self._restore_failed: dict = {}     # what this round's ranks found wrong in its restore
-        self._joined: set = set()           # ranks that made their process group (collwatch)
-        self._tail: tuple[int, str] = (0, "")  # (round, its failed rank's last output)
         self._next_log_check = 0.0
         self._round_stores: dict = {}       # round -> the store this node hosts for it
-        self._checkpoint_dir: str | None = None
         self._adopted_round: int | None = None  # until its old node status is read back
         self._checkpoint_request: bytes | None = None
         self._unreadable: dict[str, int] = {}  # key -> mod revision of the value named
-        self._published_state: tuple | None = None
-        self._published_step = -1
-        self._published_at = 0.0
-        # Each status write waits a period stretched at random (nodestatus.PERIOD_JITTER): a
-        # round starts every agent's period at once, and without it they stay in step and
-        # write in bursts of the whole fleet.
-        self._period_jitter = random.Random(node)
-        self._next_period_s = status_period_s
+        self.publisher = nodestatus.Publisher(node, status_period_s)
         self._watches: list[E.Watch] = []
         self.outage = E.OutageLog(etcd, log, "workers keep training")
-        # The assignment (run/status, the round record) as last read, and news of a change:
-        # read again on news from the watches, else every REREAD_S (see reconcile()).
-        self._assignment: tuple[RunStatus | None, RoundRecord | None] = (None, None)
-        self._news = 1                      # counts watch deliveries ...
-        self._news_read = 0                 # ... up to the one the assignment was read after
-        self._read_at = -REREAD_S
-        self.reads = 0                      # assignment reads so far (the fleet counts them)
+        # the assignment (run/status, the round record), read on news from the watches
+        self.assignments = Assignment(self._read_assignment)
         self._next_reconcile = 0.0
         self.preflight: pre.Runner | None = None
         self.peer_tests: coll.PeerTests | None = None
@@ -268,7 +250,7 @@ class Agent:
             self.session.mark_lost()
             raise E.EtcdUnavailable("lease lost while registering; retrying") from None
         self._registered = True
-        self._published_state = None  # the new lease has no status key yet
+        self.publisher.state = None  # the new lease has no status key yet
         self._save_left()  # it names the lease
         log.info("registered %s (%s, %d ranks, store port %d)", self.node, self.role,
                  self.nproc, self.store.port)
@@ -284,34 +266,37 @@ class Agent:
 
     # -- the assignment ----------------------------------------------------------------------
     def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
-        return read_assignment(self)
+        return read_assignment(self.etcd, self.keys, self._unreadable,
+                               self._pass_on_checkpoint_request)
 
     def _pass_on_checkpoint_request(self, kv: E.KV | None) -> None:
         messages.pass_on_checkpoint_request(self, kv)
 
     def _on_news(self, _events: object = None) -> None:
         """A watch on run/ or commands/ delivered (or resynced): read the assignment again."""
-        self._news += 1
+        self.assignments.news()
         self.wake.set()
-
-    def assignment(self, now: float) -> tuple[RunStatus | None, RoundRecord | None]:
-        """The assignment, read again when there is news of it or it is REREAD_S old. An
-        event that arrives during the read is news for the next pass, never lost."""
-        if self._news != self._news_read or now - self._read_at >= REREAD_S:
-            news = self._news
-            self._assignment = self._read_assignment()
-            self._news_read, self._read_at = news, now
-            self.reads += 1
-        return self._assignment
 
     # -- converging on it (lazarus.agent.decide, lazarus.agent.rounds) -----------------------
     def reconcile(self, now: float | None = None) -> None:
         self.register()
-        status, rec = self.assignment(time.monotonic() if now is None else now)
+        status, rec = self.assignments.get(time.monotonic() if now is None else now)
+        self._see_round_end(status)
         for action in decide.converge(self.node, status, rec, self._local(status)):
             rounds.act(self, action)
 
+    def _see_round_end(self, status: RunStatus | None) -> None:
+        """Note when the assignment first showed the running group's round over (or forget
+        it when it is not): how long ago that was is part of the view (`_local`)."""
+        g = self.workers.group
+        if g is None or not _round_over(g.round, status):
+            self._over_since = None
+        elif self._over_since is None or self._over_since[0] != g.round:
+            self._over_since = (g.round, time.monotonic())
+
     def _local(self, status: RunStatus | None = None) -> decide.Local:
+        """What this node's ranks are doing, as the pure decisions take it; reads only.
+        `status`: the run's, for how long their round has been over (0 without it)."""
         g = self.workers.group
         kept = bool(self.workers.kept)
         if g is None:
@@ -320,13 +305,10 @@ class Agent:
             alive = {lr for lr, p in g.procs.items() if lr not in g.exit_codes
                      and p.poll() is None}
             survivors = frozenset(g.survivors & alive)
-        over = status is None or status.round != g.round or status.state not in (RENDEZVOUS,
-                                                                                 RUNNING)
-        if not over:
-            self._over_since = None
-        elif self._over_since is None or self._over_since[0] != g.round:
-            self._over_since = (g.round, time.monotonic())
-        over_s = time.monotonic() - self._over_since[1] if over else 0.0
+        since = self._over_since
+        over_s = (time.monotonic() - since[1]
+                  if status is not None and since is not None and since[0] == g.round
+                  and _round_over(g.round, status) else 0.0)
         return decide.Local(g.round, g.alive, survivors, kept, waiting=bool(alive - survivors),
                             over_s=over_s)
 
@@ -338,7 +320,7 @@ class Agent:
         if local.alive:
             with self._lock:
                 verdict = self.hangs.check(now)
-        for action in decide.hang(local, verdict, reported=self._hang is not None):
+        for action in decide.hang(local, verdict, reported=self.report.hang is not None):
             hangreport.act(self, self.workers.group, action)
 
     def _host_round_store(self, rec: RoundRecord) -> None:
@@ -357,11 +339,7 @@ class Agent:
         period while the step moves. True when it wrote."""
         state = nodestatus.state(self)
         now = time.time()
-        if not decide.status_due(now, state, self._step["step"],
-                                 published_state=self._published_state,
-                                 published_step=self._published_step,
-                                 published_at=self._published_at,
-                                 period_s=self._next_period_s, force=force):
+        if not self.publisher.due(now, state, self.report.step["step"], force=force):
             return False
         return nodestatus.write(self, state, now)
 

@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
 from lazarus.core import etcd as E
-from lazarus.daemon import health
+from lazarus.daemon import health, metricsport
 from lazarus.daemon.history import History
 from lazarus.daemon.view import ClusterView, LiveView, parse
 from lazarus.core.errors import UserError
@@ -353,8 +353,6 @@ def start(cfg: TelemetryConfig, etcd: E.Etcd, keys: Keys, *, served_by: str,
     if cfg.metrics_port is not None:
         import prometheus_client
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-
-        from lazarus.daemon import metricsport
         registry = prometheus_client.CollectorRegistry()
         readers.append(PrometheusMetricReader(registry=registry))
         try:

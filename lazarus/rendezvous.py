@@ -131,6 +131,7 @@ _process_lock = threading.Lock()
 
 def process_etcd(endpoint: str, cfg: RendezvousEtcdConfig) -> Etcd:
     """This process's one etcd client (two gRPC etcd clients in one process clash)."""
+    # lazily: torch imports this module in every worker; aetcd and grpc load on first use
     from lazarus.core.etcd import Etcd
 
     global _process_client
@@ -261,6 +262,7 @@ class EtcdSpace:
 
     def call(self, fn: Callable[[], object], doing: str):
         """Run `fn` (a read, or a write guarded by a compare), retrying while etcd is away."""
+        # lazily: torch imports this module in every worker; aetcd and grpc load on first use
         from lazarus.core.etcd import EtcdUnavailable, retry
 
         try:
@@ -310,6 +312,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return pickle.dumps(_RendezvousState()) if state is None else state
 
     def set_state(self, state: bytes, token: int | None = None) -> tuple[bytes, int, bool] | None:
+        # lazily: torch imports this module in every worker; aetcd and grpc load on first use
         from lazarus.core.etcd import delete_op, key_missing, mod_revision_is, put_op
 
         etcd, key = self._space.etcd, self.key
@@ -370,6 +373,7 @@ class EtcdStore(dist.Store):
         return None if kv is None else self._space.opened(kv)
 
     def add(self, key: str, amount: int) -> int:
+        # lazily: torch imports this module in every worker; aetcd and grpc load on first use
         from lazarus.core.etcd import key_missing, mod_revision_is, put_op
 
         etcd, path = self._space.etcd, self._prefix + key
@@ -388,6 +392,7 @@ class EtcdStore(dist.Store):
                 return value
 
     def _wait_for(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        # lazily: torch imports this module in every worker; aetcd and grpc load on first use
         from lazarus.core.etcd import Backoff
 
         deadline = time.monotonic() + timeout.total_seconds()

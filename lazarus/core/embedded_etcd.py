@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lazarus.core.errors import UserError
+from lazarus.core.etcd_auth import EtcdAuth
 
 if TYPE_CHECKING:
     from lazarus.core.etcd_secure import EtcdSecurity
@@ -125,6 +126,7 @@ class EmbeddedEtcd:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-"))
         self.name = name
         if secure and security is None:
+            # lazily: only secure mode loads cryptography and the etcd client
             from lazarus.core.etcd_secure import EtcdSecurity
             security = EtcdSecurity(self.data_dir / "pki")
         self.security = security
@@ -165,8 +167,6 @@ class EmbeddedEtcd:
         """A client's access to this etcd as `user` (lazarus.core.etcd_rbac): plaintext and
         no user unless in secure mode -- and `insecure` when it was started plaintext on an
         address other than loopback, which its starter chose (a test's private bridge)."""
-        from lazarus.core.etcd_auth import EtcdAuth
-
         if self.security is not None:
             return self.security.auth(user)
         return EtcdAuth(insecure=not self.host.startswith("127."))
@@ -289,6 +289,7 @@ class EmbeddedCluster:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lazarus-etcd-cluster-"))
         self.security = None
         if secure:
+            # lazily: only secure mode loads cryptography and the etcd client
             from lazarus.core.etcd_secure import EtcdSecurity
             self.security = EtcdSecurity(self.data_dir / "pki")
         scheme = "https" if secure else "http"

@@ -349,6 +349,8 @@ def _s(value: float | None) -> str:
 
 
 def summary(story: Story) -> list[tuple[str, str]]:
+    # lazily: lazarus.daemon.health loads gRPC and the etcd client, which a report from files
+    # does not need
     from lazarus.daemon.health import goodput
     rows = story.rows
     trained = [r for r in rows if not r.get("skipped")]

@@ -59,6 +59,7 @@ import psutil
 
 from lazarus.agent.adopt import left_ranks
 from lazarus.agent.gpu_sim import add_fault
+from lazarus.core import endpoint_file
 from lazarus.core import etcd as E
 from lazarus.core import settings
 from lazarus.core.errors import UserError
@@ -265,8 +266,6 @@ def default_workdir() -> Path:
     endpoint file names it, as `lazarus status` finds its daemons), else /tmp/lazarus."""
     if os.environ.get("LAZARUS_WORKDIR"):
         return Path(os.environ["LAZARUS_WORKDIR"])
-    from lazarus.core import endpoint_file
-
     try:
         ep = endpoint_file.read(endpoint_file.default_path())
     except UserError:

@@ -19,7 +19,7 @@ only what an agent drives -- processes, sockets, GPUs -- never what it decides:
 - One etcd client serves the whole fleet (one client per process, lazarus.core.etcd), and
   what an agent reads when it decides to read (run/status, the round record, the checkpoint
   request) is read once for all of them by a follower that watches run/ and commands/ as
-  every agent does. Each agent still counts its reads (`Agent.reads`): the read load a fleet
+  every agent does. Each agent still counts its reads (`Agent.assignments.reads`): the read load a fleet
   of real agents puts on etcd. Node leases are kept alive by a child process
   (lazarus.sim.leasekeeper), in batches on keep-alive streams.
 
@@ -709,7 +709,7 @@ class Fleet:
             self._counts["status"] += 1
             for f in self.faults:
                 if (f.seen_at is None and f.kind == "worker_crash" and f.node == agent.node
-                        and agent._published_state[0] == W_FAILED):
+                        and agent.publisher.state[0] == W_FAILED):
                     f.seen_at = started
 
     def count(self, what: str) -> None:

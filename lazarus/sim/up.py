@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lazarus.ops.run import split_command
+from lazarus.ops import report
+from lazarus.ops.run import build_job, split_command
 from lazarus.sim import chaos
 
 from lazarus.sim import diskfault
@@ -30,6 +31,7 @@ from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 from lazarus.core.stall import is_step
+from lazarus.trainer.data import ensure_corpus
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
 # `lazarus up -- COMMAND`: a script of the user's own may report no steps, so its faults are
@@ -151,8 +153,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _user_job(args: argparse.Namespace, command: list[str], metrics: Path) -> jobspec.JobSpec:
     """The job of `lazarus up -- COMMAND`: the user's script on the local nodes; a script that
     reports its steps (level 1) writes them where this command shows them from."""
-    from lazarus.ops.run import build_job
-
     args.min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
     args.max_restarts, args.name = 20, None
     args.spares_ok, args.metrics_file = False, str(metrics)
@@ -459,7 +459,6 @@ def run(args: argparse.Namespace) -> dict:
     if schedule:
         say("chaos: " + ", ".join(f.label for f in schedule))
     if not own:
-        from lazarus.trainer.data import ensure_corpus
         ensure_corpus()  # build once here, not in every rank of the first round
 
     tail = MetricsTail(metrics)
@@ -576,7 +575,6 @@ def run(args: argparse.Namespace) -> dict:
         c.to_json().decode() + "\n" for c in sorted(checkpoints, key=lambda c: c.step)))
     page = None
     if metrics.exists():
-        from lazarus.ops import report
         page = report.write(metrics, events=workdir / "events.jsonl",
                             out=workdir / "report.html")
         say(f"report: {page}")

@@ -50,7 +50,7 @@ def test_a_worker_of_an_old_round_cannot_commit_a_checkpoint(etcd, keys, tmp_pat
     agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path, park=False)
     try:
         agent.register()
-        agent._job_id = "J"
+        agent.report.job_id = "J"
         etcd.put(keys.round, b"2")
         stale = Session(socket_path=agent.channel.path, rank=0, round=1)
         current = Session(socket_path=agent.channel.path, rank=0, round=2)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lazarus.agent.service import REREAD_S
+from lazarus.agent.assignment import REREAD_S
 from lazarus.core.records import (
     ROLE_SPARE,
     RUNNING,
@@ -59,9 +59,9 @@ def test_a_simulated_fleet_trains_and_recovers_under_the_real_daemon(tmp_path):
 
         # an agent reads its assignment on news from its watches, else every REREAD_S -- not
         # on each of its reconciles (twice a second: 16,000 reads/s at 4,096 nodes)
-        reads0, t0 = sum(a.reads for a in fleet.agents.values()), time.monotonic()
+        reads0, t0 = sum(a.assignments.reads for a in fleet.agents.values()), time.monotonic()
         time.sleep(5)
-        per_agent_s = ((sum(a.reads for a in fleet.agents.values()) - reads0)
+        per_agent_s = ((sum(a.assignments.reads for a in fleet.agents.values()) - reads0)
                        / (NODES + SPARES) / (time.monotonic() - t0))
         assert per_agent_s <= 1 / REREAD_S + 0.2, per_agent_s
 

@@ -11,6 +11,7 @@ import pytest
 
 from lazarus.agent.hang import HangDetector
 from lazarus.agent.messages import MAX_SPIKES, on_message, pass_on_checkpoint_request
+from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.service import Agent
 from lazarus.agent.workers import Group
 from lazarus.core import etcd as E
@@ -52,7 +53,7 @@ def agent_with(etcd: FakeEtcd, tmp_path) -> Agent:
                       hangs=HangDetector())
     agent.workers = SimpleNamespace(group=Group(round=2, procs={}, ranks={0: 4, 1: 5}))
     agent.channel = FakeChannel()
-    agent._job_id, agent._world_size = "J", 4
+    agent.report = RoundReport(job_id="J", world_size=4)
     return agent
 
 
@@ -73,16 +74,16 @@ def step(rank: int, n: int, *, round_: int = 2, **kw) -> dict:
 
 def test_the_lowest_local_rank_reports_the_nodes_loss_and_rate(agent):
     assert on_message(agent, step(5, 7, loss=9.0)) is None
-    assert agent._step == {"step": 7, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
+    assert agent.report.step == {"step": 7, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
     on_message(agent, step(4, 6, window=[0, 10]))
-    assert agent._step == {"step": 7, "loss": 2.5, "step_time_s": 0.5, "tokens_per_s": 2000.0,
+    assert agent.report.step == {"step": 7, "loss": 2.5, "step_time_s": 0.5, "tokens_per_s": 2000.0,
                            "window": [0, 10]}
     assert agent.throughput.summary()  # both ranks' samples went to the tracker
 
 
 def test_a_non_finite_step_time_is_reported_as_zero(agent):
     on_message(agent, step(4, 1, step_time_s=float("inf")))
-    assert (agent._step["step_time_s"], agent._step["tokens_per_s"]) == (0.0, 0.0)
+    assert (agent.report.step["step_time_s"], agent.report.step["tokens_per_s"]) == (0.0, 0.0)
 
 
 STALE = {
@@ -97,18 +98,18 @@ STALE = {
 
 @pytest.mark.parametrize("kind", list(STALE))
 def test_a_stale_rounds_message_changes_nothing(agent, kind):
-    before = (dict(agent._step), set(agent._joined), agent._refused, agent._restore_failed,
-              dict(agent._long_phase))
+    before = (dict(agent.report.step), set(agent.report.joined), agent.report.refused, agent.report.restore_failed,
+              dict(agent.report.long_phase))
     assert on_message(agent, STALE[kind]) is None
-    assert before == (agent._step, agent._joined, agent._refused, agent._restore_failed,
-                      agent._long_phase)
+    assert before == (agent.report.step, agent.report.joined, agent.report.refused, agent.report.restore_failed,
+                      agent.report.long_phase)
     assert agent.hangs.long_phase_since() is None
 
 
 @pytest.mark.parametrize("msg", [{"type": "bogus"}, {"type": ["step"]}, {"type": None}, {}])
 def test_an_unknown_message_is_ignored(agent, msg):
     assert on_message(agent, msg) is None
-    assert agent._step["step"] == 0
+    assert agent.report.step["step"] == 0
 
 
 def test_the_rounds_first_step_wakes_the_agent_to_publish_the_others_do_not(agent):
@@ -124,22 +125,22 @@ def test_spikes_come_from_global_rank_0_alone_and_are_bounded(agent):
     on_message(agent, step(4, 2))
     agent.wake.clear()  # the round's first step wakes the agent (the test above)
     on_message(agent, step(4, 3, spike={"window": [0, 1], "loss": 50.0, "reason": "x"}))
-    assert agent._spikes == [] and not agent.wake.is_set()
+    assert agent.report.spikes == [] and not agent.wake.is_set()
     agent.workers.group = Group(round=2, procs={}, ranks={0: 0, 1: 1})
     for n in range(MAX_SPIKES + 3):
         on_message(agent, step(0, n, spike={"window": [n, n], "loss": 50.0, "reason": "x"}))
-    assert len(agent._spikes) == MAX_SPIKES and agent._spikes[-1]["step"] == MAX_SPIKES + 2
+    assert len(agent.report.spikes) == MAX_SPIKES and agent.report.spikes[-1]["step"] == MAX_SPIKES + 2
     assert agent.wake.is_set()
 
 
 def test_a_rank_entering_and_leaving_a_checkpoint_is_published_at_once(agent):
     progress = {"type": "progress", "rank": 4, "round": 2, "step": 3, "seq": 1}
     on_message(agent, {**progress, "phase": "checkpoint", "since": 1.0})
-    assert agent._long_phase["since"] > 0 and agent._long_phase["allowance_s"] > 0
+    assert agent.report.long_phase["since"] > 0 and agent.report.long_phase["allowance_s"] > 0
     assert agent.wake.is_set()
     agent.wake.clear()
     on_message(agent, {**progress, "step": 4, "phase": "forward", "since": 2.0})
-    assert agent._long_phase["since"] == 0.0 and agent._long_phase["until"] > 0
+    assert agent.report.long_phase["since"] == 0.0 and agent.report.long_phase["until"] > 0
     assert agent.wake.is_set()
 
 
@@ -152,8 +153,8 @@ def test_joined_refused_and_restore_failures_of_the_round_are_kept(agent):
                        "checkpoint": "/c/5", "reason": "bad hash"})
     on_message(agent, {"type": "restore_failed", "round": 2, "kind": ABSENT,
                        "checkpoint": "/c/5", "reason": "gone again"})
-    assert agent._joined == {4} and agent._refused == "r" * 500
-    assert agent._restore_failed == {"checkpoint": "/c/5", "kind": CORRUPT,
+    assert agent.report.joined == {4} and agent.report.refused == "r" * 500
+    assert agent.report.restore_failed == {"checkpoint": "/c/5", "kind": CORRUPT,
                                      "reason": "bad hash"}
 
 
