@@ -28,6 +28,7 @@ def _issued() -> int | None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    # here, as torch above: the rank side imports torch only when it runs
     from lazarus.trainer.collprogress import issued
 
     if not dist.is_initialized():
@@ -41,6 +42,7 @@ def _issued() -> int | None:
 
 
 def _loop(period_s: float) -> None:
+    # here: collprogress loads torch, which the rank side imports only when it runs
     from lazarus.trainer import session as sessions
     from lazarus.trainer.collprogress import Completed, script_device
 

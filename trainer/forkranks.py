@@ -20,6 +20,9 @@ import time
 import traceback
 
 from lazarus.core.contract import ASSIGNMENT_ENV
+from lazarus.core.errors import UserError
+from lazarus.trainer import exitnote, worker
+from lazarus.trainer.zygote import import_for_fork, reseed_after_fork
 
 
 class ForkedRank:
@@ -72,7 +75,6 @@ def prepare(env: dict[str, str], *, imported_before: bool) -> bool:
     if imported_before:
         return False
     os.environ.update(env)
-    from lazarus.trainer.zygote import import_for_fork
     return import_for_fork()
 
 
@@ -108,10 +110,7 @@ def _child(assignment_fd: int) -> None:
         if not line:
             os._exit(1)  # the launcher went before handing it over
         os.environ[ASSIGNMENT_ENV] = line.strip()
-        from lazarus.trainer.zygote import reseed_after_fork
         reseed_after_fork()
-        from lazarus.core.errors import UserError
-        from lazarus.trainer import worker
         try:
             code = worker.main([])
         except UserError as e:  # as the CLI says it
@@ -123,5 +122,4 @@ def _child(assignment_fd: int) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         traceback.print_exc()
-    from lazarus.trainer import exitnote
     exitnote.finish(code)

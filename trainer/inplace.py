@@ -31,6 +31,7 @@ from lazarus.core.errors import UserError
 from lazarus.trainer.peerloss import is_peer_failure
 from lazarus.trainer.rankprocess import this_process
 from lazarus.trainer.rankrun import enter
+from lazarus.trainer.session import _assignment, connect, script_sessions
 
 T = TypeVar("T")
 
@@ -192,8 +193,6 @@ def run(main: Callable[[], T]) -> T:
     environment each time, as under torchrun, and restore the round's state (`Session.restore`
     or `restore_point`). Outside an agent, with in-place recovery off, or when no next round
     comes, the failure is raised as it would be without this call."""
-    from lazarus.trainer.session import _assignment, connect, script_sessions
-
     a = _assignment()
     while True:
         before = script_sessions()

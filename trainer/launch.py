@@ -126,12 +126,13 @@ def _cursor_span(text: str) -> list[int]:
 
 def check_inputs(cfg: TrainConfig) -> str | None:
     """Check the data and checkpoints the job names; returns the checkpoint to restore."""
+    # here: they load torch; main() forks only when torch was not loaded before it ran
     from lazarus.trainer import checkpoint as ckpt
     from lazarus.trainer.data import TokenDataset, check_model_vocab, ensure_corpus
 
     data, ck = cfg.data, cfg.checkpoint
     if cfg.model.fused_kernels:
-        from lazarus.trainer.models.llama import select_ops
+        from lazarus.trainer.models.llama import select_ops  # here: loads torch, as above
 
         select_ops(fused=True)  # UserError here, not in every rank, if the kernels are missing
     dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)

@@ -57,6 +57,7 @@ def watch(rank_pid: int, port: int, period_s: float = PERIOD_S) -> None:
     then wait for the rank's end."""
     import psutil
 
+    # here: only the forked watcher talks to the agent
     from lazarus.trainer.session import connect
 
     rank = psutil.Process(rank_pid)

@@ -71,6 +71,7 @@ def _boot() -> None:
         os._exit(78)  # lazarus.core.exitcodes.REFUSED: no restart would do better
     where = json.loads(os.environ.pop(ROOTS_ENV))
     sys.meta_path.insert(0, RankSide({k: v for k, v in where.items() if k in PACKAGES}))
+    # here: the finder above is what puts the rank side on this interpreter's path
     from lazarus.trainer import rankrun
 
     rankrun.run_own_python()

@@ -124,11 +124,11 @@ def run_rank(a: WorkerAssignment) -> NoReturn:
     env = enter(a)
     how = jobcommand.how_run(a.command)
     if how == jobcommand.OWN_PYTHON:
-        from lazarus.trainer import rankboot
+        from lazarus.trainer import rankboot  # here: only a job in its own Python needs it
         env[rankboot.ROOTS_ENV] = json.dumps(rankboot.roots())
         _exec(rankboot.exec_args(a.command[0], jobcommand.python_options(a.command)), env)
     if how == jobcommand.PROGRAM:
-        from lazarus.trainer import progwatch
+        from lazarus.trainer import progwatch  # here: only a program's rank has a watcher
         progwatch.start(a)
         _exec(a.command, env)
     run_here(a)
@@ -160,15 +160,16 @@ def run_here(a: WorkerAssignment) -> NoReturn:
     never returns."""
     if not jobcommand.is_builtin(a.command):
         collective_timeout()
-        from lazarus.trainer.collwatch import watch
+        from lazarus.trainer.collwatch import watch  # here: only a script's rank is watched
         watch()
+    # here: only a command run in this process needs it (run_rank's exec paths do not)
     from lazarus.trainer.teardown import bound_destroy
     bound_destroy()
     exitnote.finish(_run_python(a.command))
 
 
 def _refuse(a: WorkerAssignment, reason: str) -> NoReturn:
-    from lazarus.trainer.session import connect
+    from lazarus.trainer.session import connect  # here: only a refused rank talks to the agent
 
     print(f"rank {a.rank} round {a.round}: {reason}", file=sys.stderr, flush=True)
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)

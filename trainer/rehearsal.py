@@ -50,6 +50,7 @@ def rehearse(train: dict, world_size: int, device: str) -> str:
     # Registers the "fake" backend: a process group that moves no data (torch's own).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # here, as torch above: only a rehearsal loads what it runs
     from lazarus.trainer import meshes
     from lazarus.trainer.models import Transformer, get_model_config
     from lazarus.trainer.optim import build_optimizer
@@ -91,6 +92,7 @@ def rehearse(train: dict, world_size: int, device: str) -> str:
 def zygote_device() -> str:
     """The device the ranks will use, told the zygote's way: torch's CUDA check through NVML,
     which leaves the driver uninitialised (lazarus.trainer.zygote)."""
+    # here: device loads torch, which this module loads only when it rehearses
     from lazarus.trainer.device import device_type
     from lazarus.trainer.zygote import NVML_CHECK
 

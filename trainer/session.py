@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from lazarus.core import exitcodes
-from lazarus.core.contract import (AGENT_GRACE_ENV, METRICS_ENV, PROGRESS_ENV, RANK_ENV,
-                                   ROUND_ENV, SOCKET_ENV)
+from lazarus.core.contract import (AGENT_GRACE_ENV, ASSIGNMENT_ENV, METRICS_ENV, PROGRESS_ENV,
+                                   RANK_ENV, ROUND_ENV, SOCKET_ENV, WorkerAssignment)
 from lazarus.trainer import exitnote
 
 
@@ -380,6 +380,7 @@ class Session:
         if self._snapshots is None:
             import atexit
 
+            # lazily: statesnap loads torch and safetensors, which a session need not
             from lazarus.trainer.statesnap import StateSnapshots
             self._snapshots = StateSnapshots(
                 Path(a.snapshot_dir), on_written=self.snapshot_written,
@@ -400,6 +401,7 @@ class Session:
         a = _assignment()
         if a is None or not a.snapshot:
             return None
+        # lazily: statesnap loads torch and safetensors, which a session need not
         from lazarus.trainer import statesnap
 
         step, state = statesnap.read(a.snapshot, rank=a.rank, world_size=a.world_size)
@@ -484,16 +486,12 @@ def connect(*, rank: int | None = None, round: int | None = None,
 
 def _assignment():
     """This rank's assignment, as the agent handed it (None outside an agent's round)."""
-    from lazarus.core.contract import ASSIGNMENT_ENV
-
     return _parsed_assignment(os.environ.get(ASSIGNMENT_ENV) or "")
 
 
 @functools.lru_cache(maxsize=1)
 def _parsed_assignment(text: str):
     # parsed once per process, not at every snapshot (the environment does not change)
-    from lazarus.core.contract import WorkerAssignment
-
     if not text:
         return None
     try:

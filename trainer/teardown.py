@@ -21,6 +21,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from lazarus.trainer import exitnote
+
 # Tearing down gloo or NCCL groups takes milliseconds to a few seconds; a minute is a hang.
 GRACE_S = 60.0
 
@@ -32,7 +34,6 @@ def _hung(grace_s: float) -> None:
           file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
-    from lazarus.trainer import exitnote
     exitnote.exit_now(0)  # not the atexit handlers: they may wait on the same lock
 
 

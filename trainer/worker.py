@@ -71,6 +71,7 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
     import torch
     import torch.distributed as dist
 
+    # here, as torch: the zygote runs this module before it imports torch (import_for_fork)
     from lazarus.trainer.device import backend_for, device_type, local_cuda_device
     from lazarus.trainer.session import connect
     from lazarus.trainer.train import train
@@ -160,6 +161,7 @@ def _warm_up() -> None:
     init initialise their kernels (about 1 s). Measured as most of a restart's cost."""
     import torch
 
+    # here, as torch: the zygote runs this module before it imports torch (import_for_fork)
     from lazarus.trainer.models import Transformer, get_model_config
 
     with torch.device("meta"):
@@ -176,7 +178,7 @@ def _park() -> WorkerAssignment:
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-    import lazarus.trainer.train  # noqa: F401
+    import lazarus.trainer.train  # noqa: F401 -- now, not when promoted
 
     _warm_up()
     print(json.dumps({"event": "parked", "pid": os.getpid()}), flush=True)
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"agent starts the zygote with one of its own (lazarus.agent.zygote)",
                   file=sys.stderr)
             return 2
-        from lazarus.trainer.zygote import run_child, serve
+        from lazarus.trainer.zygote import run_child, serve  # here: only --zygote needs it
         run_child(*serve(args.zygote))  # serve returns in a forked child only
         return 0
     if args.park:

@@ -61,6 +61,7 @@ def import_for_fork() -> bool:
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
+    # here: these imports are this function's work, done with NVML_CHECK set
     import lazarus.trainer.train  # noqa: F401
     import lazarus.trainer.worker  # noqa: F401
     from lazarus.trainer.models import Transformer, get_model_config
@@ -189,7 +190,7 @@ def _rehearse(body: bytes) -> str:
     """Rehearse the step the request describes (lazarus.trainer.rehearsal): the word the
     agent gets back; the reason goes to this process's log. Exits when the rehearsal left
     this process unable to fork usable workers (a thread started, CUDA initialised)."""
-    from lazarus.trainer import rehearsal
+    from lazarus.trainer import rehearsal  # here: only a rehearse request needs it
 
     threads = _threads()
     try:

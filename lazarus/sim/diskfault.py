@@ -78,9 +78,9 @@ def mount_small(path: Path, size_bytes: int) -> None:
 def checkpoint_bytes(model: str) -> int:
     """About what one checkpoint of `model` takes: fp32 weights and AdamW's two moments, plus
     a generous MiB for DCP's metadata, the RNG states and the manifest."""
-    # lazily: `lazarus chaos` imports this module and runs without torch
     import torch
 
+    # lazily, torch too: `lazarus chaos` imports this module and runs without torch
     from lazarus.trainer.models import Transformer, get_model_config
 
     with torch.device("meta"):

@@ -38,27 +38,27 @@ __all__ = ["available", "rms_norm", "swiglu", "apply_rope", "cross_entropy"]
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     require("rms_norm", x, weight)
-    from lazarus.trainer.kernels import norm
+    from lazarus.trainer.kernels import norm  # on first use: triton is optional
 
     return norm.rms_norm(x, weight, eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     require("swiglu", gate, up)
-    from lazarus.trainer.kernels import activation
+    from lazarus.trainer.kernels import activation  # on first use: triton is optional
 
     return activation.swiglu(gate, up)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     require("apply_rope", x, cos, sin)
-    from lazarus.trainer.kernels import rotary
+    from lazarus.trainer.kernels import rotary  # on first use: triton is optional
 
     return rotary.apply_rope(x, cos, sin)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     require("cross_entropy", logits, targets)
-    from lazarus.trainer.kernels import loss
+    from lazarus.trainer.kernels import loss  # on first use: triton is optional
 
     return loss.cross_entropy(logits, targets)

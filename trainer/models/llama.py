@@ -63,7 +63,7 @@ def select_ops(fused: bool) -> SimpleNamespace:
         return SimpleNamespace(rms_norm=rms_norm_ref, swiglu=swiglu_ref,
                                apply_rope=apply_rope_ref, cross_entropy=cross_entropy_ref)
     try:
-        import lazarus.trainer.kernels as kernels
+        import lazarus.trainer.kernels as kernels  # here: optional, and only fused ops need them
     except ImportError as e:
         raise UserError(f"fused_kernels is on but lazarus.trainer.kernels does not import: {e}") from None
     missing = [n for n in _KERNEL_NAMES if not hasattr(kernels, n)]
