@@ -25,7 +25,7 @@ def checks(agent: Agent) -> list[pre.Check]:
     once one was read), the GPU monitor's verdicts, this host's clock against etcd's leader,
     and a collective -- with one member of the round when the node is not in it (the path a
     promotion would use), else over the node's own address."""
-    _, rec = agent._assignment
+    _, rec = agent.assignments.current
     ckpt = rec.checkpoint_dir if rec is not None else agent.report.checkpoint_dir
     peer = _test_peer(agent, rec)
     # a directory the ranks' user may write: the checkpoint test runs as that user
