@@ -16,6 +16,7 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, RunStatus
 from lazarus.daemon.actions import (ClearCommand, Cordon, Decision, Emit, RequestCheckpoint,
                                     SetStatus)
+from lazarus.daemon import preflight
 from lazarus.daemon.rounds import choose, start_round
 from lazarus.daemon.view import ClusterView
 
@@ -63,6 +64,14 @@ def while_running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) ->
             return _await_checkpoint(view, since, f"drain {','.join(drained)}")
         without = dataclasses.replace(view, cordoned=view.cordoned | set(drained))
         members = choose(without, job, [m for m in st.members if m not in drained])
+        checking = _checking(now, without, job, set(members) | set(drained))
+        if len(members) < job.nodes and checking:
+            # A planned move: shrinking now and growing again once the node is ready costs
+            # two recoveries where a short wait costs none.
+            return Decision([], f"drain {','.join(drained)}: waiting for the preflight of "
+                                f"{', '.join(checking)} rather than shrink to {len(members)} "
+                                f"node(s) (up to {job.rendezvous_timeout_s:.0f} s after it "
+                                f"registered)")
         if len(members) < job.min_nodes:
             return Decision([], f"drain {','.join(drained)}: would leave {len(members)} "
                                 f"node(s), below min_nodes {job.min_nodes}; waiting for a spare")
@@ -79,6 +88,16 @@ def while_running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) ->
                                      reason=f"paused by the operator after checkpoint step {step}")
         return Decision([SetStatus(status), Emit("paused", status.reason)], status.reason)
     return None
+
+
+def _checking(now: float, view: ClusterView, job: JobSpec, taken: set[str]) -> list[str]:
+    """Nodes that could join the round once their preflight, still under way, passes: for up
+    to the job's rendezvous timeout after they registered (a preflight that takes longer is
+    not waited for: its node's checks are stuck, or it is too slow to be the one to wait on)."""
+    return sorted(n for n, rec in view.nodes.items()
+                  if n not in taken and n not in view.cordoned
+                  and preflight.verdict(view, n)[0] == "running"
+                  and now - rec.started_at < job.rendezvous_timeout_s)
 
 
 def paused(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:

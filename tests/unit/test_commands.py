@@ -46,6 +46,28 @@ def test_drain_of_a_member_checkpoints_first_then_swaps_in_the_spare():
     assert Cordon("b") in d.actions and ClearCommand("drain/b") in d.actions
 
 
+def test_drain_waits_for_a_spare_still_in_its_preflight_rather_than_shrink():
+    """tests/e2e/test_operator.py on a busy machine: the spare registered, its preflight took
+    27 s, and a drain at 24 s shrank the run to one node instead of waiting for it."""
+    import dataclasses
+
+    from lazarus.core.records import NodeStatus
+    v = view(status=status(RUNNING), spares=("s",))
+    v.nodes["s"] = dataclasses.replace(v.nodes["s"], preflight=True, started_at=NOW - 24)
+    v.drains = {"b": 50}
+    ckpt(12, 60, v)
+    d = decide(NOW, v)
+    assert d.actions == [] and "waiting for the preflight of s rather than shrink" in d.reason
+    # passed: swapped in
+    v.node_status["s"] = NodeStatus(node="s", round=0, workers="idle",
+                                    preflight={"state": "passed", "at": NOW - 1})
+    assert only(decide(NOW, v).actions, StartRound).record.members == ["a", "s"]
+    # still checking past the wait: the run shrinks rather than wait on it for good
+    del v.node_status["s"]
+    d = decide(NOW + 40, v)
+    assert only(d.actions, StartRound).record.members == ["a"]
+
+
 def test_drain_below_min_nodes_waits_for_a_spare():
     from tests.unit.test_decide import job
     v = view(status=status(RUNNING), j=job(min_nodes=2))
