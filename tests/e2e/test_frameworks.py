@@ -84,7 +84,8 @@ def _check_recoveries(result: dict, venv: Path, logs: dict, *, steps: int) -> No
     # every rank of a round starts where the others do: the newest checkpoint, never step 0
     # once there is one, never an older one than the round before
     assert all(len(s) == 1 for s in started.values()), started
-    in_order = [started[r].pop() for r in rounds]
+    assert rounds[0] in started and rounds[-1] in started, started
+    in_order = [started[r].pop() for r in sorted(started)]
     assert in_order[0] == 0 and all(s > 0 for s in in_order[1:]), in_order
     assert in_order == sorted(in_order), in_order
     last = [text for (_, r, _), text in logs.items() if r == rounds[-1]]
