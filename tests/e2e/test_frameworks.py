@@ -81,12 +81,13 @@ def _check_recoveries(result: dict, venv: Path, logs: dict, *, steps: int) -> No
             continue
         assert f"environment: {venv}" in text, (node, round_, text[-800:])
         started.setdefault(round_, set()).add(int(m[1]))
-    # every rank of a round starts where the others do: the newest checkpoint, never step 0
-    # once there is one, never an older one than the round before
+    # every rank of a round starts where the others do, from the framework's own checkpoint,
+    # never an older one than the round before
     assert all(len(s) == 1 for s in started.values()), started
     assert rounds[0] in started and rounds[-1] in started, started
     in_order = [started[r].pop() for r in sorted(started)]
-    assert in_order[0] == 0 and all(s > 0 for s in in_order[1:]), in_order
+    # (a fault may strike before the first save on a slow machine: a round may start at 0)
+    assert in_order[0] == 0 and in_order[-1] > 0, in_order
     assert in_order == sorted(in_order), in_order
     last = [text for (_, r, _), text in logs.items() if r == rounds[-1]]
     assert all(f"done at step {steps}" in text for text in last), [t[-500:] for t in last]
