@@ -97,9 +97,9 @@ def _step(agent: Agent, msg: dict) -> None:
             # not one per node (4,096 at once at the real size).
             if isinstance(spike, dict) and msg.get("rank") == 0:
                 agent.report.spikes.append({"step": int(msg.get("step", 0)),
-                                      "window": spike.get("window"),
-                                      "loss": spike.get("loss"),
-                                      "reason": spike.get("reason")})
+                                            "window": spike.get("window"),
+                                            "loss": spike.get("loss"),
+                                            "reason": spike.get("reason")})
                 del agent.report.spikes[:-MAX_SPIKES]
                 agent.wake.set()
             if agent.monitors:
@@ -150,8 +150,8 @@ def _track_long_phase(agent: Agent) -> None:
         # with the allowance its ranks get there: the daemon holds peers' reports no longer
         # than that (lazarus.daemon.decide._peer_in_long_phase)
         agent.report.long_phase = {"since": time.time() - (time.monotonic() - since),
-                             "until": agent.report.long_phase["until"],
-                             "allowance_s": round(agent.hangs.timeout_s(), 1)}
+                                   "until": agent.report.long_phase["until"],
+                                   "allowance_s": round(agent.hangs.timeout_s(), 1)}
         agent.wake.set()
     elif since is None and agent.report.long_phase["since"]:
         agent.report.long_phase = {"since": 0.0, "until": time.time()}
@@ -243,10 +243,11 @@ def _note_restore_failure(agent: Agent, msg: dict) -> None:
     if kind not in RESTORE_KINDS:
         return
     weight = {CORRUPT: 3, UNREADABLE: 2, ABSENT: 1, "": 0}
-    if agent.report.restore_failed and weight[kind] <= weight[agent.report.restore_failed["kind"]]:
+    found = agent.report.restore_failed
+    if found and weight[kind] <= weight[found["kind"]]:
         return
     agent.report.restore_failed = {"checkpoint": str(msg.get("checkpoint", ""))[:500],
-                             "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
+                                   "kind": kind, "reason": str(msg.get("reason", ""))[:500]}
 
 
 def _survivor(agent: Agent, msg: dict) -> None:

@@ -9,8 +9,8 @@ environment and runs the command (lazarus.trainer.rankrun) one of three ways (`h
   - OWN_PYTHON: another interpreter by its path (a venv's, a conda env's, a container's) is
     exec'd with the rank side of Lazarus on its path (lazarus.trainer.rankboot): the script
     runs in its own environment, watched as a warm one is;
-  - PROGRAM: anything else (a shell wrapper) runs as a child the worker watches
-    (lazarus.trainer.supervise).
+  - PROGRAM: anything else (a shell wrapper) replaces the worker by exec, with a watcher
+    process beside it that says when it joined its round (lazarus.trainer.progwatch).
 
 Checked when the job is submitted, and again by each agent before it starts a rank: an agent
 that cannot run it says why in one line, and the run fails with that line.
