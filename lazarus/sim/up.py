@@ -147,6 +147,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     options, command = split_command(argv)
     args = p.parse_args(options)
     args.command = command
+    if not args.rdzv_timeout > 0:  # also NaN
+        raise UserError(f"--rdzv-timeout must be a positive number of seconds, "
+                        f"got {args.rdzv_timeout:g}")
     return args
 
 

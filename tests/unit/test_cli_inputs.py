@@ -96,6 +96,7 @@ BAD_COMMAND_LINES = [
     (["agent", "--lease-ttl", "1"], "--lease-ttl must be a whole number of seconds >= 2"),
     (["daemon", "--lease-ttl", "0"], "--lease-ttl must be a whole number of seconds >= 2"),
     (["up", "--hang-k", "1"], "--hang-k must be above 1"),
+    (["up", "--rdzv-timeout", "0"], "--rdzv-timeout must be a positive number of seconds"),
     (["up", "--hang-floor", "0"], "--hang-floor must be positive"),
     (["up", "--model", "gigantic"], "gigantic"),
     (["up", "--steps", "0"], "--steps must be at least 1"),
