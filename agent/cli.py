@@ -14,7 +14,8 @@ from pathlib import Path
 
 from lazarus.agent import service
 from lazarus.agent.hang import LONG_CAP_S, LONG_FLOOR_S, HangConfig
-from lazarus.agent.service import PREFLIGHT_EVERY_S, STATUS_PERIOD_S, Agent
+from lazarus.agent.agentconfig import PREFLIGHT_EVERY_S, STATUS_PERIOD_S, AgentConfig
+from lazarus.agent.service import Agent
 from lazarus.agent.stacks import FLIGHT_ENTRIES
 from lazarus.agent.tier0_agent import add_tier0_args, tier0_options
 from lazarus.agent.workers import RANK_LOG_BYTES
@@ -117,23 +118,22 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    agent = Agent(etcd, Keys(args.root), node=args.node, nproc=args.nproc, role=args.role,
-                  workdir=Path(args.workdir), host=args.host, lease_ttl_s=args.lease_ttl,
-                  park=not args.no_park, gpu_backend=args.gpu_backend,
-                  gpu_faults=args.gpu_faults,
-                  hang_config=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
-                                         long_floor_s=args.long_phase_floor,
-                                         first_step_timeout_s=args.first_step_timeout),
-                  rank_log_bytes=int(args.rank_log_mb * (1 << 20)),
-                  host_limits=host_limits, monitors=args.monitors == "on",
-                  status_period_s=args.status_period,
-                  preflight_every_s=args.preflight_every if args.preflight == "on" else None,
-                  tier0=tier0_options(args, Path(args.workdir),
-                                      run_as.uid if run_as else None),
-                  # absolute: the ranks resolve them, whatever their working directory
-                  allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [
-                      jobuser.job_dir(Path(args.workdir)) if run_as else args.workdir]],
-                  flight_entries=args.flight_entries, run_as=run_as)
+    agent = Agent(etcd, Keys(args.root), AgentConfig(
+        node=args.node, nproc=args.nproc, role=args.role, workdir=Path(args.workdir),
+        host=args.host, lease_ttl_s=args.lease_ttl, park=not args.no_park,
+        gpu_backend=args.gpu_backend, gpu_faults=args.gpu_faults,
+        hang=HangConfig(k=args.hang_k, floor_s=args.hang_floor,
+                        long_floor_s=args.long_phase_floor,
+                        first_step_timeout_s=args.first_step_timeout),
+        rank_log_bytes=int(args.rank_log_mb * (1 << 20)),
+        host_limits=host_limits, monitors=args.monitors == "on",
+        status_period_s=args.status_period,
+        preflight_every_s=args.preflight_every if args.preflight == "on" else None,
+        tier0=tier0_options(args, Path(args.workdir), run_as.uid if run_as else None),
+        # absolute: the ranks resolve them, whatever their working directory
+        allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [
+            jobuser.job_dir(Path(args.workdir)) if run_as else args.workdir]],
+        flight_entries=args.flight_entries, run_as=run_as))
     try:
         agent.run(stop)
     finally:

@@ -39,7 +39,7 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
     ranks into WORKDIR/hangs/, name the frozen ones the culprits, and keep the report for
     the node status."""
     pids = g.pids()
-    stacks_dir = agent.stacks_dir
+    stacks_dir = agent.cfg.stacks_dir
     asked = dumpable(pids, stacks_dir)
     # asked first, read after the stacks: the ranks write both meanwhile
     flying = ask_flight_records(pids, stacks_dir)
@@ -58,7 +58,7 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
             verdict, culprits=tuple(sorted(stuck)), frozen=stuck,
             reason=f"{verdict.reason.partition(': ')[0]}: " + "; ".join(
                 f"rank {r} is frozen ({why})" for r, why in sorted(stuck.items())))
-    saved = agent.workdir / "hangs" / f"round{g.round}-{agent.node}.txt"
+    saved = agent.cfg.workdir / "hangs" / f"round{g.round}-{agent.cfg.node}.txt"
     saved.parent.mkdir(parents=True, exist_ok=True)
     saved.write_text("".join(
         f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"

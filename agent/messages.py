@@ -102,7 +102,7 @@ def _step(agent: Agent, msg: dict) -> None:
                                             "reason": spike.get("reason")})
                 del agent.report.spikes[:-MAX_SPIKES]
                 agent.wake.set()
-            if agent.monitors:
+            if agent.cfg.monitors:
                 _observe_step(agent, msg)
             if msg.get("rank") == min(_local_ranks(agent), default=0):
                 if isinstance(msg.get("window"), list):
@@ -123,7 +123,7 @@ def _observe_step(agent: Agent, msg: dict) -> None:
     try:
         compute = msg.get("compute_s")
         agent.throughput.observe(
-            rank=int(msg["rank"]), step=int(msg["step"]), node=agent.node,
+            rank=int(msg["rank"]), step=int(msg["step"]), node=agent.cfg.node,
             step_time_s=float(msg.get("step_time_s", 0.0)),
             tokens=int(msg.get("tokens", 0)) // max(1, agent.report.world_size),
             compute_s=float(compute) if compute is not None else None)
@@ -216,10 +216,10 @@ def _checkpoint_failed(agent: Agent, msg: dict) -> None:
             "committed checkpoint stays the restore point")
     log.warning("%s", text)
     ev = EventRecord(time=time.time(), kind="checkpoint_failed", message=text, round=round_,
-                     fields={"step": step, "error": error, "reported_by": agent.node})
+                     fields={"step": step, "error": error, "reported_by": agent.cfg.node})
     try:
         agent.etcd.txn([E.value_is(agent.keys.round, str(round_).encode())],
-                       [E.put_op(agent.keys.event_key(agent.node), ev.to_json())])
+                       [E.put_op(agent.keys.event_key(agent.cfg.node), ev.to_json())])
     except E.EtcdUnavailable:
         pass  # the worker log and ours still say it
 

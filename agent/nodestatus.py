@@ -21,8 +21,7 @@ from lazarus.core.records import (OUTPUT_TAIL_BYTES, W_FAILED, W_IDLE, W_RUNNING
 if TYPE_CHECKING:
     from lazarus.agent.service import Agent
 
-# A status period is stretched by up to this fraction at random each time (see
-# Agent._init_state).
+# A status period is stretched by up to this fraction at random each time (see `Publisher`).
 PERIOD_JITTER = 0.2
 
 
@@ -52,7 +51,7 @@ def state(agent: Agent) -> tuple:
         refused = bool(r.refused)
         restore_failed = r.restore_failed.get("kind")
         hang = r.hang is not None
-    health = agent.health.poll() if agent.monitors else {}
+    health = agent.health.poll() if agent.cfg.monitors else {}
     checked = agent.preflight.result if agent.preflight is not None else {}
     return (workers_state(agent, step), g.round if g else 0,
             g.failed_rank() if g else None, spikes, health.get("state"),
@@ -72,14 +71,14 @@ def build(agent: Agent) -> NodeStatus:
         restore_failed = dict(r.restore_failed)
         hang, job_id, world_size = r.hang, r.job_id, r.world_size
     return NodeStatus(
-        node=agent.node, round=g.round if g else 0, workers=workers_state(agent, st["step"]),
+        node=agent.cfg.node, round=g.round if g else 0, workers=workers_state(agent, st["step"]),
         exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
         failed_rank=g.failed_rank() if g else None, step=st["step"], loss=st["loss"],
         step_time_s=st["step_time_s"], tokens_per_s=st["tokens_per_s"],
         pids=g.pids() if g else [], parked=len(agent.workers.parked),
         updated_at=time.time(), fault_at=g.fault_at if g else 0.0, spikes=spikes,
         window=st.get("window") or [],
-        health=agent.health.poll() if agent.monitors else {}, hang=hang,
+        health=agent.health.poll() if agent.cfg.monitors else {}, hang=hang,
         throughput=throughput, long_phase=long_phase, refused=refused,
         preflight=dict(agent.preflight.result) if agent.preflight is not None else {},
         tier0=agent.tier0.holdings(job_id, world_size)
@@ -138,7 +137,7 @@ def write(agent: Agent, state_: tuple, now: float) -> bool:
     status = agent.node_status()
     assert agent.session is not None
     try:
-        agent.etcd.put(agent.keys.nodestatus_key(agent.node), status.to_json(),
+        agent.etcd.put(agent.keys.nodestatus_key(agent.cfg.node), status.to_json(),
                        lease=agent.session.lease)
     except E.LeaseLost:
         agent.session.mark_lost()

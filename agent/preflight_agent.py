@@ -29,17 +29,17 @@ def checks(agent: Agent) -> list[pre.Check]:
     ckpt = rec.checkpoint_dir if rec is not None else agent.report.checkpoint_dir
     peer = _test_peer(agent, rec)
     # a directory the ranks' user may write: the checkpoint test runs as that user
-    config = pre.PreflightConfig(workdir=job_dir(agent.workdir) if agent.run_as
-                                 else agent.workdir,
+    config = pre.PreflightConfig(workdir=job_dir(agent.cfg.workdir) if agent.cfg.run_as
+                                 else agent.cfg.workdir,
                                  checkpoint_dir=Path(ckpt) if ckpt else None,
-                                 host=agent.host, expected_gpus=agent.nproc,
+                                 host=agent.cfg.host, expected_gpus=agent.cfg.nproc,
                                  pair=(peer.node, peer.host, peer.store_port) if peer
                                  else None,
                                  # its tests' processes are forked: no torch import of their
                                  # own, none in the agent (docs/constraints.md)
                                  zygote=agent.workers.ready_zygote(ZYGOTE_START_S),
-                                 run_as=agent.run_as,
-                                 child_env=agent.workers.env if agent.run_as else None)
+                                 run_as=agent.cfg.run_as,
+                                 child_env=agent.workers.env if agent.cfg.run_as else None)
     gpu = agent.health.gpu
     done = pre.run_checks(config, etcd=agent.etcd,
                           gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))
@@ -55,9 +55,9 @@ def _test_peer(agent: Agent, rec: RoundRecord | None) -> NodeRecord | None:
     """The member of `rec` this node tests its collective path with, when it is not one
     itself: picked by this node's name, so that the spares of a large run spread their tests
     over its members."""
-    if rec is None or not rec.members or agent.node in rec.members:
+    if rec is None or not rec.members or agent.cfg.node in rec.members:
         return None
-    peer = rec.members[zlib.crc32(agent.node.encode()) % len(rec.members)]
+    peer = rec.members[zlib.crc32(agent.cfg.node.encode()) % len(rec.members)]
     try:
         kv = agent.etcd.get(agent.keys.node_key(peer))
         return NodeRecord.from_json(kv.value, kv.key) if kv is not None else None

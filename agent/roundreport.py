@@ -27,3 +27,6 @@ class RoundReport:
     restore_failed: dict = field(default_factory=dict)  # what its ranks found wrong
     joined: set = field(default_factory=set)  # ranks that made their process group
     tail: str | None = None               # the failed rank's last output, once read
+    # ranks adopted from a previous agent whose node status is not read back yet
+    # (lazarus.agent.rounds.resume_status)
+    adopted: bool = False

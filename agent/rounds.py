@@ -2,9 +2,9 @@
 (lazarus.agent.decide.converge), written down for the next agent of the node, and adopted
 from the previous one (lazarus.agent.adopt).
 
-Each executor does one thing; the agent owns the state. `Agent._host_round_store` and
-`Agent._save_left` are the agent's own methods, called through it: the fleet simulator
-(lazarus.sim.fleet) replaces them.
+Each executor does one thing; the agent owns the state. What they drive outside the agent
+(a round's store, the record left for the next agent) goes through its ports
+(lazarus.agent.ports), which the fleet simulator (lazarus.sim.fleet) gives its own.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from lazarus.agent.adopt import Left, LeftRank, adopt, forget, start_time
+from lazarus.agent.adopt import Left, LeftRank, adopt, start_time
 from lazarus.agent.decide import DropKept, Launch, Refill, ReleaseVictims, SeeRound, StopRound
 from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.workers import rank_log
-from lazarus.core.contract import WorkerAssignment, round_port_key
+from lazarus.core.contract import WorkerAssignment
 from lazarus.core.records import NodeStatus, RecordError, RoundRecord
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def act(agent: Agent,
                  f"; keeping the survivors of local ranks {sorted(action.keep)} for the next "
                  "round" if action.keep else "")
         agent.workers.stop(keep=action.keep)
-        agent._save_left()
+        save_left(agent)
     elif isinstance(action, DropKept):
         log.info("letting the kept survivors go (%s)", action.why)
         agent.workers.drop_kept()
@@ -63,10 +63,10 @@ def act(agent: Agent,
 def launch(agent: Agent, rec: RoundRecord) -> None:
     """Start this node's ranks of `rec`, each with its assignment line, after forgetting
     what the previous round's ranks reported."""
-    ranks = rec.ranks_of(agent.node)
+    ranks = rec.ranks_of(agent.cfg.node)
     tier0 = agent.tier0
     snapshots = tier0.prepare(rec, ranks) if tier0 is not None else dict.fromkeys(ranks)
-    agent._host_round_store(rec)
+    agent.ports.host_round_store(rec, agent.store)
     agent.workers.prune_logs(rec.round)
     assignments = {
         local: WorkerAssignment(rank=rank, world_size=rec.world_size, local_rank=local,
@@ -77,10 +77,10 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
                                 restore_step=rec.restore_step,
                                 snapshot_dir=str(tier0.store.incoming)
                                 if tier0 is not None else None,
-                                allowed_roots=agent.allowed_roots,
+                                allowed_roots=list(agent.cfg.allowed_roots),
                                 command=list(rec.command), env=dict(rec.env), cwd=rec.cwd,
                                 log_path=str(rank_log(agent.workers.log_dir, rec.round, rank)),
-                                group_rank=rec.members.index(agent.node),
+                                group_rank=rec.members.index(agent.cfg.node),
                                 group_world_size=len(rec.members),
                                 local_world_size=rec.nproc_per_node,
                                 restart_count=rec.restarts,
@@ -93,7 +93,7 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
         agent.throughput.reset()
     agent.health.watch_checkpoint_dir(rec.checkpoint_dir)
     g = agent.workers.launch(rec.round, assignments, resume=functools.partial(resume, agent))
-    agent._save_left()
+    save_left(agent)
     log.info("round %d: started ranks %s%s%s", rec.round, ranks,
              f", restoring step {rec.restore_step}" + (" from memory (tier 0)" if rec.tier0
                                                        else "")
@@ -108,47 +108,32 @@ def resume(agent: Agent, pid: int, a: WorkerAssignment) -> bool:
     return agent.channel.send_to(pid, {"type": "resume", "assignment": dataclasses.asdict(a)})
 
 
-def host_round_store(agent: Agent, rec: RoundRecord) -> None:
-    """The first member hosts a store of the round's own (torch's env:// rendezvous prefixes
-    no key: a store shared across rounds hands a restarted rank the dead round's entries) and
-    publishes its port in this agent's store, where every rank looks."""
-    import torch.distributed as dist
-
-    agent._round_stores = {r: s for r, s in agent._round_stores.items() if r >= rec.round}
-    if rec.members[0] != agent.node or rec.round in agent._round_stores:
-        return
-    store = dist.TCPStore(agent.host, 0, is_master=True, wait_for_workers=False)
-    agent._round_stores[rec.round] = store
-    agent.store.set(round_port_key(rec.round), str(store.port))
-
-
 # -- ranks that outlive their agent (lazarus.agent.adopt) ----------------------------------------
 def save_left(agent: Agent) -> None:
     """Write down the running round's ranks for a next agent of this node; forget them once
     the round is stopped. On each launch, stop and new lease: rare writes."""
     g = agent.workers.group
     if g is None or agent.session is None:
-        forget(agent._left_path)
+        agent.ports.save_left(None)
         return
     ranks = [LeftRank(local_rank=lr, rank=g.ranks[lr], pid=p.pid,
                       started=getattr(p, "started", None) or start_time(p.pid) or 0.0)
              for lr, p in sorted(g.procs.items())]
     report = agent.report
-    Left(node=agent.node, round=g.round, job_id=report.job_id, world_size=report.world_size,
+    agent.ports.save_left(Left(node=agent.cfg.node, round=g.round, job_id=report.job_id, world_size=report.world_size,
          lease=agent.session.lease, channel=agent.channel.path,
          checkpoint_dir=report.checkpoint_dir, agent_pid=os.getpid(),
-         ranks=ranks).save(agent._left_path)
+         ranks=ranks))
 
 
 def take_over(agent: Agent, left: Left) -> None:
     """Adopt the ranks a previous agent of this node left running, as this agent's round."""
-    procs = adopt(left, agent.stacks_dir)
+    procs = adopt(left, agent.cfg.stacks_dir)
     agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
     with agent._lock:
         agent.report = RoundReport(job_id=left.job_id, world_size=left.world_size,
-                                   checkpoint_dir=left.checkpoint_dir)
+                                   checkpoint_dir=left.checkpoint_dir, adopted=True)
     agent.health.watch_checkpoint_dir(left.checkpoint_dir)
-    agent._adopted_round = left.round
     running = [p.pid for p in procs.values() if p.poll() is None]
     log.info("adopted round %d ranks %s left by agent pid %d: %s", left.round,
              [r.rank for r in left.ranks], left.agent_pid,
@@ -159,10 +144,11 @@ def take_over(agent: Agent, left: Left) -> None:
 def resume_status(agent: Agent) -> None:
     """Carry on the adopted round's node status where the previous agent left it (the step,
     loss and data window until the ranks' next report), not from step 0."""
-    if agent._adopted_round is None:
+    g = agent.workers.group
+    if not agent.report.adopted or g is None:
         return
-    kv = agent.etcd.get(agent.keys.nodestatus_key(agent.node))
-    agent._adopted_round, round_ = None, agent._adopted_round
+    kv = agent.etcd.get(agent.keys.nodestatus_key(agent.cfg.node))
+    agent.report.adopted, round_ = False, g.round
     try:
         old = NodeStatus.from_json(kv.value) if kv is not None else None
     except RecordError:
@@ -170,5 +156,6 @@ def resume_status(agent: Agent) -> None:
     if old is None or old.round != round_:
         return
     with agent._lock:
-        agent.report.step = {"step": old.step, "loss": old.loss, "step_time_s": old.step_time_s,
-                       "tokens_per_s": old.tokens_per_s, "window": old.window}
+        agent.report.step = {"step": old.step, "loss": old.loss,
+                             "step_time_s": old.step_time_s,
+                             "tokens_per_s": old.tokens_per_s, "window": old.window}

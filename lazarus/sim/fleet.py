@@ -5,14 +5,14 @@ daemon): each registers its node under a lease of its own, follows the run's rou
 ranks that step, and writes its node status by the agent's own rule. What is simulated is
 only what an agent drives -- processes, sockets, GPUs -- never what it decides:
 
-- `SimAgent` IS a `lazarus.agent.service.Agent`, built by the agent's own process-free
-  `_init_state` and run by its own `pass_once`: registration, the node status record, the
-  write rule (a change of state at once, else once a jittered status period while the step
-  moves), when to read the assignment (on news, else every REREAD_S), following rounds (stop
-  a finished round, launch the current one), the worker channel's step reports and
-  checkpoint commits are the agent's own methods. Only the per-node parts of its
-  constructor (a TCPStore, a unix socket, GPU monitors, a lock file: too heavy for
-  thousands in one process), its etcd reads and its lease are replaced.
+- `SimAgent` IS a `lazarus.agent.service.Agent`, built by the agent's own constructor with
+  the fleet's ports (`FleetPorts`, lazarus.agent.ports) and run by its own `pass_once`:
+  registration, the node status record, the write rule (a change of state at once, else once
+  a jittered status period while the step moves), when to read the assignment (on news, else
+  every REREAD_S), following rounds (stop a finished round, launch the current one), the
+  worker channel's step reports and checkpoint commits are the agent's own methods. Only
+  what it drives is the fleet's: no TCPStore, unix socket, GPU monitor or lock file (too
+  heavy for thousands in one process), and its etcd reads and lease are served by the fleet.
 - Its ranks are `SimRank`s handed out by the agent's own `Workers` (one seam: `_spawn`); they
   take the real assignment line, step on a shared clock once their round's whole world has
   joined, and exit with the codes real ranks use (a crash, PEER_LOST when a peer goes).
@@ -42,9 +42,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lazarus.agent.hang import HangDetector
+from lazarus.agent.agentconfig import STATUS_PERIOD_S, AgentConfig
 from lazarus.agent.health import NodeHealth
-from lazarus.agent.service import RECONCILE_S, STATUS_PERIOD_S, Agent
+from lazarus.agent.service import RECONCILE_S, Agent
 from lazarus.agent.workers import Workers
 from lazarus.core import etcd as E
 from lazarus.core import exitcodes, settings
@@ -62,7 +62,6 @@ from lazarus.core.records import (
     RoundRecord,
     RunStatus,
 )
-from lazarus.core.throughput import ThroughputTracker
 
 log = logging.getLogger("lazarus.fleet")
 
@@ -372,13 +371,13 @@ class RunFollower:
 class _SimChannel:
     """The worker channel's face the agent uses: where ranks report, and a broadcast."""
 
-    def __init__(self, agent: SimAgent):
-        self.path = f"sim://{agent.node}"
-        self._agent = agent
+    def __init__(self, node: str, on_checkpoint_requested):
+        self.path = f"sim://{node}"
+        self._on_checkpoint_requested = on_checkpoint_requested
 
     def broadcast(self, msg: dict) -> None:
         if msg.get("type") == "checkpoint_requested":
-            self._agent.checkpoint_requested = True
+            self._on_checkpoint_requested()
 
     def close(self) -> None:
         pass
@@ -389,49 +388,78 @@ class _SimStore:
     port: int  # what the node record advertises; no store listens (the ranks never dial it)
 
 
-class SimAgent(Agent):
-    """The node agent, without the per-node processes, sockets and monitors of its constructor
-    and with its reads and lease served by the fleet. Everything it decides and writes is
-    `Agent`'s own code; `tick` is its run loop's pass."""
+class FleetPorts:
+    """A simulated node's outside (lazarus.agent.ports.Ports): ranks that are SimRanks, a
+    channel and a store that nothing dials, no GPU, no tier 0, no preflight, no record left
+    for a next agent; the lease and the assignment's reads served by the fleet."""
 
-    def __init__(self, fleet: Fleet, *, node: str, role: str):
-        # Agent.__init__ is not called (see the class docstring): its process-free half is,
-        # and the per-node parts are replaced by the fleet's.
-        cfg = fleet.config
-        self.fleet = fleet
-        self._init_state(fleet.etcd, fleet.keys, node=node, nproc=cfg.nproc, role=role,
-                         host="127.0.0.1", lease_ttl_s=cfg.lease_ttl_s,
-                         status_period_s=cfg.status_period_s, workdir=fleet.scratch,
-                         monitors=True, hangs=HangDetector())
-        self.outage = E.OutageLog(self.etcd, log, "the simulated ranks keep training")
-        self.health = NodeHealth(gpu_backend="sim", gpus=cfg.nproc, fault_script=None)
-        self.stacks_dir = fleet.scratch
-        self.workers = SimWorkers(fleet, nproc=cfg.nproc, scratch=fleet.scratch)
-        self.channel = _SimChannel(self)
-        self.store = _SimStore(port=fleet.next_port())
-        # the simulation's own state
-        self.dead = False
-        self.checkpoint_requested = False
-        self._seen: Assignment | None = None   # the fleet's read this agent has had news of
-        self._fed = (0, 0)          # (round, last step reported to the agent)
+    def __init__(self, fleet: Fleet, node: str, on_checkpoint_requested):
+        self.fleet, self.node = fleet, node
+        self._on_checkpoint_requested = on_checkpoint_requested
 
-    def _host_round_store(self, rec) -> None:
-        """No store of the round's own: the simulated ranks never dial one."""
+    def left(self):
+        return None  # no process outlives a simulated agent
 
-    # -- what the fleet serves instead of the agent's own etcd reads and session -------------
-    def _new_session(self) -> None:
-        self.session = self.fleet.leases.new()
-        self._registered = False
+    def save_left(self, left) -> None:
+        pass
 
-    def _read_assignment(self) -> tuple[RunStatus | None, RoundRecord | None]:
+    def session(self, etcd, *, ttl_s, on_lost, resume):
+        return self.fleet.leases.new()
+
+    def read_assignment(self, etcd, keys, unreadable, on_request):
         """The agent's read, served from the fleet's (the agent decides when it reads: its
         count is the read load a fleet of real agents puts on etcd)."""
         a = self.fleet.follower.current
-        self._pass_on_checkpoint_request(a.checkpoint_request)
+        on_request(a.checkpoint_request)
         return a.status, a.round
 
-    def _save_left(self) -> None:
-        pass  # no process outlives a simulated agent
+    def health(self) -> NodeHealth:
+        return NodeHealth(gpu_backend="sim", gpus=self.fleet.config.nproc, fault_script=None)
+
+    def workers(self, agent_grace_s: float, script_pg_timeout_s: float) -> SimWorkers:
+        return SimWorkers(self.fleet, nproc=self.fleet.config.nproc, scratch=self.fleet.scratch)
+
+    def channel(self, *, on_message, admit) -> _SimChannel:
+        return _SimChannel(self.node, self._on_checkpoint_requested)
+
+    def store(self) -> _SimStore:
+        return _SimStore(port=self.fleet.next_port())
+
+    def host_round_store(self, rec, store) -> None:
+        """No store of the round's own: the simulated ranks never dial one."""
+
+    def tier0(self, *, lookup, on_kept):
+        return None
+
+    def preflight(self, *, run, on_done, store):
+        return None, None
+
+    def close(self) -> None:
+        pass
+
+
+class SimAgent(Agent):
+    """The node agent, built by its own constructor with the fleet's ports (FleetPorts):
+    everything it decides and writes is `Agent`'s own code; `tick` is its run loop's pass,
+    with the steps its simulated ranks report fed in first."""
+
+    def __init__(self, fleet: Fleet, *, node: str, role: str):
+        cfg = fleet.config
+        self.fleet = fleet
+        self.dead = False
+        self.checkpoint_requested = False
+        super().__init__(fleet.etcd, fleet.keys,
+                         AgentConfig(node=node, nproc=cfg.nproc, role=role,
+                                     workdir=fleet.scratch, lease_ttl_s=cfg.lease_ttl_s,
+                                     status_period_s=cfg.status_period_s,
+                                     preflight_every_s=None),
+                         FleetPorts(fleet, node, self._checkpoint_requested))
+        self.outage = E.OutageLog(self.etcd, log, "the simulated ranks keep training")
+        self._seen: Assignment | None = None   # the fleet's read this agent has had news of
+        self._fed = (0, 0)          # (round, last step reported to the agent)
+
+    def _checkpoint_requested(self) -> None:
+        self.checkpoint_requested = True
 
     # -- the run loop's pass -----------------------------------------------------------------
     def tick(self, now: float, assignment: Assignment) -> None:
@@ -613,7 +641,7 @@ class _Host(threading.Thread):
                 now = time.time()
                 if agent.dead:
                     if fleet.due_back(agent, now):
-                        self.agents[i] = agent = fleet.new_agent(agent.node, agent.role)
+                        self.agents[i] = agent = fleet.new_agent(agent.cfg.node, agent.cfg.role)
                     else:
                         continue
                 try:
@@ -647,9 +675,13 @@ class Fleet:
         self._port = 20000
         self._back_at: dict[str, float] = {}
         self._counts: Counter = Counter()
+        # thousands of agents' lines; the levels come back at stop() (a test after the fleet
+        # in the same process counts the agent's warnings)
+        self._levels = {}
         for name in ("lazarus.agent", "lazarus.agent.workers", "lazarus.agent.health",
                      "lazarus.agent.gpu"):
-            logging.getLogger(name).setLevel(logging.ERROR)  # thousands of agents' lines
+            self._levels[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(logging.ERROR)
         self._hosts = [_Host(self, i) for i in range(min(config.hosts, config.nodes + config.spares))]
         names = ([(f"n{i:05d}", ROLE_ACTIVE) for i in range(config.nodes)]
                  + [(f"s{i:05d}", ROLE_SPARE) for i in range(config.spares)])
@@ -708,7 +740,7 @@ class Fleet:
         with self._lock:
             self._counts["status"] += 1
             for f in self.faults:
-                if (f.seen_at is None and f.kind == "worker_crash" and f.node == agent.node
+                if (f.seen_at is None and f.kind == "worker_crash" and f.node == agent.cfg.node
                         and agent.publisher.state[0] == W_FAILED):
                     f.seen_at = started
 
@@ -733,7 +765,7 @@ class Fleet:
 
     def due_back(self, agent: SimAgent, now: float) -> bool:
         with self._lock:
-            at = self._back_at.get(agent.node)
+            at = self._back_at.get(agent.cfg.node)
         return at is not None and now >= at
 
     # -- running -----------------------------------------------------------------------------
@@ -757,6 +789,8 @@ class Fleet:
             for agent in self.agents.values():
                 if agent.session is not None and not agent.dead:
                     agent.session.close(revoke=True)
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
 
     @property
     def status(self) -> RunStatus | None:
@@ -790,7 +824,7 @@ class Fleet:
         agent = self._victim(node)
         g = agent.workers.group
         now = time.time()
-        fault = Fault("worker_crash", agent.node, g.round, now)
+        fault = Fault("worker_crash", agent.cfg.node, g.round, now)
         with self._lock:
             self.faults.append(fault)
         agent.crash(self.random.randrange(len(g.procs)), code, now)
@@ -801,11 +835,11 @@ class Fleet:
         TTL later; it comes back as a new agent after return_after_s."""
         agent = self._victim(node)
         now = time.time()
-        fault = Fault("node_lost", agent.node, agent.workers.group.round, now)
+        fault = Fault("node_lost", agent.cfg.node, agent.workers.group.round, now)
         with self._lock:
             self.faults.append(fault)
             if self.config.return_after_s is not None:
-                self._back_at[agent.node] = now + self.config.return_after_s
+                self._back_at[agent.cfg.node] = now + self.config.return_after_s
         agent.die(now)
         return fault
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from lazarus.core import etcd as E
-from lazarus.core import jobspec, logs, settings
+from lazarus.core import jobspec, logs, procstop, settings
 from lazarus.core.embedded_etcd import (
     COMPACTION_RETENTION,
     EmbeddedEtcd,
@@ -125,13 +125,8 @@ class ControlPlane:
         return out
 
     def stop(self) -> None:
-        if self.daemon is not None and self.daemon.poll() is None:
-            self.daemon.terminate()
-            try:
-                self.daemon.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.daemon.kill()
-                self.daemon.wait()
+        if self.daemon is not None:
+            procstop.stop(self.daemon, 15)
         if self.embedded is not None:
             self.embedded.stop()
 
@@ -312,7 +307,8 @@ class FleetRun:
         live keys hold at the end."""
         fleet, compression = self.fleet, self.compression
         for agent in list(fleet.agents.values()):
-            agent.status_period_s = self.config.status_period_s / compression
+            agent.publisher.period_s = self.config.status_period_s / compression
+            agent.publisher.next_period_s = agent.publisher.period_s
         fleet.config.status_period_s = self.config.status_period_s / compression
         samples: list[tuple[float, int, float]] = []
         t0 = time.monotonic()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from lazarus.agent.service import STATUS_PERIOD_S
+from lazarus.agent.agentconfig import STATUS_PERIOD_S
 
 from lazarus.sim.fleet import describe
 from lazarus.sim.fleetrun import FleetRun, fleet_config

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from lazarus.agent.adopt import Left, LeftRank, NodeLock, record_path, start_time
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.service import Agent
 from lazarus.core import etcd as E
 from lazarus.core.contract import STACKS_ENV, exit_note_path, worker_files
@@ -78,8 +79,8 @@ class Running:
     """An agent's main loop in a thread, stopped as SIGTERM stops it."""
 
     def __init__(self, etcd, keys, workdir):
-        self.agent = Agent(etcd, keys, node="n0", nproc=2, role="active", workdir=workdir,
-                           park=False, lease_ttl_s=10)
+        self.agent = Agent(etcd, keys, AgentConfig(node="n0", nproc=2, role="active",
+                                                   workdir=workdir, park=False, lease_ttl_s=10))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.agent.run, args=(self.stop,), daemon=True)
         self.thread.start()

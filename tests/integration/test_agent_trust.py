@@ -15,6 +15,7 @@ import pytest
 
 from lazarus.agent.adopt import start_time
 from lazarus.agent.channel import Channel, descends_from
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.service import Agent
 from tests.integration.test_agent_adopt import ROUND, _agent_died, _run_status
 
@@ -204,8 +205,8 @@ def test_ranks_get_none_of_the_agents_secrets(etcd, keys, tmp_path, monkeypatch)
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path / "agent",
-                  park=True)
+    agent = Agent(etcd, keys, AgentConfig(node="n0", nproc=1, role="active",
+                                          workdir=tmp_path / "agent", park=True))
     try:
         for _ in range(2400):  # a parked worker, the process a rank runs in, forked from
             agent.workers.refill()  # the zygote once that has imported everything

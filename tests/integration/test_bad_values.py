@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 
-from lazarus.agent.hang import HangDetector
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.service import Agent
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
@@ -26,6 +26,7 @@ from lazarus.core.records import (RENDEZVOUS, RUNNING, NodeRecord, NodeStatus, R
 from lazarus.daemon import api
 from lazarus.daemon.service import Daemon
 from lazarus.ops import client, report
+from tests.agentports import BarePorts
 from tests.integration.polling import until
 
 TOKEN = "t0ken"
@@ -201,10 +202,9 @@ def test_a_status_under_another_agents_lease_is_not_the_nodes(etcd, keys, caplog
 
 def test_an_agent_reads_around_bad_values_and_names_each_once(etcd, keys, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="lazarus.agent")
-    agent = Agent.__new__(Agent)  # the agent's state and reads, without its processes
-    agent._init_state(etcd, keys, node="a", nproc=1, role="active", host="127.0.0.1",
-                      lease_ttl_s=5, status_period_s=15.0, workdir=tmp_path, monitors=False,
-                      hangs=HangDetector())
+    agent = Agent(etcd, keys, AgentConfig(node="a", nproc=1, role="active", workdir=tmp_path,
+                                          lease_ttl_s=5, monitors=False),
+                  BarePorts(tmp_path))  # the agent's state and reads, without its processes
     running = RunStatus(job_id="J", state=RUNNING, round=1, members=["a"], since=time.time())
 
     etcd.put(keys.status, DEEP)

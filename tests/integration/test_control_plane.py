@@ -11,6 +11,7 @@ import pytest
 
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.service import Agent
 from lazarus.daemon.service import Daemon
 from lazarus.core.records import NodeRecord, RunStatus
@@ -47,7 +48,8 @@ def _until(pred, timeout=10.0):
 
 
 def test_a_worker_of_an_old_round_cannot_commit_a_checkpoint(etcd, keys, tmp_path):
-    agent = Agent(etcd, keys, node="n0", nproc=1, role="active", workdir=tmp_path, park=False)
+    agent = Agent(etcd, keys, AgentConfig(node="n0", nproc=1, role="active", workdir=tmp_path,
+                                          park=False))
     try:
         agent.register()
         agent.report.job_id = "J"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lazarus.agent.service import STATUS_PERIOD_S
+from lazarus.agent.agentconfig import STATUS_PERIOD_S
 from lazarus.core import etcd as E
 from lazarus.core import jobspec
 from lazarus.core.records import RUNNING

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lazarus.agent.hang import HangDetector
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.messages import MAX_SPIKES, on_message, pass_on_checkpoint_request
 from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.service import Agent
@@ -17,6 +17,7 @@ from lazarus.agent.workers import Group
 from lazarus.core import etcd as E
 from lazarus.core.contract import ABSENT, CORRUPT
 from lazarus.core.records import Keys
+from tests.agentports import BarePorts
 
 
 class FakeEtcd:
@@ -36,23 +37,11 @@ class FakeEtcd:
         return True
 
 
-class FakeChannel:
-    path = "unused"
-
-    def __init__(self):
-        self.sent: list[dict] = []
-
-    def broadcast(self, msg: dict) -> None:
-        self.sent.append(msg)
-
-
 def agent_with(etcd: FakeEtcd, tmp_path) -> Agent:
-    agent = Agent.__new__(Agent)  # the agent's state, without its processes
-    agent._init_state(etcd, Keys("/t/"), node="a", nproc=2, role="active", host="127.0.0.1",
-                      lease_ttl_s=5, status_period_s=15.0, workdir=tmp_path, monitors=True,
-                      hangs=HangDetector())
-    agent.workers = SimpleNamespace(group=Group(round=2, procs={}, ranks={0: 4, 1: 5}))
-    agent.channel = FakeChannel()
+    agent = Agent(etcd, Keys("/t/"), AgentConfig(node="a", nproc=2, role="active",
+                                                 workdir=tmp_path, lease_ttl_s=5),
+                  BarePorts(tmp_path, nproc=2))
+    agent.workers.group = Group(round=2, procs={}, ranks={0: 4, 1: 5})
     agent.report = RoundReport(job_id="J", world_size=4)
     return agent
 
