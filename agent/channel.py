@@ -37,6 +37,10 @@ MAX_REFUSED_REMEMBERED = 1024
 # files): 1 MiB leaves room for a script's own report fields, and keeps a process that
 # sends without a newline from growing the agent's memory without end.
 MAX_LINE_BYTES = 1 << 20
+# A rank holds one or two connections (its session, a watcher's); each costs the agent a
+# thread. The job's code could open thousands: past these, a connection is hung up on.
+MAX_CONNS_PER_PID = 8
+MAX_CONNS = 1024
 _RECV_BYTES = 1 << 16
 
 
@@ -118,6 +122,15 @@ class Channel:
                 if self._closed:
                     conn.close()
                     return
+                mine = sum(1 for p in self._pids.values() if p == pid)
+                if mine >= MAX_CONNS_PER_PID or len(self._conns) >= MAX_CONNS:
+                    conn.close()
+                    if pid not in self._refused:
+                        self._refused.add(pid)
+                        log.warning("hung up on pid %d at %s: it holds %d connections (at most "
+                                    "%d a process, %d in all)", pid, self.path, mine,
+                                    MAX_CONNS_PER_PID, MAX_CONNS)
+                    continue
                 self._conns[conn] = threading.Lock()
                 self._pids[conn] = pid
             threading.Thread(target=self._serve, args=(conn,), daemon=True,

@@ -5,6 +5,8 @@ detector, commits fenced on the round and claimed for the daemon, failures repor
 
 A message of a round other than the one the node's ranks run is dropped: a stale worker's
 report must not count in the current round. Checkpoint commits are fenced in etcd itself.
+The ranks run the job's code: every field is bounded and every kind of message that becomes
+an etcd write has a budget per round (lazarus.agent.msglimits).
 The agent owns the state; the handlers run on the channel's threads, under its lock where
 they touch what a pass reads.
 """
@@ -17,6 +19,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from lazarus.agent import msglimits
 from lazarus.agent.adopt import AdoptedRank
 from lazarus.agent.channel import descends_from
 from lazarus.core import etcd as E
@@ -97,16 +100,17 @@ def _step(agent: Agent, msg: dict) -> None:
             # not one per node (4,096 at once at the real size).
             if isinstance(spike, dict) and msg.get("rank") == 0:
                 agent.report.spikes.append({"step": int(msg.get("step", 0)),
-                                            "window": spike.get("window"),
-                                            "loss": spike.get("loss"),
-                                            "reason": spike.get("reason")})
+                                            "window": msglimits.cursors(spike.get("window")),
+                                            "loss": msglimits.number(spike.get("loss")),
+                                            "reason": msglimits.text(spike.get("reason"), 200)})
                 del agent.report.spikes[:-MAX_SPIKES]
                 agent.wake.set()
             if agent.cfg.monitors:
                 _observe_step(agent, msg)
             if msg.get("rank") == min(_local_ranks(agent), default=0):
-                if isinstance(msg.get("window"), list):
-                    st["window"] = msg["window"]
+                window = msglimits.cursors(msg.get("window"))
+                if window is not None:
+                    st["window"] = window
                 st["loss"] = float(msg.get("loss", 0.0))
                 dt = float(msg.get("step_time_s", 0.0))
                 # Only a loss may be NaN in a node status (records.Reading): the daemon
@@ -139,23 +143,42 @@ def _progress(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if msg.get("round") == _group_round(agent):
             agent.hangs.observe(int(msg.get("rank", -1)), progress)
-            _track_long_phase(agent)
+            track_long_phase(agent)
 
 
-def _track_long_phase(agent: Agent) -> None:
+def track_long_phase(agent: Agent) -> None:
     """Note when a local rank enters or leaves a checkpoint/eval (lock held); a change is
-    published at once, because the daemon holds other nodes' hang reports meanwhile."""
+    published at once, because the daemon holds other nodes' hang reports meanwhile. Called
+    on each progress message and each pass of the agent: a change held back by its budget is
+    made on a later pass, though no message follows."""
     since = agent.hangs.long_phase_since()
-    if since is not None and not agent.report.long_phase["since"]:
+    entered = since is not None and not agent.report.long_phase["since"]
+    left = since is None and agent.report.long_phase["since"]
+    # each change is a status write at once: a rank flipping its phase must not drive them
+    if (entered or left) and not _within(agent, "phase", "long-phase changes"):
+        return
+    if entered:
         # with the allowance its ranks get there: the daemon holds peers' reports no longer
         # than that (lazarus.daemon.decide._peer_in_long_phase)
         agent.report.long_phase = {"since": time.time() - (time.monotonic() - since),
                                    "until": agent.report.long_phase["until"],
                                    "allowance_s": round(agent.hangs.timeout_s(), 1)}
         agent.wake.set()
-    elif since is None and agent.report.long_phase["since"]:
+    elif left:
         agent.report.long_phase = {"since": 0.0, "until": time.time()}
         agent.wake.set()
+
+
+def _within(agent: Agent, kind: str, what: str) -> bool:
+    """Whether this round's budget of `kind` (lazarus.agent.msglimits) has room (lock held);
+    the first message over it is said in the log, the rest only counted."""
+    allowed, first_drop = agent.report.limits.take(kind)
+    if first_drop:
+        burst, per_s = msglimits.LIMITS[kind]
+        log.warning("round %s: this node's ranks send more %s than the agent passes on "
+                    "(%d at once, then %.2g a second); the rest are dropped and counted",
+                    _group_round(agent), what, burst, per_s)
+    return allowed
 
 
 def _joined(agent: Agent, msg: dict) -> None:
@@ -188,8 +211,15 @@ def _committed(agent: Agent, msg: dict) -> None:
                                round=int(msg["round"]), job_id=agent.report.job_id,
                                committed_at=time.time())
     except (KeyError, TypeError, ValueError):
-        log.warning("dropping malformed checkpoint report %r", msg)
+        log.warning("dropping malformed checkpoint report %s", msglimits.text(msg, 200))
         return
+    if len(rec.path) > msglimits.MAX_PATH:
+        log.warning("dropping the checkpoint report of step %d: its path is longer than %d "
+                    "characters", rec.step, msglimits.MAX_PATH)
+        return
+    with agent._lock:
+        if not _within(agent, "claim", "checkpoint commits"):
+            return
     try:
         ok = agent.etcd.txn([E.value_is(agent.keys.round, str(rec.round).encode())],
                             [E.put_op(agent.keys.claim_key(rec.step), rec.to_json())])
@@ -208,10 +238,14 @@ def _checkpoint_failed(agent: Agent, msg: dict) -> None:
     fenced on the round like a commit, so a stale worker's report is dropped. Training goes
     on; what to do about the disk is the host monitor's and the daemon's."""
     try:
-        step, round_, error = int(msg["step"]), int(msg["round"]), str(msg["error"])[:500]
+        step, round_ = int(msg["step"]), int(msg["round"])
+        error = msglimits.text(msg["error"])
     except (KeyError, TypeError, ValueError):
-        log.warning("dropping malformed checkpoint failure report %r", msg)
+        log.warning("dropping malformed checkpoint failure report %s", msglimits.text(msg, 200))
         return
+    with agent._lock:
+        if not _within(agent, "event", "checkpoint failure reports"):
+            return
     text = (f"checkpoint step {step} not written: {error}; training goes on, the last "
             "committed checkpoint stays the restore point")
     log.warning("%s", text)

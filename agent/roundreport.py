@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lazarus.agent.msglimits import MessageLimits
+
 
 def _no_step() -> dict:
     return {"step": 0, "loss": 0.0, "step_time_s": 0.0, "tokens_per_s": 0.0}
@@ -30,3 +32,5 @@ class RoundReport:
     # ranks adopted from a previous agent whose node status is not read back yet
     # (lazarus.agent.rounds.resume_status)
     adopted: bool = False
+    # how much more of each kind of message the ranks may make the agent write this round
+    limits: MessageLimits = field(default_factory=MessageLimits)

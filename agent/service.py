@@ -263,6 +263,8 @@ class Agent:
         every RECONCILE_S, write the status when it is due."""
         if self.cfg.monitors:
             self._check_hang(now)
+            with self._lock:
+                messages.track_long_phase(self)
         if woke or exited or now >= self._due["reconcile"]:
             self.reconcile(now)
             self._due["reconcile"] = now + RECONCILE_S

@@ -2,8 +2,9 @@
 in host memory (a tmpfs such as /dev/shm), bounded in bytes (docs/architecture.md,
 "Checkpoints").
 
-A rank writes its snapshot file into `incoming/` and tells the agent; `add_local` takes the
-file over (a rename), so it outlives the rank. Copies received from the peer node
+A rank writes its snapshot file into `incoming/` and tells the agent; `add_local` takes a
+copy of it into a file of the agent's own (the rank's descriptor must not reach what the agent
+keeps), so it outlives the rank. Copies received from the peer node
 (lazarus.agent.replica) go into `replica/`. Per rank the store keeps the `keep` newest steps
 plus the steps its last node status named (`pin`): what the daemon may choose to restore
 from stays here until a newer status replaced that promise. Its own ranks' copies are kept
@@ -104,39 +105,72 @@ class Tier0Store:
         return self.root / "incoming"
 
     def add_local(self, job: str, rank: int, step: int, path: Path) -> Copy | None:
-        """Take over a rank's snapshot file (it must be in `incoming/`)."""
+        """Take a rank's snapshot file (it must be in `incoming/`): copied into a file of the
+        agent's own, the rank's removed. Not renamed: the rank keeps a descriptor that can
+        write what it wrote, and a truncate through it would be SIGBUS in the agent that maps
+        the file to send it, a file grown sparse a huge read for a peer that fetches it
+        (docs/security.md, "The job's own code"). The copy is the kernel's (sendfile, within
+        host memory) and of the size seen when the file was opened."""
         path = Path(path)
+        fd = -1
         try:
-            regular = path.parent == self.incoming and stat.S_ISREG(os.lstat(path).st_mode)
+            if path.parent == self.incoming:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
-            regular = False
-        if not regular:
+            pass
+        if fd < 0:
             log.warning("ignoring tier-0 snapshot %s: not a file in %s", path, self.incoming)
-            return None
-        dest = self.root / "local" / _name(job, rank, step)
-        # On the entry taken, not a path a rank could swap meanwhile (a rank writes it under
-        # its umask, 0644 seen): what was swapped in for the file is taken and dropped.
-        try:
-            os.replace(path, dest)
-            fd = os.open(dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            log.warning("ignoring tier-0 snapshot %s: gone or not a file once taken", path)
-            _discard(dest)
+            if path.parent == self.incoming:
+                _discard(path)  # a FIFO or a link the rank left: taken and dropped
             return None
         try:
             st = os.fstat(fd)
-            # A hard link planted in incoming/ names another file: sealing it would hand the
-            # ranks' group that file (and with --run-as it must be the ranks' own).
+            # A hard link planted in incoming/ names another file: what is kept must be a
+            # file the ranks wrote for this (with --run-as, the ranks' own).
             owner = self.user.uid if self.user else os.geteuid()
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != owner:
                 log.warning("ignoring tier-0 snapshot %s: not a file of the ranks' own, linked "
                             "once", path)
-                _discard(dest)
                 return None
-            self._seal(fd)
+            if st.st_size > self.limit_bytes:
+                log.warning("ignoring tier-0 snapshot %s: %d bytes, over the store's %d",
+                            path, st.st_size, self.limit_bytes)
+                return None
+            dest = self.root / "local" / _name(job, rank, step)
+            if not self._copy_in(fd, st.st_size, dest):
+                log.warning("ignoring tier-0 snapshot %s: it shrank while it was taken", path)
+                return None
         finally:
             os.close(fd)
+            _discard(path)
         return self._add(Copy(job, rank, step, dest, st.st_size, True))
+
+    def _copy_in(self, src: int, size: int, dest: Path) -> bool:
+        """`size` bytes of `src` into a new file at `dest` (unique name, 0600, sealed);
+        False, and nothing at `dest`, when `src` ends sooner."""
+        out, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".tmp")
+        try:
+            done = 0
+            while done < size:
+                n = os.sendfile(out, src, done, min(size - done, 1 << 30))
+                if n == 0:
+                    break
+                done += n
+            if done < size:
+                os.close(out)
+                out = -1
+                os.unlink(tmp)
+                return False
+            self._seal(out)
+            os.close(out)
+            out = -1
+            os.replace(tmp, dest)
+            return True
+        except BaseException:
+            if out >= 0:
+                os.close(out)
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def _seal(self, fd: int) -> None:
         """A kept copy: the agent's, read-only to the ranks' group (they restore from it)

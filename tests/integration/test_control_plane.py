@@ -198,3 +198,46 @@ def test_bad_etcd_endpoint_is_a_user_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
                            "nonsense"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not HOST:PORT" in proc.stderr
+
+
+def test_a_rank_flooding_its_agent_cannot_flood_etcd(etcd, keys, tmp_path, caplog):
+    """The job's own code on the worker channel (docs/security.md): 300 checkpoint claims with
+    paths too long to be one, 300 more with distinct steps, 300 failure reports with escapes
+    in them, 100 long-phase flips -- what reaches etcd stays within the per-round budgets
+    (lazarus.agent.msglimits), and the agent still answers its ranks."""
+    from lazarus.agent import msglimits
+
+    agent = Agent(etcd, keys, AgentConfig(node="n0", nproc=1, role="active", workdir=tmp_path,
+                                          park=False))
+    try:
+        agent.register()
+        agent.report.job_id = "J"
+        etcd.put(keys.round, b"2")
+        # the agent's lease and its node record are the only keys of its own so far
+        rev0 = etcd.revision(keys.root)
+        started = time.monotonic()
+        rank = Session(socket_path=agent.channel.path, rank=0, round=2)
+        for step in range(300):
+            rank.checkpoint_committed(1000 + step, "/ckpt/" + "x" * 100_000)
+        for step in range(300):
+            rank.checkpoint_committed(2000 + step, f"/ckpt/step-{2000 + step}/" + "y" * 4000)
+            rank.checkpoint_failed(step, "\x1b[2J\x1b[H\x1b[31m" + "z" * 10_000)
+        assert rank.may_commit(3000) is True   # answered, after all of it
+        elapsed = time.monotonic() - started
+        claim_burst, claim_rate = msglimits.LIMITS["claim"]
+        event_burst, event_rate = msglimits.LIMITS["event"]
+        claims = etcd.get_prefix(keys.claims).kvs
+        events = [json.loads(kv.value) for kv in etcd.get_prefix(keys.events).kvs.values()]
+        failures = [e for e in events if e["kind"] == "checkpoint_failed"]
+        assert 0 < len(claims) <= claim_burst + claim_rate * elapsed + 1
+        assert all(len(kv.value) < 5000 for kv in claims.values())
+        assert 0 < len(failures) <= event_burst + event_rate * elapsed + 1
+        assert all(len(e["fields"]["error"]) <= msglimits.MAX_TEXT for e in failures)
+        writes = etcd.revision(keys.root) - rev0
+        assert writes <= len(claims) + len(failures) + 5, writes
+        said = [r.getMessage() for r in caplog.records
+                if "than the agent passes on" in r.getMessage()]
+        assert len(said) == 2, said  # once for the claims, once for the failure reports
+        rank.close()
+    finally:
+        agent.shutdown()

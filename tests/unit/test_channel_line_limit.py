@@ -93,3 +93,31 @@ def test_lines_split_across_reads_and_a_last_line_without_newline_arrive_whole(t
         assert got == [{"type": "step", "step": 1}, big, {"type": "bye"}]
     finally:
         channel.close()
+
+
+def test_a_process_opening_many_connections_gets_a_few_threads_not_thousands(tmp_path, caplog):
+    """Each connection costs the agent a thread: past MAX_CONNS_PER_PID a process's next ones
+    are hung up on (said once), and the ones it holds keep working."""
+    channel = ch.Channel(str(tmp_path / "agent.sock"),
+                         on_message=lambda msg: {"type": "may_commit", "ok": True},
+                         admit=lambda pid: True)
+    caplog.set_level(logging.WARNING, logger=ch.__name__)
+    conns = [_connect(channel.path) for _ in range(3 * ch.MAX_CONNS_PER_PID)]
+    try:
+        answered = 0
+        for s in conns:
+            try:
+                s.sendall(b'{"type": "may_commit", "step": 3}\n')
+                reply = b""
+                while not reply.endswith(b"\n") and (chunk := s.recv(4096)):
+                    reply += chunk
+                answered += reply.endswith(b"\n")
+            except OSError:
+                pass  # hung up on before the send
+        assert answered == ch.MAX_CONNS_PER_PID
+        said = [r for r in caplog.records if "connections (at most" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        for s in conns:
+            s.close()
+        channel.close()
