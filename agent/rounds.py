@@ -16,6 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from lazarus.agent import jobfence
 from lazarus.agent.adopt import Left, LeftRank, adopt, start_time
 from lazarus.agent.decide import DropKept, Launch, Refill, ReleaseVictims, SeeRound, StopRound
 from lazarus.agent.roundreport import RoundReport
@@ -44,6 +45,7 @@ def act(agent: Agent,
         if agent.tier0 is not None:
             agent.tier0.round_seen(action.record)
         rec = action.record
+        job_seen(agent, rec.job_id)
         # Not while the node's preflight runs: its tests fork from the same zygote, and a
         # spare is usable only once they pass (a rehearsal first held one back by seconds).
         if agent.preflight is None or not agent.preflight.busy:
@@ -64,6 +66,11 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
     """Start this node's ranks of `rec`, each with its assignment line, after forgetting
     what the previous round's ranks reported."""
     ranks = rec.ranks_of(agent.cfg.node)
+    job_seen(agent, rec.job_id)
+    run_as = agent.cfg.run_as
+    # a home and caches of the job's own, when its ranks have a user of their own
+    env = {**(jobfence.job_env(run_as, agent.cfg.workdir, rec.job_id) if run_as else {}),
+           **rec.env}
     tier0 = agent.tier0
     snapshots = tier0.prepare(rec, ranks) if tier0 is not None else dict.fromkeys(ranks)
     agent.ports.host_round_store(rec, agent.store)
@@ -78,7 +85,7 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
                                 snapshot_dir=str(tier0.store.incoming)
                                 if tier0 is not None else None,
                                 allowed_roots=list(agent.cfg.allowed_roots),
-                                command=list(rec.command), env=dict(rec.env), cwd=rec.cwd,
+                                command=list(rec.command), env=env, cwd=rec.cwd,
                                 log_path=str(rank_log(agent.workers.log_dir, rec.round, rank)),
                                 group_rank=rec.members.index(agent.cfg.node),
                                 group_world_size=len(rec.members),
@@ -100,6 +107,13 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
              if rec.restore or rec.tier0 else "",
              f"; in place: ranks {sorted(g.ranks[lr] for lr in g.kept)} in their processes "
              f"{sorted(g.procs[lr].pid for lr in g.kept)}" if g.kept else "")
+
+
+def job_seen(agent: Agent, job_id: str) -> None:
+    """A round of `job_id`: at a change of job, the last job's processes and homes go
+    (lazarus.agent.jobfence)."""
+    if agent.workers.new_job(job_id) and agent.cfg.run_as is not None:
+        jobfence.forget_homes(agent.cfg.workdir, keep_job=job_id)
 
 
 def resume(agent: Agent, pid: int, a: WorkerAssignment) -> bool:
@@ -130,6 +144,7 @@ def take_over(agent: Agent, left: Left) -> None:
     """Adopt the ranks a previous agent of this node left running, as this agent's round."""
     procs = adopt(left, agent.cfg.stacks_dir)
     agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
+    agent.workers.job = left.job_id  # its ranks are not another job's leftovers
     with agent._lock:
         agent.report = RoundReport(job_id=left.job_id, world_size=left.world_size,
                                    checkpoint_dir=left.checkpoint_dir, adopted=True)

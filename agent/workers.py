@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
+from lazarus.agent import jobfence
 from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
 from lazarus.core import exitcodes, jobcommand, rankfiles
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
@@ -142,6 +143,7 @@ class Workers:
         # until the next launch reads it
         self.ended: dict[int, str] = {}
         self._rehearsed_round = -1  # the last round `rehearse` asked the zygote about
+        self.job: str | None = None  # the job whose ranks this node runs or ran last
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
@@ -332,6 +334,34 @@ class Workers:
                if p.name[6:].isdigit() and int(p.name[6:]) <= current - KEEP_ROUNDS]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
+
+    def new_job(self, job_id: str) -> bool:
+        """A round of `job_id` is coming. When it is another job's than the last one and the
+        ranks run as a user of their own, nothing of the last job stays: its kept survivors,
+        the zygote and parked workers forked for it, and every other process of that user
+        (lazarus.agent.jobfence). True when the job changed."""
+        if job_id == self.job:
+            return False
+        self.job = job_id
+        if self.user is None:
+            return True
+        g = self.group
+        spare = set(g.pids()) if g is not None and g.alive else set()
+        self.drop_kept()
+        with self._zygote_lock:
+            if self.zygote is not None:
+                self.zygote.kill()
+                self.zygote = None
+            parked, self.parked = self.parked, []
+            for proc in parked:
+                proc.kill()
+            self._kill([p for p in parked if not isinstance(p, ForkedWorker)])
+            killed = jobfence.sweep(self.user.uid, spare=spare)
+        if killed:
+            log.warning("job %s: ended %d process(es) of user %s left from before it (pids %s)",
+                        job_id[:64], len(killed), self.user.name,
+                        " ".join(map(str, killed[:20])))
+        return True
 
     def adopt(self, round_: int, procs: dict[int, AdoptedRank], ranks: dict[int, int]) -> Group:
         """Take over the ranks a previous agent of this node left running."""
