@@ -60,6 +60,9 @@ class AgentConfig:
     flight_entries: int = FLIGHT_ENTRIES
     rank_log_bytes: int = RANK_LOG_BYTES
     run_as: JobUser | None = None
+    # at a change of job, end every other process of the run_as user (lazarus.agent.jobfence);
+    # off where several agents share the user on one host (a local cluster)
+    fence_jobs: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in (ROLE_ACTIVE, ROLE_SPARE):

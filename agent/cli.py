@@ -89,6 +89,10 @@ def main(argv: list[str]) -> int:
                         "(docs/security.md). Needs a root agent, or the capabilities "
                         "listed there; the default --allowed-root becomes WORKDIR/job, "
                         "that user's")
+    p.add_argument("--shared-job-user", action="store_true",
+                   help="the --run-as user also runs other agents' ranks on this host (a "
+                        "local cluster of several nodes on one machine): at a change of job "
+                        "do not end that user's other processes (docs/security.md)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
@@ -133,7 +137,8 @@ def main(argv: list[str]) -> int:
         # absolute: the ranks resolve them, whatever their working directory
         allowed_roots=[os.path.abspath(r) for r in args.allowed_root or [
             jobuser.job_dir(Path(args.workdir)) if run_as else args.workdir]],
-        flight_entries=args.flight_entries, run_as=run_as))
+        flight_entries=args.flight_entries, run_as=run_as,
+        fence_jobs=not args.shared_job_user))
     try:
         agent.run(stop)
     finally:

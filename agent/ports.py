@@ -149,7 +149,7 @@ class NodePorts:
             env[PROGRESS_ENV] = "off"
         return Workers(nproc=c.nproc, env=env, log_dir=c.workdir / "logs" / c.node,
                        notes_dir=c.stacks_dir, park=c.park, log_bytes=c.rank_log_bytes,
-                       user=c.run_as)
+                       user=c.run_as, fence_jobs=c.fence_jobs)
 
     def channel(self, *, on_message, admit) -> Channel:
         return Channel(self._socket, on_message=on_message, admit=admit,

@@ -120,7 +120,8 @@ class Workers:
     `user`: whom the workers (and the zygote) run as, when not the agent's user."""
 
     def __init__(self, *, nproc: int, env: dict[str, str], log_dir: Path, notes_dir: Path,
-                 park: bool = True, log_bytes: int = RANK_LOG_BYTES, user: JobUser | None = None):
+                 park: bool = True, log_bytes: int = RANK_LOG_BYTES, user: JobUser | None = None,
+                 fence_jobs: bool = True):
         self.log_bytes = log_bytes
         self.user = user
         self.nproc = nproc
@@ -144,6 +145,7 @@ class Workers:
         self.ended: dict[int, str] = {}
         self._rehearsed_round = -1  # the last round `rehearse` asked the zygote about
         self.job: str | None = None  # the job whose ranks this node runs or ran last
+        self.fence_jobs = fence_jobs  # see new_job
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def _spawn(self) -> subprocess.Popen:
@@ -343,7 +345,7 @@ class Workers:
         if job_id == self.job:
             return False
         self.job = job_id
-        if self.user is None:
+        if self.user is None or not self.fence_jobs:
             return True
         g = self.group
         spare = set(g.pids()) if g is not None and g.alive else set()

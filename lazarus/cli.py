@@ -9,6 +9,7 @@ import importlib
 import os
 import sys
 
+from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 
 # name -> (module, function, one-line help). Each function takes argv (list[str]) and returns
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
     except UserError as e:
-        print(f"lazarus {name}: error: {e}", file=sys.stderr)
+        # a message may quote what etcd holds (a job's id, a record's field): one line, inert
+        print(printable(f"lazarus {name}: error: {e}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _etcd_outage(e):
             raise
         # etcd's error names the endpoint and what the connection met: all the user can act on
-        print(f"lazarus {name}: error: {e}", file=sys.stderr)
+        print(printable(f"lazarus {name}: error: {e}"), file=sys.stderr)
         return 1
 
 

@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lazarus.core import procstop
 from lazarus.core.errors import UserError
 from lazarus.core.etcd_auth import EtcdAuth
 
@@ -259,12 +260,7 @@ class EmbeddedEtcd:
 
     def stop(self) -> None:
         if self.running:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            procstop.stop(self.proc, 10)
 
     def cleanup(self) -> None:
         self.stop()

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ import grpc
 from google.protobuf import json_format
 
 from lazarus.core import endpoint_file
+from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
@@ -192,20 +192,11 @@ def stream_events(target: Target, request: pb.WatchEventsRequest) -> Iterator[pb
 
 # -- output ------------------------------------------------------------------------------------
 # Node names, reasons, paths and event messages come from agents (etcd's node and event
-# records), which any node's credentials can write: a C0/C1 control character there could
-# retitle, clear or rewrite the operator's terminal. Tab and newline stay (a reason may wrap).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def clean(text: str) -> str:
-    """`text` with its terminal control characters shown as \\xNN, harmless to print."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
+# records), which any node's credentials can write: all of it goes through `printable`.
 def _add(table, *cells: str) -> None:
     """A row of Text cells, never parsed as markup: "[bold red]" in a node name is its name."""
     from rich.text import Text
-    table.add_row(*(Text(clean(c)) for c in cells))
+    table.add_row(*(Text(printable(c)) for c in cells))
 
 
 def _console():
@@ -306,7 +297,7 @@ def render_nodes(nodes: list[pb.Node]) -> None:
     # Below the table, not in it: a reason is a sentence, and a row must fit the terminal.
     for n in nodes:
         if n.cordoned and n.cordon_reason:
-            _console().print(clean(f"{n.node} cordoned: {' '.join(n.cordon_reason.split())}"),
+            _console().print(printable(f"{n.node} cordoned: {' '.join(n.cordon_reason.split())}"),
                              markup=False, highlight=False)
 
 
@@ -323,7 +314,7 @@ def render_checkpoints(cks: list[pb.Checkpoint]) -> None:
 
 
 def event_line(ev: pb.Event) -> str:
-    return clean(f"{_clock(ev.time)}  {ev.kind:<15} {ev.message}")
+    return printable(f"{_clock(ev.time)}  {ev.kind:<15} {ev.message}")
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -336,7 +327,7 @@ def _run(prog: str, argv: list[str], add_args: Callable[[argparse.ArgumentParser
     try:
         return body(args, _target(args))
     except Failed as e:
-        print(clean(f"{prog}: error: {e}"), file=sys.stderr)
+        print(printable(f"{prog}: error: {e}"), file=sys.stderr)
         return e.code
 
 
@@ -406,7 +397,7 @@ def _command(prog: str, argv: list[str], description: str, method: str,
         if args.json:
             _print_json(reply)
         else:
-            print(clean(reply.message))
+            print(printable(reply.message))
         return 0
     return _run(prog, argv, add_args, body, description)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core import settings
+from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.core.records import (DEFAULT_ROOT, CheckpointRecord, EventRecord, Keys, RecordError,
                                   load_json, number)
@@ -109,7 +110,8 @@ def read_events(path: Path) -> list[EventRecord]:
 
 
 def _skipped(why: str) -> None:
-    print(f"lazarus report: skipped {why}", file=sys.stderr)
+    # `why` may quote a key or a line that an agent wrote
+    print(printable(f"lazarus report: skipped {why}"), file=sys.stderr)
 
 
 def read_etcd(endpoint: str, keys: Keys, history: Path | None = None, auth=None

@@ -15,8 +15,10 @@ import time
 
 from lazarus.core import etcd as E
 from lazarus.core import jobcommand, jobspec, settings
+from lazarus.core.consoletext import printable
 from lazarus.core.contract import METRICS_ENV
 from lazarus.core.errors import UserError
+from lazarus.core.eventfeed import EventFeed
 from lazarus.core.records import (EventRecord, Keys, RecordError, RunStatus, SUCCEEDED,
                                   TERMINAL)
 
@@ -99,20 +101,10 @@ class Follower:
 
     def __init__(self, etcd: E.Etcd, keys: Keys, *, since_ns: int):
         self.etcd, self.keys = etcd, keys
-        self._after = f"{keys.events}{since_ns:020d}"
-        self._seen: set[str] = set()
+        self._events = EventFeed(etcd, keys, since_ns=since_ns)
 
     def new_events(self) -> list[EventRecord]:
-        out = []
-        for key, kv in sorted(self.etcd.get_prefix(self.keys.events).kvs.items()):
-            if key <= self._after or key in self._seen:
-                continue
-            self._seen.add(key)
-            try:
-                out.append(EventRecord.from_json(kv.value))
-            except RecordError:
-                continue
-        return out
+        return self._events.new_events()
 
     def status(self, job_id: str) -> RunStatus | None:
         kv = self.etcd.get(self.keys.status)
@@ -125,6 +117,11 @@ class Follower:
         return st if st.job_id == job_id else None
 
 
+def event_line(ev: EventRecord) -> str:
+    """How `lazarus run` and `lazarus up` print an event: one line, whatever its message."""
+    return printable(f"  [{ev.kind}] {ev.message}")
+
+
 def follow(etcd: E.Etcd, keys: Keys, job: jobspec.JobSpec, *, since_ns: int,
            timeout_s: float | None = None, say=print) -> str:
     """Print the run's events until it ends; its final state ("TIMEOUT" past `timeout_s`)."""
@@ -134,7 +131,7 @@ def follow(etcd: E.Etcd, keys: Keys, job: jobspec.JobSpec, *, since_ns: int,
     while timeout_s is None or time.monotonic() - started < timeout_s:
         try:
             for ev in f.new_events():
-                say(f"  [{ev.kind}] {ev.message}")
+                say(event_line(ev))
             st = f.status(job.id)
             outage = False
         except E.EtcdUnavailable as e:
@@ -144,7 +141,7 @@ def follow(etcd: E.Etcd, keys: Keys, job: jobspec.JobSpec, *, since_ns: int,
             st = None
         if st is not None and st.state in TERMINAL:
             for ev in f.new_events():
-                say(f"  [{ev.kind}] {ev.message}")
+                say(event_line(ev))
             return st.state
         time.sleep(POLL_S)
     return "TIMEOUT"

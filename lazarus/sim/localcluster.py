@@ -26,8 +26,10 @@ from typing import Callable
 from lazarus.agent import tier0_agent
 from lazarus.agent.adopt import left_ranks
 from lazarus.core import etcd as E
+from lazarus.core import procstop
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd, die_with_parent, free_port
 from lazarus.core.errors import UserError
+from lazarus.core.eventfeed import EventFeed
 from lazarus.core.etcd_rbac import AGENT_USER, DAEMON_USER
 from lazarus.core.jobspec import JobSpec
 from lazarus.sim import trainer_faults
@@ -95,7 +97,7 @@ class LocalCluster:
         self.token_file = workdir / "api-token"
         self.agents: dict[str, Proc] = {}
         self._agent_spec: dict[str, tuple[int, str]] = {}
-        self._events_seen: set[str] = set()
+        self._events: EventFeed | None = None  # once etcd is up: what new_events reads
         self.agent_args: list[str] = []    # extra `lazarus agent` flags for every node
         self.job_uid: int | None = None    # whom the ranks run as (--run-as in agent_args)
         # Where jobs may write (`lazarus agent --allowed-root`): beside the cluster's workdir,
@@ -236,18 +238,11 @@ class LocalCluster:
         return st
 
     def new_events(self) -> list[EventRecord]:
-        """Events not returned before, oldest first."""
+        """Events not returned before, oldest first within a call (lazarus.core.eventfeed)."""
         assert self.etcd is not None
-        out = []
-        for key, kv in sorted(self.etcd.get_prefix(self.keys.events).kvs.items()):
-            if key in self._events_seen:
-                continue
-            self._events_seen.add(key)
-            try:
-                out.append(EventRecord.from_json(kv.value))
-            except RecordError:
-                continue
-        return out
+        if self._events is None:
+            self._events = EventFeed(self.etcd, self.keys)
+        return self._events.new_events()
 
     # -- faults --------------------------------------------------------------------------------
     def kill_worker(self, node: str, sig: int = signal.SIGKILL) -> str:
@@ -319,17 +314,7 @@ class LocalCluster:
         raise RuntimeError("no live leading daemon found")
 
     def stop(self) -> None:
-        procs = [*self.agents.values(), *self.daemons]
-        for proc in procs:
-            if proc.alive:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+        procstop.stop_all([p.popen for p in [*self.agents.values(), *self.daemons]], 10)
         for node in self.agents:  # ranks a stopped agent left running for its successor
             self._kill_ranks(node)
             # the host memory a killed agent's snapshots held

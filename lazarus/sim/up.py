@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lazarus.ops import report
-from lazarus.ops.run import build_job, split_command
+from lazarus.ops.run import build_job, event_line, split_command
 from lazarus.sim import chaos
 
 from lazarus.sim import diskfault
@@ -26,6 +26,7 @@ from lazarus.sim import diskfault
 from lazarus.core import endpoint_file
 
 from lazarus.core import jobspec, jobuser, settings
+from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
@@ -451,7 +452,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"--run-as {run_as.name}: that user cannot reach this directory "
                         f"({job.cwd}), where your script runs; run from one it can")
     _check_targets(schedule, [f"n{i}" for i in range(args.nodes + args.spares)])
-    agent_args = _agent_args(args) + (["--run-as", args.run_as] if run_as else [])
+    # the nodes share the job user on this one machine: no agent ends another's ranks
+    agent_args = _agent_args(args) + (["--run-as", args.run_as, "--shared-job-user"]
+                                      if run_as else [])
     say = print
     if own:
         say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
@@ -511,7 +514,7 @@ def run(args: argparse.Namespace) -> dict:
                 leader = st.leader_pid
             for ev in cluster.new_events():
                 events.append(ev)
-                say(f"  [{ev.kind}] {ev.message}")
+                say(event_line(ev))
             step = tail.latest["step"] if tail.latest else reported
             state = st.status.state if st.status else "PENDING"
             for fault in trainer_faults:
@@ -566,7 +569,7 @@ def run(args: argparse.Namespace) -> dict:
             state = "TIMEOUT"
         for ev in cluster.new_events():
             events.append(ev)
-            say(f"  [{ev.kind}] {ev.message}")
+            say(event_line(ev))
         for fault in pending:
             fault.skipped = (f"the run ended first ({waiting[id(fault)][1]})"
                              if id(fault) in waiting else "the run ended first")
@@ -616,8 +619,10 @@ def print_summary(summary: dict) -> None:
             tier = r.get("restored_from_tier")
             restored = ("-" if tier is None else
                         f"step {r['restored_step']} from {'memory' if tier == 0 else 'storage'}")
-            print(f"{r['kind']:<12} {r['fault_step'] or '-':>7} {str(r['target']):<16} "
-                  f"{det:>9} {rec:>10}  {r['culprit'] or '-':<8} {restored}")
+            # the culprit is what an event named, and agents write events
+            print(printable(f"{r['kind']:<12} {r['fault_step'] or '-':>7} "
+                            f"{str(r['target']):<16} {det:>9} {rec:>10}  "
+                            f"{r['culprit'] or '-':<8} {restored}"))
 
 
 def main(argv: list[str]) -> int:

@@ -86,3 +86,12 @@ def test_json_output_keeps_the_exact_value_escaped_by_json(capsys, monkeypatch):
     assert client.events_main(["--address", "127.0.0.1:1", "--json"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\u001b]0;pwned\\u0007" in out
+
+
+def test_an_event_message_cannot_start_a_line_of_its_own(capsys, monkeypatch):
+    events = [pb.Event(kind="checkpoint_failed", message=f"rank 3{CLEAR}\r\nforged line",
+                       time=time.time())]
+    monkeypatch.setattr(client, "stream_events", lambda target, req: iter(events))
+    assert client.events_main(["--address", "127.0.0.1:1"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "\r" not in line and line.endswith("rank 3\\x1b[2J\\x0d\\x0aforged line"), line
