@@ -5,7 +5,7 @@ A member whose host monitor fails (lazarus.agent.host: no room for the next chec
 directory unwritable or gone, a required mount missing, memory nearly exhausted) is alerted
 once when it enters that state and once when it leaves it. run/status remembers who is in
 alert, so a decision applied twice or a new leader does not repeat the event. Nothing is
-restarted: a save the storage refuses costs that checkpoint only (lazarus.trainer.checkpoint),
+restarted: a save the storage refuses costs that checkpoint only (lazarus.trainer.ckptrefusal),
 and the last committed one stays the restore point. Swapping a node whose own disk failed for
 a spare is decide._planned_swap's business.
 """

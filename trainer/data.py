@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from lazarus.core.errors import UserError
+from lazarus.trainer.ckptfiles import sha256_file
 
 MANIFEST = "corpus.json"
 # uint32 was added beside uint16 without a new version: version-1 corpora read as before.
@@ -99,14 +100,6 @@ def default_corpus_dir() -> Path:
 
 # ---------------------------------------------------------------------------------------------
 # Writing a corpus
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -287,7 +280,7 @@ def verify_corpus(corpus_dir: Path) -> dict:
     """read_manifest plus the sha256 of every shard (reads everything: not done per run)."""
     m = read_manifest(corpus_dir)
     for s in m["shards"]:
-        if _sha256_file(Path(corpus_dir) / s["name"]) != s["sha256"]:
+        if sha256_file(Path(corpus_dir) / s["name"]) != s["sha256"]:
             raise UserError(f"shard {Path(corpus_dir) / s['name']} does not match the sha256 in "
                             f"its {MANIFEST}: the corpus is corrupt")
     return m

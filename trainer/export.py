@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.checkpoint import load_tensors, read_dcp_metadata, verify_checkpoint
+from lazarus.trainer.ckptverify import verify_checkpoint
+from lazarus.trainer.dcpread import load_tensors, read_dcp_metadata
 
 _MODEL_PREFIX = "model."
 

@@ -15,13 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from lazarus.core import settings
+from lazarus.core import procstop, settings
 from lazarus.core.batching import plan_batches
 from lazarus.core.contract import ASSIGNMENT_ENV, NCCL_DEFAULTS, WorkerAssignment
 from lazarus.core.errors import UserError
 from lazarus.core.modelconfig import get_model_config
 from lazarus.core.trainconfig import TrainConfig, load_toml
 from lazarus.trainer import forkranks
+from lazarus.trainer.ckptlist import latest_checkpoint, read_manifest  # no torch
 
 # After one rank fails, how long the others get to exit on SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
@@ -126,8 +127,7 @@ def _cursor_span(text: str) -> list[int]:
 
 def check_inputs(cfg: TrainConfig) -> str | None:
     """Check the data and checkpoints the job names; returns the checkpoint to restore."""
-    # here: they load torch; main() forks only when torch was not loaded before it ran
-    from lazarus.trainer import checkpoint as ckpt
+    # here: it loads torch; main() forks only when torch was not loaded before it ran
     from lazarus.trainer.data import TokenDataset, check_model_vocab, ensure_corpus
 
     data, ck = cfg.data, cfg.checkpoint
@@ -141,16 +141,16 @@ def check_inputs(cfg: TrainConfig) -> str | None:
         raise UserError(f"global batch {data.global_batch} is larger than the corpus "
                         f"({len(dataset)} sequences of {data.seq_len + 1} tokens)")
     if ck.resume is None:
-        if ck.dir is not None and ckpt.latest_checkpoint(Path(ck.dir)) is not None:
+        if ck.dir is not None and latest_checkpoint(Path(ck.dir)) is not None:
             raise UserError(f"{ck.dir} already holds checkpoints: pass --resume to continue "
                             f"that run, or choose another --ckpt-dir")
         return None
     if ck.resume == "latest":
-        found = ckpt.latest_checkpoint(Path(ck.dir))
+        found = latest_checkpoint(Path(ck.dir))
         if found is None:
             raise UserError(f"--resume: no committed checkpoint in {ck.dir}")
         return str(found)
-    ckpt.read_manifest(Path(ck.resume))  # committed? (the workers verify checksums as they load)
+    read_manifest(Path(ck.resume))  # committed? (the workers verify checksums as they load)
     return ck.resume
 
 
@@ -185,7 +185,7 @@ def supervise(procs: list[subprocess.Popen]) -> int:
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                _stop(procs)
+                procstop.stop_all(procs, STOP_GRACE_S)
                 print(f"lazarus train: rank {rank} exited with code {code}; stopped the other ranks",
                       file=sys.stderr)
                 return code if code > 0 else 1
@@ -193,21 +193,8 @@ def supervise(procs: list[subprocess.Popen]) -> int:
                 return 0
             time.sleep(0.1)
     except KeyboardInterrupt:
-        _stop(procs)
+        procstop.stop_all(procs, STOP_GRACE_S)
         return 130
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def main(argv: list[str]) -> int:

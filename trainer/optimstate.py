@@ -7,7 +7,8 @@ of it. Measured here for the small model: 0.7 s alone, 4-5 s with two ranks rest
 cores -- most of a tier-0 restore. Allocating the entries the checkpoint or snapshot holds,
 and letting the restore fill them, skips that step; anything that does not map onto the
 optimizer's parameters one to one leaves the optimizer as it was (DCP then makes the state
-its own way).
+its own way). `optim_state_problem` checks the saved shapes against the model first, for a
+checkpoint and a tier-0 snapshot alike.
 """
 
 from __future__ import annotations
@@ -85,3 +86,33 @@ def from_dcp_metadata(metadata) -> dict:
         name, _, key = flat[len("optim.state."):].rpartition(".")
         out.setdefault(name, {})[key] = SavedTensor(tuple(meta.size), meta.properties.dtype)
     return out
+
+
+# Per-parameter state that torch's optimizers (Adam, AdamW, SGD) keep in the parameter's
+# shape. A restore allocates the saved shapes as they are (allocate, above), so a wrong one
+# would pass the restore and fail the first step: a crash, retried on the same checkpoint,
+# instead of a bad checkpoint the restore falls back from.
+PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def optim_state_problem(model: torch.nn.Module, saved: dict, *, local: bool) -> str | None:
+    """What in `saved` (parameter name -> {key: SavedTensor or value}) cannot be `model`'s
+    optimizer state: a per-parameter entry not of its parameter's shape (its local shard's
+    with `local`, else its global one) or not floating point, a step that is not a scalar.
+    None when nothing; a name the model lacks is left to the load to name."""
+    params = dict(model.named_parameters())
+    for name, entries in saved.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        own = tuple((param.to_local() if local and isinstance(param, DTensor) else param).shape)
+        for key, value in entries.items():
+            if not isinstance(value, SavedTensor):
+                continue
+            want = own if key in PARAM_SHAPED else () if key == "step" else None
+            if want is not None and tuple(value.shape) != want:
+                return (f"optimizer state {key} of {name} is {tuple(value.shape)}, not {want} "
+                        f"(the parameter is {own})")
+            if key in PARAM_SHAPED and not value.dtype.is_floating_point:
+                return f"optimizer state {key} of {name} is {value.dtype}, not floating point"
+    return None

@@ -56,10 +56,14 @@ class PeerUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if name in _TORCH_CLASSES or isinstance(value, _TORCH_VALUES):
                 return value
-        elif module == _DCP or module.startswith(_DCP + "."):
+        elif (module == _DCP or module.startswith(_DCP + ".")) and "." not in name:
+            # No dotted name: protocol 4 would follow "os.system" through the module's own
+            # imports to anything. And the class must be the module's own (pickle names a
+            # class by its __module__), not one it imported from elsewhere.
             found = super().find_class(module, name)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found)
-                                            or issubclass(found, (enum.Enum, BaseException))):
+            if isinstance(found, type) and found.__module__ == module and (
+                    dataclasses.is_dataclass(found)
+                    or issubclass(found, (enum.Enum, BaseException))):
                 return found
         elif module.split(".")[0] in _EXCEPTION_MODULES and module in sys.modules \
                 and "." not in name:

@@ -40,7 +40,7 @@ from lazarus.core.snapshotfile import SnapshotError
 from lazarus.core.stall import CheckpointStall
 from lazarus.trainer import optimstate
 from lazarus.trainer.collprogress import collective_device
-from lazarus.trainer.checkpoint import rng_state, set_rng_state, optim_state_problem
+from lazarus.trainer.rngstate import rng_state, set_rng_state
 
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
 STALL_SHARE = 0.01
@@ -255,7 +255,7 @@ def restore_captured(header: dict, tensors: dict[str, torch.Tensor], values: dic
 
 
 def _check_state_shapes(model: torch.nn.Module, saved: dict, what: str) -> None:
-    if problem := optim_state_problem(model, saved, local=True):
+    if problem := optimstate.optim_state_problem(model, saved, local=True):
         raise SnapshotError(f"{what}: {problem}")
 
 

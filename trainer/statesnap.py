@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lazarus.core import snapshotfile
 from lazarus.core.snapshotfile import SnapshotError
-from lazarus.trainer.checkpoint import rng_state, set_rng_state
+from lazarus.trainer.rngstate import rng_state, set_rng_state
 from lazarus.trainer.snapshot import load_file, settle, tensors_of, write_file
 
 # Deeper than any state dict: a cycle or a runaway structure is refused, not recursed into.

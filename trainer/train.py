@@ -34,9 +34,11 @@ from lazarus.core import jobpaths
 from lazarus.core.batching import plan_batches
 from lazarus.core.errors import JobRefused
 from lazarus.core.trainconfig import OptimizerConfig, TrainConfig
-from lazarus.trainer import checkpoint as ckpt
 from lazarus.trainer import exchange, kept, meshes
 from lazarus.trainer import snapshot as tier0
+from lazarus.trainer.ckptdir import check_shared, claim
+from lazarus.trainer.ckptload import load_checkpoint
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
 from lazarus.trainer.data import (SequenceLoader, TokenDataset, check_model_vocab, ensure_corpus,
@@ -49,6 +51,7 @@ from lazarus.trainer.device import device_type
 from lazarus.trainer.parallelize import (activation_budget, build_mesh, build_model,
                                          gradient_sync_for)
 from lazarus.trainer.rankprocess import RankProcess, this_process
+from lazarus.trainer.rngstate import rng_state, set_rng_state
 from lazarus.trainer.session import Session
 from lazarus.trainer.steptime import ComputeClock
 from lazarus.trainer.windows import DataWindows
@@ -182,7 +185,7 @@ def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = N
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
-    (lazarus.trainer.checkpoint.claim). `snapshot_dir`: where tier-0 snapshots go (the
+    (lazarus.trainer.ckptdir.claim). `snapshot_dir`: where tier-0 snapshots go (the
     agent's; None: no tier 0). `allowed_roots`: where the job's paths must lie
     (lazarus.core.jobpaths; empty: anywhere). JobRefused when a path is outside them, when
     the checkpoint dir is another job's, or, starting afresh, is not shared. `began`: when
@@ -287,7 +290,7 @@ class RankRound:
         extra: dict = {}
         if plan.how == KEPT:
             extra = dict(held.extra)
-            ckpt.set_rng_state(held.rng)
+            set_rng_state(held.rng)
             label = f"its own state at step {held.step}, kept in place"
         elif plan.how == CAPTURED:
             extra = tier0.restore_captured(captured.header, captured.tensors, captured.values,
@@ -299,7 +302,7 @@ class RankRound:
                                   world_size=dist.get_world_size(), what=snapshot)["extra"]
             label = f"memory (tier 0) {snapshot}"
         elif plan.how == CHECKPOINT:
-            extra = ckpt.load_checkpoint(Path(checkpoint), model, optimizer)
+            extra = load_checkpoint(Path(checkpoint), model, optimizer)
             label = checkpoint
         if plan.how != SCRATCH:
             self.restored = True
@@ -309,7 +312,7 @@ class RankRound:
                 self.guard.load_state_dict(extra["guard"])
             if rank == 0:
                 print(f"resumed from {label} at step {self.step}", flush=True)
-            held.mark(self.step, extra, ckpt.rng_state())
+            held.mark(self.step, extra, rng_state())
         self.extra = extra
         self.start.mark("restore")
 
@@ -331,16 +334,16 @@ class RankRound:
         if ck.dir is not None:
             # Rank 0 claims the directory; every rank learns the verdict and stops together.
             verdict = exchange.broadcast(
-                ckpt.claim(Path(ck.dir), self.job_id, adopt=ck.resume is not None)
+                claim(Path(ck.dir), self.job_id, adopt=ck.resume is not None)
                 if rank == 0 else None, src=0)
             if verdict is not None:
                 raise JobRefused(verdict)
             # Later rounds learn of a node that cannot see the dir at their restore, and the
             # daemon cordons it (lazarus.daemon.restorefail); the job itself is wrong only here.
-            if not self.restored and (why := ckpt.check_shared(Path(ck.dir))):
+            if not self.restored and (why := check_shared(Path(ck.dir))):
                 raise JobRefused(why)
-        self.checkpointer = (ckpt.Checkpointer(Path(ck.dir), keep_last=ck.keep_last,
-                                               is_good=self.is_good, job_id=self.job_id)
+        self.checkpointer = (Checkpointer(Path(ck.dir), keep_last=ck.keep_last,
+                                          is_good=self.is_good, job_id=self.job_id)
                              if ck.dir is not None else None)
         par = self.cfg.parallelism
         self.snapshots = (tier0.Snapshotter(
@@ -441,7 +444,7 @@ class RankRound:
 
         # This rank's part of the step is done: a survivor of a later failure may go on
         # from here in its own objects (lazarus.trainer.kept).
-        self.held.mark(step, resumable, ckpt.rng_state())
+        self.held.mark(step, resumable, rng_state())
         self._save(step, result, resumable)
 
     def _report(self, result: StepResult, reason: str | None, window: dict, *,
@@ -576,7 +579,7 @@ def _log(metrics, row: dict) -> None:
         metrics.flush()
 
 
-def _log_stalls(metrics, saver: ckpt.Checkpointer | tier0.Snapshotter) -> None:
+def _log_stalls(metrics, saver: Checkpointer | tier0.Snapshotter) -> None:
     # A save's line goes out once the save has finished (an async one, or a snapshot on its
     # way to the peer: some steps later), when its durable_s is known; lazarus.core.stall has
     # the shape.

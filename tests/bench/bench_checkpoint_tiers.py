@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer import snapshot as tier0
 from lazarus.trainer.models import get_model_config
 from lazarus.trainer.optim import build_optimizer
@@ -119,7 +119,7 @@ def stalls_of(name: str, tmp: Path) -> dict[str, float]:
     snaps.close()
     out["tier 0 (snapshot)"] = statistics.median(taken[1:])
 
-    checkpointer = ckpt.Checkpointer(tmp / f"{name}-ckpt", keep_last=1)
+    checkpointer = Checkpointer(tmp / f"{name}-ckpt", keep_last=1)
     step = [0]
 
     def dcp_async():

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from lazarus.trainer.checkpoint import latest_checkpoint
+from lazarus.trainer.ckptlist import latest_checkpoint
 from lazarus.core.contract import WorkerAssignment
 from lazarus.trainer.worker import run
 

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lazarus.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from lazarus.trainer.ckptlist import latest_checkpoint
+from lazarus.trainer.ckptverify import verify_checkpoint
 
 SCRIPT = Path(__file__).parents[2] / "trainer" / "examples" / "plain_fsdp.py"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) grad_norm (\S+)$", re.M)

@@ -86,7 +86,7 @@ def test_a_survivor_aborts_a_queued_collective_and_trains_on_in_the_next_round(t
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
-    from lazarus.trainer.checkpoint import rng_state
+    from lazarus.trainer.rngstate import rng_state
     from lazarus.trainer.snapshot import capture, encode, restore
 
     def build():
@@ -235,7 +235,7 @@ def test_a_survivor_goes_on_in_its_kept_objects_after_a_failed_forward(tmp_path)
     from lazarus.trainer.models import get_model_config
     from lazarus.trainer.optim import build_optimizer
     from lazarus.trainer.parallelize import build_mesh, build_model
-    from lazarus.trainer.checkpoint import rng_state
+    from lazarus.trainer.rngstate import rng_state
     from lazarus.trainer.snapshot import capture, encode, restore
 
     batch = torch.randint(0, 256, (4, 257), device=DEV)

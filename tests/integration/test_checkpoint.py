@@ -22,9 +22,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lazarus.core.errors import CheckpointError
-from lazarus.trainer import checkpoint as ckpt
-from lazarus.trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from lazarus.trainer.ckptdir import claim
+from lazarus.trainer.ckptfiles import MANIFEST, OWNER, checkpoint_dir, file_entry
+from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint, read_manifest
+from lazarus.trainer.ckptload import load_checkpoint
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.export import export_safetensors
+from lazarus.trainer.rngstate import reseed_value
 from tests.forkedranks import run_ranks
 
 LAUNCH_TIMEOUT_S = 300
@@ -120,7 +124,7 @@ def _save_at_2x2(rank: int, world: int, out: Path, root: str) -> None:
     # Training goes on while the save is written: the checkpoint must hold step 1 anyway.
     rng_after_save = torch.rand(4).tolist()
     train_step(model, optimizer, 2)
-    assert checkpointer.wait() == ckpt.checkpoint_dir(Path(root), 1)
+    assert checkpointer.wait() == checkpoint_dir(Path(root), 1)
     after_step2 = full_state(model, optimizer)
     # A save whose round went stale: written by every rank, never committed.
     checkpointer.save(2, model, optimizer, {"step": 2}, commit_gate=lambda step: False)
@@ -136,14 +140,14 @@ def _load_at(rank: int, world: int, out: Path, root: str, dp: int, tp: int) -> N
     model, optimizer = build(seed=99, dp=dp, tp=tp)
     train_step(model, optimizer, 7)  # different weights and optimizer state to overwrite
     path = latest_checkpoint(Path(root))
-    assert path == ckpt.checkpoint_dir(Path(root), 1), path  # step 2 never committed
+    assert path == checkpoint_dir(Path(root), 1), path  # step 2 never committed
     extra = load_checkpoint(path, model, optimizer)
     assert extra == {"step": 1, "loader": {"cursor": 64}}
     drawn = torch.rand(4).tolist()
     if world == 4:  # same world as the save: each rank continues its own RNG stream
         assert drawn == json.loads((out / f"rng-{rank}.json").read_text())
     else:
-        g = torch.Generator().manual_seed(ckpt.reseed_value(1, rank))
+        g = torch.Generator().manual_seed(reseed_value(1, rank))
         assert drawn == torch.rand(4, generator=g).tolist()
     loaded = full_state(model, optimizer)
     reference = load_file(str(out / "step1.safetensors"))
@@ -172,8 +176,8 @@ def test_checkpoint_from_2x2_loads_at_another_mesh_and_trains_on(saved_2x2, dp, 
 
 def test_uncommitted_save_of_a_stale_round_is_on_disk_but_never_loaded(saved_2x2):
     _, root = saved_2x2
-    stale = ckpt.checkpoint_dir(root, 2)
-    assert (stale / ".metadata").exists() and not (stale / ckpt.MANIFEST).exists()
+    stale = checkpoint_dir(root, 2)
+    assert (stale / ".metadata").exists() and not (stale / MANIFEST).exists()
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint(stale, *build(seed=0))
 
@@ -181,7 +185,7 @@ def test_uncommitted_save_of_a_stale_round_is_on_disk_but_never_loaded(saved_2x2
 def test_export_writes_the_unsharded_weights_without_a_process_group(saved_2x2, tmp_path):
     out, root = saved_2x2
     exported = tmp_path / "model.safetensors"
-    export_safetensors(ckpt.checkpoint_dir(root, 1), exported)
+    export_safetensors(checkpoint_dir(root, 1), exported)
     reference = load_file(str(out / "step1.safetensors"))
     weights = load_file(str(exported))
     assert weights.keys() == {"up.weight", "up.bias", "down.weight", "down.bias", "head.weight"}
@@ -207,13 +211,13 @@ def test_missing_and_incomplete_checkpoints_are_rejected_and_never_listed(tmp_pa
     checkpointer.save(1, model, optimizer, {}, async_save=False)
     checkpointer.save(2, model, optimizer, {}, async_save=False, commit_gate=lambda s: False)
     checkpointer.close()
-    assert not (ckpt.checkpoint_dir(tmp_path, 2) / ckpt.MANIFEST).exists()
-    assert latest_checkpoint(tmp_path) == ckpt.checkpoint_dir(tmp_path, 1)
-    assert [p for p, _ in ckpt.committed_checkpoints(tmp_path)] == [latest_checkpoint(tmp_path)]
+    assert not (checkpoint_dir(tmp_path, 2) / MANIFEST).exists()
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
+    assert [p for p, _ in committed_checkpoints(tmp_path)] == [latest_checkpoint(tmp_path)]
     with pytest.raises(CheckpointError, match=r"step-00000002 is incomplete: no manifest.json"):
-        load_checkpoint(ckpt.checkpoint_dir(tmp_path, 2), model, optimizer)
+        load_checkpoint(checkpoint_dir(tmp_path, 2), model, optimizer)
     with pytest.raises(CheckpointError, match="step-00000009 does not exist"):
-        load_checkpoint(ckpt.checkpoint_dir(tmp_path, 9), model, optimizer)
+        load_checkpoint(checkpoint_dir(tmp_path, 9), model, optimizer)
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
 
@@ -222,7 +226,7 @@ def test_damaged_shard_is_detected_before_loading(tmp_path, damage):
     model, optimizer = _trained()
     with_weights = {k: v.clone() for k, v in model.state_dict().items()}
     Checkpointer(tmp_path, keep_last=1).save(1, model, optimizer, {}, async_save=False)
-    shard = ckpt.checkpoint_dir(tmp_path, 1) / "__0_0.distcp"
+    shard = checkpoint_dir(tmp_path, 1) / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
     if damage == "flip":
         raw[len(raw) // 2] ^= 0x10
@@ -236,7 +240,7 @@ def test_damaged_shard_is_detected_before_loading(tmp_path, damage):
     expected = {"flip": "__0_0.distcp fails its sha256", "truncate": "__0_0.distcp has",
                 "delete": "__0_0.distcp is missing"}[damage]
     with pytest.raises(CheckpointError, match=expected):
-        load_checkpoint(ckpt.checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer)
+        load_checkpoint(checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
     assert not all(torch.equal(with_weights[k], v) for k, v in fresh.state_dict().items())
 
@@ -244,7 +248,7 @@ def test_damaged_shard_is_detected_before_loading(tmp_path, damage):
 def test_retention_keeps_the_last_n_commits_and_follows_a_rollback(tmp_path):
     model, optimizer = _trained()
     checkpointer = Checkpointer(tmp_path, keep_last=2)
-    crashed = ckpt.checkpoint_dir(tmp_path, 3)  # a save that died mid-write, long ago
+    crashed = checkpoint_dir(tmp_path, 3)  # a save that died mid-write, long ago
     crashed.mkdir()
     (crashed / "__0_0.distcp").write_bytes(b"partial")
     for step in (10, 20, 30):
@@ -254,10 +258,10 @@ def test_retention_keeps_the_last_n_commits_and_follows_a_rollback(tmp_path):
     assert names() == ["step-00000020", "step-00000030"]
     # Roll back to 20 and save 25 and then 30 again, with other weights: the newest commit
     # wins over the abandoned timeline's step 30, which is rewritten, not trusted.
-    load_checkpoint(ckpt.checkpoint_dir(tmp_path, 20), model, optimizer)
+    load_checkpoint(checkpoint_dir(tmp_path, 20), model, optimizer)
     checkpointer.save(25, model, optimizer, {"step": 25})
-    assert checkpointer.wait() == ckpt.checkpoint_dir(tmp_path, 25)
-    assert latest_checkpoint(tmp_path) == ckpt.checkpoint_dir(tmp_path, 25)
+    assert checkpointer.wait() == checkpoint_dir(tmp_path, 25)
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 25)
     assert names() == ["step-00000025", "step-00000030"]
     with torch.no_grad():
         model.head.weight.fill_(0.5)
@@ -273,34 +277,34 @@ def test_a_checkpoint_dir_is_one_jobs_and_retention_never_deletes_another_jobs(t
     """Issue 12: a second job given the first one's dir started from scratch and its
     retention deleted the first job's checkpoints."""
     model, optimizer = _trained()
-    assert ckpt.claim(tmp_path, "job-a", adopt=False) is None
+    assert claim(tmp_path, "job-a", adopt=False) is None
     first = Checkpointer(tmp_path, keep_last=1, job_id="job-a")
     for step in (5, 10):
         first.save(step, model, optimizer, {"step": step}, async_save=False)
     first.close()
-    why = ckpt.claim(tmp_path, "job-b", adopt=False)    # another job: refused, and told why
+    why = claim(tmp_path, "job-b", adopt=False)    # another job: refused, and told why
     assert "belongs to job job-a" in why and "steps 10" in why and "checkpoint.resume" in why
-    assert ckpt.claim(tmp_path, "job-a", adopt=False) is None  # its own job (a restart)
+    assert claim(tmp_path, "job-a", adopt=False) is None  # its own job (a restart)
     # Told to start from them, job-b adopts the dir; its retention removes only its own.
-    assert ckpt.claim(tmp_path, "job-b", adopt=True) is None
+    assert claim(tmp_path, "job-b", adopt=True) is None
     second = Checkpointer(tmp_path, keep_last=1, job_id="job-b")
     for step in (15, 20, 25):
         second.save(step, model, optimizer, {"step": step}, async_save=False)
     second.close()
-    assert [(p.name, m["job_id"]) for p, m in ckpt.committed_checkpoints(tmp_path)] == [
+    assert [(p.name, m["job_id"]) for p, m in committed_checkpoints(tmp_path)] == [
         ("step-00000010", "job-a"), ("step-00000025", "job-b")]
-    assert "belongs to job job-b" in ckpt.claim(tmp_path, "job-a", adopt=False)
+    assert "belongs to job job-b" in claim(tmp_path, "job-a", adopt=False)
     # A dir from before ownership (manifests without a job id) is nobody's to take over.
     legacy = tmp_path / "legacy"
     Checkpointer(legacy, keep_last=1).save(1, model, optimizer, {"step": 1}, async_save=False)
-    (ckpt.checkpoint_dir(legacy, 1) / ckpt.MANIFEST).write_text(json.dumps(
-        {k: v for k, v in ckpt.read_manifest(ckpt.checkpoint_dir(legacy, 1)).items()
+    (checkpoint_dir(legacy, 1) / MANIFEST).write_text(json.dumps(
+        {k: v for k, v in read_manifest(checkpoint_dir(legacy, 1)).items()
          if k != "job_id"}))
-    assert "belongs to job (unnamed)" in ckpt.claim(legacy, "job-c", adopt=False)
+    assert "belongs to job (unnamed)" in claim(legacy, "job-c", adopt=False)
     # A garbled owner file is named, and nothing is claimed over it.
-    (legacy / ckpt.OWNER).write_bytes(b"\xff{not json")
-    assert ".lazarus-job cannot be read" in ckpt.claim(legacy, "job-c", adopt=True)
-    assert (legacy / ckpt.OWNER).read_bytes() == b"\xff{not json"
+    (legacy / OWNER).write_bytes(b"\xff{not json")
+    assert ".lazarus-job cannot be read" in claim(legacy, "job-c", adopt=True)
+    assert (legacy / OWNER).read_bytes() == b"\xff{not json"
 
 
 def test_async_save_returns_before_the_commit_and_the_next_save_waits(tmp_path):
@@ -332,11 +336,11 @@ def test_async_save_returns_before_the_commit_and_the_next_save_waits(tmp_path):
     events.append("gate released")
     release.set()
     second.join()
-    assert checkpointer.wait() == ckpt.checkpoint_dir(tmp_path, 2)
+    assert checkpointer.wait() == checkpoint_dir(tmp_path, 2)
     checkpointer.close()
     assert events == ["save 1 returned", "gate released", "commit 1", "save 2 returned"]
     fresh, fresh_optimizer = _trained(seed=4)
-    assert load_checkpoint(ckpt.checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer) == {"step": 1}
+    assert load_checkpoint(checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer) == {"step": 1}
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, at_save[name]), name
 
@@ -349,13 +353,13 @@ class _Boom:
 def test_metadata_pickle_with_foreign_objects_is_refused(tmp_path, monkeypatch):
     model, optimizer = _trained()
     Checkpointer(tmp_path, keep_last=1).save(1, model, optimizer, {}, async_save=False)
-    path = ckpt.checkpoint_dir(tmp_path, 1)
+    path = checkpoint_dir(tmp_path, 1)
     # An attacker who can write the directory can also fix up the manifest's checksums.
     (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     for entry in manifest["files"]:
-        entry |= ckpt._file_entry(path, entry["name"])
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+        entry |= file_entry(path, entry["name"])
+    (path / MANIFEST).write_text(json.dumps(manifest))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="posix.system is not allowed in DCP metadata"):
         load_checkpoint(path, model, optimizer)
@@ -369,7 +373,7 @@ def test_a_fresh_optimizer_is_loaded_without_a_step_of_its_own(tmp_path, monkeyp
     Checkpointer(tmp_path, keep_last=1).save(1, model, optimizer, {"step": 1}, async_save=False)
     fresh, fresh_optimizer = build(seed=5)
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("stepped"))
-    assert load_checkpoint(ckpt.checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer) == {"step": 1}
+    assert load_checkpoint(checkpoint_dir(tmp_path, 1), fresh, fresh_optimizer) == {"step": 1}
     monkeypatch.undo()
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)

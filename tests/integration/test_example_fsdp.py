@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from lazarus.agent.agentconfig import AgentConfig
 from lazarus.agent.service import Agent
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedEtcd
 from lazarus.core.records import CheckpointRecord, Keys
-from lazarus.trainer.checkpoint import verify_checkpoint
+from lazarus.trainer.ckptverify import verify_checkpoint
 
 SCRIPT = Path(__file__).parents[2] / "trainer" / "examples" / "plain_fsdp.py"
 EXIT_ABORT = "terminate called without an active exception"
@@ -82,8 +83,8 @@ def test_trains_commits_and_resumes_where_it_stopped(tmp_path):
 def test_under_lazarus_rendezvous_and_agent_commits_are_registered(etcd_server, tmp_path):
     client = E.Etcd(etcd_server.endpoint)
     keys = Keys(f"/test/example/{uuid.uuid4().hex[:8]}/")
-    agent = Agent(client, keys, node="n0", nproc=2, role="active", workdir=tmp_path / "agent",
-                  park=False)
+    agent = Agent(client, keys, AgentConfig(node="n0", nproc=2, role="active",
+                                            workdir=tmp_path / "agent", park=False))
     try:
         client.put(keys.round, b"2")
         rdzv = ["--rdzv-backend", "lazarus-etcd", "--rdzv-endpoint", etcd_server.endpoint,

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer.ckptlist import committed_checkpoints
+from lazarus.trainer.ckptverify import verify_checkpoint
 
 # A checkpoint of the tiny model at 2 ranks is 1.83 MB (two shards of 0.85 and 0.91 MB):
 # with 1.8 MB of ballast, 4.6 MB leave room for one checkpoint and about half of a second.
@@ -67,8 +68,8 @@ def test_a_disk_that_fills_during_a_save_costs_that_checkpoint_only(tmp_path):
     # Training went on through it, and the last checkpoint committed once space was back.
     steps = [line for line in text.splitlines() if line.startswith("step ")]
     assert len(steps) == STEPS, text[-3000:]
-    (path, manifest), = ckpt.committed_checkpoints(saved)   # keep_last 1
+    (path, manifest), = committed_checkpoints(saved)   # keep_last 1
     assert manifest["step"] == STEPS
-    ckpt.verify_checkpoint(path)
+    verify_checkpoint(path)
     # The failed saves left nothing behind that could be taken for a checkpoint.
     assert sorted(p.name for p in saved.iterdir() if p.name.startswith("step-")) == [path.name]

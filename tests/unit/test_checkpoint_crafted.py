@@ -19,7 +19,11 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from lazarus.core.errors import RestoreFailed
-from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer.ckptfiles import MANIFEST, checkpoint_dir
+from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint
+from lazarus.trainer.ckptload import load_checkpoint
+from lazarus.trainer.ckptsave import Checkpointer
+from lazarus.trainer.dcpread import read_dcp_metadata
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer
 
@@ -42,12 +46,12 @@ def _fresh():
 
 
 def _save(root: Path, model, opt, step: int = 1) -> Path:
-    saver = ckpt.Checkpointer(root, keep_last=5)
+    saver = Checkpointer(root, keep_last=5)
     try:
         saver.save(step, model, opt, {"step": step}, async_save=False)
     finally:
         saver.close()
-    return ckpt.checkpoint_dir(root, step)
+    return checkpoint_dir(root, step)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def copy(honest, tmp_path) -> Path:
 
 
 def _rewrite(path: Path, change) -> None:
-    manifest_file = path / ckpt.MANIFEST
+    manifest_file = path / MANIFEST
     manifest = json.loads(manifest_file.read_text())
     change(manifest)
     manifest_file.write_text(json.dumps(manifest))
@@ -99,9 +103,9 @@ MANIFESTS = {
 def test_a_crafted_manifest_is_a_bad_checkpoint_naming_the_problem(copy, case):
     change, problem = MANIFESTS[case]
     _rewrite(copy, change)
-    n = len(json.loads((copy / ckpt.MANIFEST).read_text())["files"])
+    n = len(json.loads((copy / MANIFEST).read_text())["files"])
     with pytest.raises(RestoreFailed) as got:
-        ckpt.load_checkpoint(copy, *_fresh())
+        load_checkpoint(copy, *_fresh())
     assert got.value.kind == "corrupt", got.value
     message = str(got.value).replace(f"files[{n - 1}]", "files[*]")
     assert problem in message, message
@@ -110,8 +114,8 @@ def test_a_crafted_manifest_is_a_bad_checkpoint_naming_the_problem(copy, case):
 def test_a_manifest_with_a_commit_seq_of_text_is_not_listed_and_others_still_are(copy):
     other = _save(copy.parent, *_trained(), step=2)
     _rewrite(copy, lambda m: m.update(commit_seq="99"))
-    assert ckpt.latest_checkpoint(copy.parent) == other
-    assert [p for p, _ in ckpt.committed_checkpoints(copy.parent)] == [other]
+    assert latest_checkpoint(copy.parent) == other
+    assert [p for p, _ in committed_checkpoints(copy.parent)] == [other]
 
 
 def _with_exp_avg(model, opt, value) -> None:
@@ -130,14 +134,14 @@ def test_optimizer_state_that_does_not_fit_the_model_is_a_bad_checkpoint(tmp_pat
                                }[case])
     path = _save(tmp_path / "ckpt", model, opt)
     with pytest.raises(RestoreFailed) as got:
-        ckpt.load_checkpoint(path, *_fresh())
+        load_checkpoint(path, *_fresh())
     assert got.value.kind == "corrupt"
     name = next(iter(dict(model.named_parameters())))
     assert f"optimizer state exp_avg of {name} is" in str(got.value), got.value
 
 
 def _rewrite_metadata(path: Path, change) -> None:
-    metadata = ckpt.read_dcp_metadata(path)
+    metadata = read_dcp_metadata(path)
     change(metadata)
     metadata.storage_meta = None
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -164,12 +168,12 @@ def _huge(key: str):
 def test_crafted_dcp_metadata_is_a_bad_checkpoint(copy, case, change, problem):
     _rewrite_metadata(copy, change)
     with pytest.raises(RestoreFailed) as got:
-        ckpt.load_checkpoint(copy, *_fresh())
+        load_checkpoint(copy, *_fresh())
     assert got.value.kind == "corrupt" and problem in str(got.value), got.value
 
 
 def test_the_honest_checkpoint_still_loads(copy):
     model, opt = _fresh()
-    assert ckpt.load_checkpoint(copy, model, opt) == {"step": 1}
+    assert load_checkpoint(copy, model, opt) == {"step": 1}
     model(torch.randint(0, 100, (2, 16))).float().mean().backward()
     opt.step()

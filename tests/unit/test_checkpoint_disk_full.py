@@ -13,7 +13,9 @@ _RANK = textwrap.dedent("""
     import json, os, subprocess, sys
     from pathlib import Path
     import torch, torch.distributed as dist
-    from lazarus.trainer import checkpoint as ckpt
+    from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint, read_manifest
+    from lazarus.trainer.ckptload import load_checkpoint
+    from lazarus.trainer.ckptsave import Checkpointer
     from lazarus.trainer.models import Transformer, get_model_config
 
     mnt, rank, port = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -26,7 +28,7 @@ _RANK = textwrap.dedent("""
     opt.step()
     root = mnt / "ckpt"
     failed = []
-    c = ckpt.Checkpointer(root, keep_last=2)
+    c = Checkpointer(root, keep_last=2)
 
     def save(step, async_save=True):
         c.save(step, model, opt, {"step": step}, async_save=async_save,
@@ -39,7 +41,7 @@ _RANK = textwrap.dedent("""
         return committed
 
     def step_of(path):
-        return ckpt.read_manifest(path)["step"] if path else None
+        return read_manifest(path)["step"] if path else None
 
     def phase(name):  # the driver acts on the filesystem between phases
         dist.barrier()
@@ -51,15 +53,15 @@ _RANK = textwrap.dedent("""
     out = {"first": step_of(save(1))}
     phase("fill")
     out["full"] = str(save(2))
-    out["full_latest"] = step_of(ckpt.latest_checkpoint(root))
+    out["full_latest"] = step_of(latest_checkpoint(root))
     out["full_dirs"] = sorted(p.name for p in root.iterdir())
     phase("read-only")
     out["ro"] = str(save(3, async_save=False))
     phase("free")
     out["again"] = step_of(save(4))
-    out["listed"] = [m["step"] for _, m in ckpt.committed_checkpoints(root)]
+    out["listed"] = [m["step"] for _, m in committed_checkpoints(root)]
     out["failed"] = failed
-    ckpt.load_checkpoint(ckpt.latest_checkpoint(root), model, opt)
+    load_checkpoint(latest_checkpoint(root), model, opt)
     c.close()
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -129,14 +131,14 @@ def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug(tmp
     full it says so in the OS's words; other errors stay bugs."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lazarus.trainer import checkpoint
+    from lazarus.trainer import ckptrefusal
 
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    why = checkpoint._storage_problem(CheckpointException("save", {0: (short, None)}), tmp_path)
+    why = ckptrefusal.storage_problem(CheckpointException("save", {0: (short, None)}), tmp_path)
     assert why is not None and why.startswith("rank 0: a short write")
     assert "No space left" not in why  # tmp_path's disk has room: no claim it is full
     bug = RuntimeError("shape mismatch in tensor 'w'")
-    assert checkpoint._storage_problem(CheckpointException("save", {1: (bug, None)}),
+    assert ckptrefusal.storage_problem(CheckpointException("save", {1: (bug, None)}),
                                        tmp_path) is None
 
     real = os.statvfs
@@ -145,8 +147,8 @@ def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug(tmp
         st = real(path)
         return os.statvfs_result((*st[:4], 0, *st[5:]))  # f_bavail = 0
 
-    monkeypatch.setattr(checkpoint.os, "statvfs", full)
-    why = checkpoint._storage_problem(CheckpointException("save", {0: (short, None)}),
+    monkeypatch.setattr(ckptrefusal.os, "statvfs", full)
+    why = ckptrefusal.storage_problem(CheckpointException("save", {0: (short, None)}),
                                       tmp_path / "step-00000008")
     assert why.startswith("rank 0: a short write: [Errno 28] No space left on device"), why
     assert "unexpected pos 704" in why
@@ -159,5 +161,5 @@ def test_a_short_write_from_torchs_zip_writer_is_a_storage_problem_not_a_bug(tmp
             raise RuntimeError("writing failed") from full
     except RuntimeError as wrapped:
         nested = CheckpointException("save", {0: (wrapped, None)})
-    why = checkpoint._storage_problem(CheckpointException("save", {1: (nested, None)}), tmp_path)
+    why = ckptrefusal.storage_problem(CheckpointException("save", {1: (nested, None)}), tmp_path)
     assert why == "rank 1: [Errno 28] No space left on device"

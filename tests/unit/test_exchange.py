@@ -72,8 +72,9 @@ def _roundtrip(rank: int, out: Path) -> dict:
 
 
 def _attack(case: str, rank: int, out: Path) -> dict:
-    from lazarus.trainer import checkpoint as ckpt
     from lazarus.trainer import exchange
+    from lazarus.trainer.ckptdir import check_shared
+    from lazarus.trainer.ckptverify import verify_collectively
     payload = pickle.dumps(_Boom(str(out / "pwned")))
     attacker = 0 if case == "broadcast to check_shared" else 1
     if rank == attacker:
@@ -92,10 +93,10 @@ def _attack(case: str, rank: int, out: Path) -> dict:
             exchange.all_gather("honest")
         elif case == "gather":
             exchange.gather("honest", dst=0)
-        elif case == "all_gather to _verify_collectively":
-            ckpt._verify_collectively(out / "ckpt" / "step-00000001")
+        elif case == "all_gather to verify_collectively":
+            verify_collectively(out / "ckpt" / "step-00000001")
         elif case == "broadcast to check_shared":
-            ckpt.check_shared(out / "ckpt")
+            check_shared(out / "ckpt")
         return {"raised": None}
     except Exception as e:
         return {"raised": type(e).__name__, "message": str(e)}
@@ -131,7 +132,7 @@ def test_values_come_back_as_sent_on_a_real_gloo_group(tmp_path):
     assert r0["none_from_0"] is None and r1["none_from_0"] is None
 
 
-@pytest.mark.parametrize("case", ["all_gather", "gather", "all_gather to _verify_collectively",
+@pytest.mark.parametrize("case", ["all_gather", "gather", "all_gather to verify_collectively",
                                   "broadcast to check_shared", "length of a terabyte"])
 def test_a_peers_pickle_is_never_unpickled(tmp_path, case):
     results = _launch(case, tmp_path)

@@ -11,7 +11,8 @@ from torch import nn
 
 from lazarus import cli
 from lazarus.core.errors import UserError
-from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer.ckptfiles import MANIFEST, checkpoint_dir
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer import export
 
 
@@ -22,9 +23,9 @@ def saved(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.arange(4)).float().sum().backward()
     optimizer.step()
-    ckpt.Checkpointer(tmp_path / "ckpt", keep_last=1).save(
+    Checkpointer(tmp_path / "ckpt", keep_last=1).save(
         42, model, optimizer, {"step": 42}, async_save=False)
-    return model, ckpt.checkpoint_dir(tmp_path / "ckpt", 42)
+    return model, checkpoint_dir(tmp_path / "ckpt", 42)
 
 
 def test_export_writes_every_weight_with_its_dtype(saved, tmp_path, capsys):
@@ -56,7 +57,7 @@ def test_export_refuses_to_overwrite_without_force(saved, tmp_path):
 
 def test_export_of_an_incomplete_checkpoint_is_one_clear_line(saved, tmp_path, capsys):
     _, path = saved
-    (path / ckpt.MANIFEST).unlink()
+    (path / MANIFEST).unlink()
     out = tmp_path / "model.safetensors"
     assert cli.main(["export", str(path), str(out)]) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,10 @@ import zstandard
 from lazarus.core import snapshotfile
 from lazarus.core.errors import CheckpointError, RestoreFailed
 from lazarus.core.snapshotfile import SnapshotError
-from lazarus.trainer import checkpoint as ckpt
+from lazarus.trainer.ckptfiles import MANIFEST
+from lazarus.trainer.ckptlist import latest_checkpoint
+from lazarus.trainer.ckptload import load_checkpoint
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer import snapshot
 from lazarus.trainer.models import Transformer, get_model_config
 from lazarus.trainer.optim import build_optimizer
@@ -64,6 +67,22 @@ def test_sizes_that_lie_are_refused_before_anything_is_allocated(raw_bytes, decl
     data = crafted(frame_declaring(b"x" * 1000, declared), raw_bytes)
     with pytest.raises(SnapshotError, match=match):
         snapshotfile.unpack(data, "crafted")
+
+
+@pytest.mark.parametrize("raw_bytes", [-1, 1000])
+def test_a_frame_that_declares_no_size_is_refused_whatever_the_header_says(raw_bytes):
+    """zstd's "size unknown" is -1: a header of raw_bytes -1 matched it, and the decompressor
+    was then asked for a negative size (SystemError: taken for a crash, not a bad file)."""
+    body = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(os.urandom(1000))
+    assert zstandard.frame_content_size(body) == -1
+    with pytest.raises(SnapshotError, match="not a size|declares no size"):
+        snapshotfile.unpack(crafted(body, raw_bytes), "crafted")
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_negative_size_in_the_header_is_refused(codec):
+    with pytest.raises(SnapshotError, match="'raw_bytes' is -5, not a size"):
+        snapshotfile.read_header(crafted(b"body", -5, codec), "crafted")
 
 
 def test_an_honest_file_of_zeros_within_the_ratio_still_reads():
@@ -135,17 +154,17 @@ def test_an_honest_snapshot_still_restores_into_a_fresh_optimizer(state):
 @pytest.mark.parametrize("field", ["world_size", "extra"])
 def test_a_manifest_missing_a_field_a_restore_reads_is_a_bad_checkpoint(tmp_path, field):
     model, opt = _trained()
-    saver = ckpt.Checkpointer(tmp_path / "ckpt", keep_last=2)
+    saver = Checkpointer(tmp_path / "ckpt", keep_last=2)
     try:
         saver.save(1, model, opt, {"step": 1}, async_save=False)
         saver.wait()
     finally:
         saver.close()
-    path = ckpt.latest_checkpoint(tmp_path / "ckpt")
-    manifest_file = Path(path) / ckpt.MANIFEST
+    path = latest_checkpoint(tmp_path / "ckpt")
+    manifest_file = Path(path) / MANIFEST
     manifest = json.loads(manifest_file.read_text())
     manifest.pop(field)
     manifest_file.write_text(json.dumps(manifest))  # not in its own checksums
     with pytest.raises(RestoreFailed) as got:
-        ckpt.load_checkpoint(path, *_trained())
+        load_checkpoint(path, *_trained())
     assert got.value.kind == "corrupt" and field in str(got.value)

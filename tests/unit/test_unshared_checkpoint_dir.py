@@ -12,7 +12,9 @@ _RANK = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import torch, torch.distributed as dist
-    from lazarus.trainer import checkpoint as ckpt
+    from lazarus.trainer.ckptdir import check_shared
+    from lazarus.trainer.ckptlist import committed_checkpoints
+    from lazarus.trainer.ckptsave import Checkpointer
     from lazarus.trainer.models import Transformer, get_model_config
 
     root, rank, port = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -20,15 +22,15 @@ _RANK = textwrap.dedent("""
                             world_size=2)
     model = Transformer(get_model_config("tiny"))
     opt = torch.optim.AdamW(model.parameters())
-    shared = ckpt.check_shared(root)
+    shared = check_shared(root)
     failed = []
-    c = ckpt.Checkpointer(root, keep_last=2)
+    c = Checkpointer(root, keep_last=2)
     c.save(1, model, opt, {"step": 1}, on_fail=lambda s, why: failed.append(why))
     committed = c.wait()
     c.close()
     if rank == 0:
         print(json.dumps({"shared": shared, "committed": str(committed), "failed": failed,
-                          "listed": [str(p) for p, _ in ckpt.committed_checkpoints(root)]}))
+                          "listed": [str(p) for p, _ in committed_checkpoints(root)]}))
     dist.destroy_process_group()
 """)
 
