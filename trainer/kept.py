@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lazarus.trainer.rankprocess import RankProcess
+from lazarus.trainer.snapshot import Capture
 
 
 @dataclass(eq=False)
@@ -40,7 +41,7 @@ class Held:
     step: int = 0
     extra: dict = field(default_factory=dict)
     rng: dict | None = None
-    captured: tuple | None = None
+    captured: Capture | None = None
 
     def mark(self, step: int, extra: dict, rng: dict) -> None:
         self.step, self.extra, self.rng = step, extra, rng

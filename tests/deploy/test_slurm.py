@@ -70,7 +70,6 @@ def _sbatch_env(tmp: Path) -> dict[str, str]:
             "TMPDIR": str(tmp)}
 
 
-@pytest.mark.e2e
 def test_sbatch_runs_the_job_to_success_with_a_spare(tmp_path):
     proc = subprocess.Popen(["bash", str(SBATCH), str(_job(tmp_path))], cwd=tmp_path,
                             env=_sbatch_env(tmp_path), stdout=subprocess.PIPE,

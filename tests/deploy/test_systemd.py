@@ -160,7 +160,6 @@ def _status(pid: int) -> dict[str, str]:
         return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
-@pytest.mark.e2e
 def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
     """The agent as its unit runs it: a user of its own with the unit's capabilities, its
     ranks' processes (the zygote every rank forks from) as the ranks' user with none."""

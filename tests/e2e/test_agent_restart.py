@@ -11,14 +11,11 @@ from __future__ import annotations
 import signal
 
 import psutil
-import pytest
 
 from lazarus.core import jobspec
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
-
-pytestmark = pytest.mark.e2e
 
 # Longer than the local cluster's 3 s: a restarted agent's own start-up (Python, etcd client)
 # on a loaded two-core machine must fit in what is left of its lease.

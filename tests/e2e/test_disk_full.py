@@ -15,8 +15,6 @@ import pytest
 from lazarus.core.records import CheckpointRecord, EventRecord
 from tests.e2e.helpers import losses, reference, train_table
 
-pytestmark = pytest.mark.e2e
-
 
 def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     # 38 steps after the space is back: the hosts' alerts must clear (each holds a state for

@@ -21,8 +21,6 @@ import pytest
 
 from tests.e2e.helpers import framework_venv
 
-pytestmark = pytest.mark.e2e
-
 SCRIPTS = Path(__file__).parent / "scripts"
 # Rounds' ranks must join within this (a new interpreter importing torch and a framework on
 # a busy 2-core machine: up to ~15 s): a rank whose joining went unseen would restart its

@@ -4,12 +4,9 @@ the loss curve bit for bit (same mesh throughout)."""
 
 from __future__ import annotations
 
-import pytest
 
 from tests.e2e.helpers import reference, train_table
 from tests.e2e.test_recovery import run_up
-
-pytestmark = pytest.mark.e2e
 
 
 def test_degraded_gpu_planned_swap_and_failed_gpu_replacement(tmp_path):

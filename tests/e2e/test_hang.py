@@ -11,7 +11,6 @@ import re
 import signal
 import time
 
-import pytest
 
 from lazarus.core import jobspec
 from lazarus.core.records import ROLE_ACTIVE
@@ -19,8 +18,6 @@ from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
 from tests.e2e.test_agent_restart import _finished
 from tests.e2e.test_recovery import run_up
-
-pytestmark = pytest.mark.e2e
 
 
 def _in_checkpoint(node: str):

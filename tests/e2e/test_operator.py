@@ -10,13 +10,10 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step, losses, paused_and_stopped, reference, train_table, wait_for
 from tests.e2e.test_recovery import _start
-
-pytestmark = pytest.mark.e2e
 
 
 def lazarus(cluster: LocalCluster, *argv: str) -> str:

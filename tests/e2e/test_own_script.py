@@ -20,8 +20,6 @@ from lazarus.core.etcd_rbac import DAEMON_USER
 from lazarus.core.records import ROLE_ACTIVE
 from lazarus.sim.localcluster import LocalCluster
 
-pytestmark = pytest.mark.e2e
-
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_snapshot.py"
 HF_SCRIPT = Path(__file__).parent / "scripts" / "hf_trainer.py"
 

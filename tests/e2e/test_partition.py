@@ -33,8 +33,6 @@ from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
 from tests.e2e.test_agent_restart import _alive, _finished
 
-pytestmark = pytest.mark.e2e
-
 NODES = ("n0", "n1", "s0")
 # As the agent-restart test's: a whole TTL must survive an etcd call stalled by the load.
 LEASE_TTL_S = 5

@@ -12,9 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.e2e
 
 README = Path(__file__).parents[2] / "README.md"
 

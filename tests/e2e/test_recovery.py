@@ -20,8 +20,6 @@ from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim import up
 from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
 
-pytestmark = pytest.mark.e2e
-
 
 def reference_36(tmp_path_factory) -> dict[int, float]:
     """The uninterrupted run the 36-step tests compare with (one run for the session)."""

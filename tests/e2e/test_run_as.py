@@ -18,8 +18,6 @@ from lazarus.core.jobuser import JobUser
 from tests.e2e.helpers import reference, train_table
 from tests.e2e.test_recovery import run_up
 
-pytestmark = pytest.mark.e2e
-
 REPO = Path(__file__).resolve().parents[2]
 USER = "lazarus-job"
 

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from tests.e2e.helpers import reference, train_table
 from tests.e2e.test_recovery import run_up
-
-pytestmark = pytest.mark.e2e
 
 
 def test_spike_skipped_divergence_rolled_back_onto_the_reference(tmp_path):

@@ -22,15 +22,12 @@ import re
 import subprocess
 import time
 
-import pytest
 
 from lazarus.core import jobspec
 from lazarus.core.records import CheckpointRecord
 from lazarus.sim.localcluster import LocalCluster, Placement
 from tests.e2e.helpers import last_step, losses, paused_and_stopped, train_table, wait_for
 from tests.e2e.test_recovery import _start
-
-pytestmark = pytest.mark.e2e
 
 
 def _pause_after(cluster: LocalCluster, metrics, step: int):

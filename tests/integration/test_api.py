@@ -693,7 +693,6 @@ def test_cli_finds_the_daemon_through_the_endpoint_file(etcd, keys, server, tmp_
 
 
 # -- a real cluster --------------------------------------------------------------------------
-@pytest.mark.e2e
 def test_a_real_fault_reaches_watchers_through_the_daemons_api(tmp_path):
     from lazarus.core import jobspec
     from lazarus.sim.localcluster import LocalCluster

@@ -18,7 +18,6 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 
 from lazarus.core import etcd as E
 from lazarus.core.embedded_etcd import EmbeddedEtcd, die_with_parent, free_port
@@ -87,7 +86,6 @@ class Collector(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.e2e
 def test_a_cluster_started_by_hand_does_what_its_flags_say(tmp_path):
     pki = tmp_path / "pki"
     certs = lazarus("etcd", "certs", str(pki), "--host", "127.0.0.1")

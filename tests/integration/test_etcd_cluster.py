@@ -26,8 +26,6 @@ from lazarus.core.records import ROLE_ACTIVE
 from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step, wait_for
 
-pytestmark = pytest.mark.e2e
-
 MiB = 1 << 20
 
 

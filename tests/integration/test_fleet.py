@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from lazarus.agent.assignment import REREAD_S
 from lazarus.core.records import (
@@ -26,8 +25,6 @@ from lazarus.sim.fleetrun import FleetRun, fleet_config
 from tests.integration.polling import until
 
 # A whole local cluster (etcd, daemon, agents, ranks): `-m "not e2e"` leaves it out.
-pytestmark = pytest.mark.e2e
-
 NODES, SPARES, NPROC = 64, 2, 8
 
 

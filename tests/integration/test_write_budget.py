@@ -8,7 +8,6 @@ import collections
 import threading
 import time
 
-import pytest
 
 from lazarus.agent.agentconfig import STATUS_PERIOD_S
 from lazarus.core import etcd as E
@@ -18,8 +17,6 @@ from lazarus.sim.localcluster import LocalCluster
 from tests.e2e.helpers import last_step
 
 # A whole local cluster (etcd, daemon, agents, ranks): `-m "not e2e"` leaves it out.
-pytestmark = pytest.mark.e2e
-
 BUDGET = 0.1            # writes/s per node in steady state
 MEASURE_S = 40.0        # two to three status periods of every node (15 s, jittered)
 
