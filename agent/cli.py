@@ -25,7 +25,7 @@ from lazarus.core.errors import UserError
 from lazarus.core.records import ROLE_ACTIVE, Keys
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lazarus agent",
                                 description=service.__doc__.splitlines()[0])
     settings.add_etcd_args(p, lease_ttl=settings.LEASE_TTL_S, lease_help="node lease TTL in seconds")
@@ -94,7 +94,11 @@ def main(argv: list[str]) -> int:
                         "local cluster of several nodes on one machine): at a change of job "
                         "do not end that user's other processes (docs/security.md)")
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     logs.setup(args.log_level, f"agent[{args.node}]")
     if args.preflight_every < 0:
         raise UserError("--preflight-every must be 0 (only at start) or a number of seconds")
