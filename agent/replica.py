@@ -25,10 +25,11 @@ received shard must also be a snapshot of the rank and step its header names.
 
 Payloads travel in the clear unless the operator asks (`--replica-encrypt`): then every
 payload an agent sends, and every answer it asks for, is encrypted with AES-256-GCM under a
-key derived from the replica key (HKDF), in chunks of ENC_CHUNK bytes, each sealed with the
-message's tag, its index and whether it is the last as associated data (no chunk can be
-moved, dropped or spliced from another message), under a nonce of the message's random IV
-and the chunk's index. The sealed header says so ("enc", "iv"); an encrypting agent refuses a
+key of its own, derived from the replica key and a random salt (HKDF), in chunks of
+ENC_CHUNK bytes, each sealed with the message's tag, its index and whether it is the last as
+associated data (no chunk can be moved, dropped or spliced from another message), under the
+message's random 96-bit nonce XORed with the chunk's index (`MessageCipher`). The sealed
+header says so ("enc", "salt", "iv"); an encrypting agent refuses a
 payload in the clear, and one that does not encrypt still takes and answers encrypted
 transfers, so a job can turn it on node by node. An encrypted message's sealed digest is
 zeros (the plaintext's sha256 would be a fingerprint of the shard): the AEAD tags vouch for
@@ -102,25 +103,60 @@ _SEAL = len(sealed.MAGIC) + sealed.TAG_BYTES
 _DIGEST = 32  # sha256, at the end of every snapshot file
 _NO_DIGEST = bytes(_DIGEST)
 # Encryption (see the module's doc): the scheme's name in a header, its chunk size, AES-GCM's
-# tag, and the IV: 8 random bytes per message, the chunk's index in the nonce's last 4.
-ENC = "aes-256-gcm-8m"
+# tag; per message a salt and a nonce (MessageCipher).
+ENC = "aes-256-gcm-8m-hkdf"
 ENC_CHUNK = 8 << 20
 _GCM_TAG = 16
-_IV_BYTES = 8
+_SALT_BYTES, _IV_BYTES = 16, 12
 
 
-def _cipher(key: bytes) -> AESGCM:
-    """The encryption key, derived from the replica key: never the HMAC key itself."""
-    return AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                       info=b"lazarus-replica-encryption-1").derive(key))
+class MessageCipher:
+    """One message's AES-256-GCM, the same object on both ends: its key is HKDF(the replica
+    key, a random 128-bit salt), never the HMAC key itself, and chunk i's nonce the message's
+    random 96-bit nonce XORed with i.
+
+    GCM is broken by one (key, nonce) used twice. Chunks of a message differ by their index;
+    two messages share a key only if they draw the same salt, and then a nonce only if they
+    also draw the same 96-bit nonce: at 4,096 ranks sending a copy every 30 s (4.3e9 messages
+    a year) a repeated salt has a chance of about 3e-20 in that year; one key with 64-bit
+    random IVs, as before, had about 40%."""
+
+    def __init__(self, key: bytes, salt: bytes, iv: bytes):
+        if len(salt) != _SALT_BYTES or len(iv) != _IV_BYTES:
+            raise ReplicaError("an encrypted payload without its salt and nonce")
+        self.salt, self.iv = salt, iv
+        self._aead = AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=salt,
+                                 info=b"lazarus-replica-encryption-2").derive(key))
+
+    @classmethod
+    def new(cls, key: bytes) -> MessageCipher:
+        return cls(key, secrets.token_bytes(_SALT_BYTES), secrets.token_bytes(_IV_BYTES))
+
+    @classmethod
+    def of(cls, key: bytes, header: dict) -> MessageCipher:
+        """The cipher a received (sealed) header names; ReplicaError when it names none."""
+        try:
+            return cls(key, bytes.fromhex(header["salt"]), bytes.fromhex(header["iv"]))
+        except (KeyError, TypeError, ValueError):
+            raise ReplicaError("an encrypted payload without its salt and nonce") from None
+
+    def fields(self) -> dict:
+        return {"salt": self.salt.hex(), "iv": self.iv.hex()}
+
+    def _nonce(self, i: int) -> bytes:
+        return (int.from_bytes(self.iv, "big") ^ i).to_bytes(_IV_BYTES, "big")
+
+    def encrypt(self, i: int, part: bytes | memoryview, aad: bytes) -> bytes:
+        return self._aead.encrypt(self._nonce(i), part, aad)
+
+    def decrypt(self, i: int, data: bytes | memoryview, aad: bytes) -> bytes:
+        """Chunk i in the clear; cryptography's InvalidTag when it, or the salt, nonce or
+        `aad` it was sealed with, is not what was sent."""
+        return self._aead.decrypt(self._nonce(i), data, aad)
 
 
 def _chunk_aad(seal: bytes, i: int, last: bool) -> bytes:
     return seal + i.to_bytes(4, "big") + (b"\1" if last else b"\0")
-
-
-def _nonce(iv: bytes, i: int) -> bytes:
-    return iv + i.to_bytes(4, "big")
 
 
 def _wire_size(plain: int) -> int:
@@ -145,43 +181,36 @@ def _digest(payload: bytes | bytearray | memoryview) -> bytes:
 def _send(sock: socket.socket, key: bytes, header: dict,
           payload: bytes | bytearray | memoryview = b"", *, encrypt: bool = False) -> None:
     encrypt = encrypt and len(payload) > 0
-    iv = secrets.token_bytes(_IV_BYTES) if encrypt else b""
-    if encrypt:
-        header = {**header, "enc": ENC, "iv": iv.hex()}
+    cipher = MessageCipher.new(key) if encrypt else None
+    if cipher is not None:
+        header = {**header, "enc": ENC, **cipher.fields()}
     head = json.dumps(header, sort_keys=True).encode()
     digest = _NO_DIGEST if encrypt else _digest(payload)
     length = _wire_size(len(payload)) if encrypt else len(payload)
     seal = sealed.tag(key, _context(head, length, digest))
     sock.sendall(len(head).to_bytes(4, "big") + head + length.to_bytes(8, "big")
                  + digest + seal)
-    if not encrypt:
+    if cipher is None:
         if len(payload):
             sock.sendall(payload)
         return
-    cipher, view = _cipher(key), memoryview(payload)
+    view = memoryview(payload)
     chunks = -(-len(view) // ENC_CHUNK)
     for i in range(chunks):
         part = view[i * ENC_CHUNK:(i + 1) * ENC_CHUNK]
-        sock.sendall(cipher.encrypt(_nonce(iv, i), part, _chunk_aad(seal, i, i == chunks - 1)))
+        sock.sendall(cipher.encrypt(i, part, _chunk_aad(seal, i, i == chunks - 1)))
 
 
 def _recv_encrypted(sock: socket.socket, key: bytes, header: dict, seal: bytes,
                     payload: bytearray, wire: int, deadline: float) -> None:
     """Receive `wire` encrypted bytes and decrypt them into `payload`, chunk by chunk."""
-    try:
-        iv = bytes.fromhex(header.get("iv", "")) if isinstance(header.get("iv"), str) else b""
-    except ValueError:
-        iv = b""
-    if len(iv) != _IV_BYTES:
-        raise ReplicaError("an encrypted payload without its IV")
-    cipher, buf = _cipher(key), bytearray(min(wire, ENC_CHUNK + _GCM_TAG))
+    cipher, buf = MessageCipher.of(key, header), bytearray(min(wire, ENC_CHUNK + _GCM_TAG))
     chunks, at = -(-wire // (ENC_CHUNK + _GCM_TAG)), 0
     for i in range(chunks):
         n = min(ENC_CHUNK + _GCM_TAG, wire - i * (ENC_CHUNK + _GCM_TAG))
         _recv_into(sock, memoryview(buf)[:n], deadline, "the payload")
         try:
-            plain = cipher.decrypt(_nonce(iv, i), memoryview(buf)[:n],
-                                   _chunk_aad(seal, i, i == chunks - 1))
+            plain = cipher.decrypt(i, memoryview(buf)[:n], _chunk_aad(seal, i, i == chunks - 1))
         except InvalidTag:
             raise BadPayload(f"chunk {i} of the encrypted snapshot fails its tag: damaged or "
                              "altered on the way") from None

@@ -12,6 +12,9 @@ is adopted (`adopt_claims`) only if it is of the run's job and
   the job's id and the claim's step. Where it does not (a daemon off the storage), the path
   checks are all there is, and the ranks' own check of the files against the manifest's
   checksums on restore.
+The job's ranks write that dir, so the manifest is read as a file they control
+(lazarus.core.jobfile: no FIFO, symlink or giant), and the storage in threads beside the
+decision pass, which waits for it READ_WAIT_S at most (docs/security.md, "The job's own code").
 A job that runs its own script names no checkpoint dir: its claims are taken as they are.
 A claim never replaces the record of its step, unless the daemon reads another manifest there
 than the one the record was adopted with (the trainer saved the step again, after a rollback):
@@ -29,10 +32,14 @@ import hashlib
 import json
 import os
 import re
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from lazarus.core.jobfile import JobFileError, read_job_file
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import CheckpointRecord
 from lazarus.daemon.actions import AdoptClaim, Decision, DropClaim, DropClaimsBelow, Emit
@@ -47,12 +54,22 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_PATH = 4096
 # What of an agent's claim goes into an event.
 _SHOWN = 256
+# The storage is read beside the decision pass, not in it (paths resolved, the manifest
+# read): a mount that hangs (NFS, or a FUSE file system a rank mounted in its checkpoint dir)
+# would freeze the leader's pass for as long. A pass waits this long for a check; one not
+# answered by then is "not verified yet" -- a claim waits for a later pass, a record is not
+# restored in this one -- and goes on in its thread, whose answer the next pass that asks
+# takes. Once a check has hung that long, new ones are not waited for; past MAX_HUNG_READS
+# hung at once, none is even started.
+READ_WAIT_S = 2.0
+MAX_HUNG_READS = 4
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     why: str | None           # None: it may be restored
     manifest_sha256: str = ""  # of the manifest the check read ("" where it read none)
+    answered: bool = True      # False: the storage has not answered yet (`why` says so)
 
 
 _Manifest = tuple[dict, str]  # the manifest and its sha256
@@ -72,13 +89,12 @@ def _read_manifest(path: str) -> _Manifest | str | None:
     dir at all; a reason when it sees it and the manifest is missing or unreadable."""
     if not os.path.isdir(os.path.dirname(path)):
         return None
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:  # the job's ranks write that dir: no FIFO, symlink or sparse giant is read
+        raw = read_job_file(os.path.join(path, MANIFEST), MAX_MANIFEST_BYTES)
+    except JobFileError as e:
+        return f"its manifest {e.what}"
     except OSError as e:
         return f"its manifest is unreadable ({e.strerror})"
-    if len(raw) > MAX_MANIFEST_BYTES:
-        return "its manifest is too large"
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -86,6 +102,52 @@ def _read_manifest(path: str) -> _Manifest | str | None:
     if not isinstance(doc, dict):
         return "its manifest is not a JSON object"
     return doc, hashlib.sha256(raw).hexdigest()
+
+
+class _Beside:
+    """Checks that touch the storage, each in a thread of its own; see READ_WAIT_S."""
+
+    def __init__(self, *, wait_s: float = READ_WAIT_S, most: int = MAX_HUNG_READS):
+        self._wait_s, self._most = wait_s, most
+        self._lock = threading.Lock()
+        self._checks: dict[tuple, tuple[Future, float]] = {}  # key -> (its check, started at)
+
+    def __call__(self, key: tuple, check: Callable[[], Verdict]) -> Verdict:
+        now = time.monotonic()
+        with self._lock:
+            running, _ = self._checks.get(key, (None, now))
+            wait = 0.0
+            if running is None:
+                hung = [t for f, t in self._checks.values() if not f.done()]
+                if len(hung) >= self._most:
+                    return Verdict(f"not verified yet: {len(hung)} reads of the storage are "
+                                   "not answered", answered=False)
+                # answers nobody came back for: checked again when asked
+                self._checks = {k: c for k, c in self._checks.items() if not c[0].done()}
+                running = Future()
+                self._checks[key] = (running, now)
+                threading.Thread(target=self._run, args=(running, check), daemon=True,
+                                 name="ckptcheck").start()
+                wait = self._wait_s if all(now - t < self._wait_s for t in hung) else 0.0
+        try:
+            verdict = running.result(wait)
+        except TimeoutError:
+            return Verdict(f"not verified yet: the storage has not answered in "
+                           f"{self._wait_s:g} s", answered=False)
+        with self._lock:
+            if self._checks.get(key, (None,))[0] is running:
+                del self._checks[key]
+        return verdict
+
+    @staticmethod
+    def _run(running: Future, check: Callable[[], Verdict]) -> None:
+        try:
+            running.set_result(check())
+        except BaseException as e:  # noqa: BLE001 -- raised again in the pass that asks
+            running.set_exception(e)
+
+
+_BESIDE = _Beside()
 
 
 # Verdicts on records already checked against the storage. A record is adopted once its
@@ -116,7 +178,10 @@ def check(rec: CheckpointRecord, job: JobSpec,
         _VERDICTS.move_to_end(key)
         return _VERDICTS[key]
     _VERDICTS.pop(key, None)
-    verdict = _VERDICTS[key] = _check(rec, job, read_manifest)
+    verdict = _BESIDE(key, lambda: _check(rec, job, read_manifest))
+    if not verdict.answered:
+        return verdict  # asked again next time
+    _VERDICTS[key] = verdict
     while len(_VERDICTS) > MAX_VERDICTS:
         _VERDICTS.popitem(last=False)
     return verdict
@@ -187,6 +252,8 @@ def adopt_claims(view: ClusterView) -> tuple[Decision | None, ClusterView]:
             continue
         else:
             why, rec = judge(claim.record, run_job, records.get(claim.record.step))
+            if why is None:
+                continue  # the storage has not answered: the claim waits for a later pass
         name = claim.key.rpartition("/")[2][:_SHOWN]
         if rec is None and newest is not None and claim.record is not None \
                 and claim.record.step < newest:
@@ -217,12 +284,14 @@ def adopt_claims(view: ClusterView) -> tuple[Decision | None, ClusterView]:
 
 
 def judge(claim: CheckpointRecord, job: JobSpec,
-          record: CheckpointRecord | None) -> tuple[str, CheckpointRecord | None]:
+          record: CheckpointRecord | None) -> tuple[str | None, CheckpointRecord | None]:
     """(why not, None), or ("", the record to write) for a claim of `job`'s run, where
-    `record` is its step's record now."""
+    `record` is its step's record now; (None, None) while the storage has not answered."""
     if claim.job_id != job.id:
         return f"it is job {claim.job_id[:64]!r}'s, not the run's ({job.id!r})", None
     verdict = check(claim, job, fresh=True)
+    if not verdict.answered:
+        return None, None
     if verdict.why is not None:
         return verdict.why, None
     if record is not None and not (verdict.manifest_sha256 and record.manifest_sha256

@@ -338,17 +338,25 @@ def delete_op(key: str, *, prefix: bool = False, below: str | None = None):
 # gRPC backs off reconnects exponentially up to 2 minutes by default; after a long etcd outage
 # the client would then sit out many seconds after etcd is back, longer than a lease TTL, and
 # every lease would lapse. Reconnect attempts stay at most a second apart instead.
+# The most one answer may hold (gRPC's default, named: the pages below are sized by it).
+MAX_RECEIVE = 4 << 20
 _CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.max_receive_message_length": MAX_RECEIVE,
 }
 # etcd's "require leader" request metadata (clientv3.WithRequireLeader).
 _REQUIRE_LEADER = (("hasleader", "true"),)
-# Keys per range in a snapshot's first read; a larger prefix is paged. 1,000 node statuses of
-# ~1.4 KB fit well under gRPC's 4 MiB; when an answer does not fit, the client reads smaller
-# pages from then on.
+# Keys per page of a range; a larger prefix is read in several, at one revision. 1,000 node
+# statuses of ~1.4 KB fit well under MAX_RECEIVE. etcd bounds values, not pages: a key and
+# its value are at most its --max-request-bytes (default 1.5 MiB; a put carries both), so a
+# page of SAFE_PAGE_KEYS (2) fits one answer whatever the keys hold. A range's first page is
+# sized by the largest value it held when last read (half an answer's worth), the next ones
+# by the last page's; a page that does not fit is read again as a safe one.
 PAGE_KEYS = 1000
+MAX_KV_BYTES = (3 << 19) + 1024
+SAFE_PAGE_KEYS = MAX_RECEIVE // MAX_KV_BYTES
 
 
 class _Client(aetcd.Client):
@@ -470,7 +478,7 @@ class Etcd:
         self._generation = 0  # bumped at each switch of member
         self._served = False  # the current member answered at least once
         self._refusing_writes = False
-        self._page_keys = PAGE_KEYS
+        self._largest: dict[bytes, int] = {}  # a range's end -> its largest key and value
         self._switch_lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -596,14 +604,19 @@ class Etcd:
 
     def _snapshot(self, prefixes: Sequence[str]) -> Snapshot:
         ranges = [(p.encode(), prefix_range_end(p.encode())) for p in prefixes]
-        ops = [rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end,
-                                                            limit=self._page_keys))
-               for k, end in ranges]
+        limits = [self._fit(end, len(ranges)) for _, end in ranges]
+        ops = [rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end, limit=n))
+               for (k, end), n in zip(ranges, limits)]
         kvs: dict[str, KV] = {}
-        try:
-            resp = self._run(lambda c: self._unary(c, "kvstub", "Txn", rpc.TxnRequest(success=ops)))
-        except EtcdTooLarge:
-            self._page_keys = max(1, self._page_keys // 4)
+        largest: dict[bytes, int] = {}  # a range's end -> its largest key and value read
+        resp = None
+        if min(limits) >= SAFE_PAGE_KEYS:  # else one answer might not hold a page of each
+            try:
+                resp = self._run(lambda c: self._unary(c, "kvstub", "Txn",
+                                                       rpc.TxnRequest(success=ops)))
+            except EtcdTooLarge:
+                pass  # read range by range, page by page
+        if resp is None:
             revision, rest = 0, ranges
         else:
             revision, rest = resp.header.revision, []
@@ -611,31 +624,49 @@ class Etcd:
                 got = r.response_range
                 for raw in got.kvs:
                     kvs[raw.key.decode()] = _kv(raw)
+                    largest[end] = max(largest.get(end, 0), len(raw.key) + len(raw.value))
                 if got.more:
                     rest.append((got.kvs[-1].key + b"\0", end))
         for start, end in rest:
-            revision = self._pages(start, end, revision, kvs)
+            revision = self._pages(start, end, revision, kvs, largest)
+        for _, end in ranges:
+            self._largest[end] = largest.get(end, 0)
         return Snapshot(revision=revision, kvs=kvs)
 
-    def _pages(self, start: bytes, end: bytes, revision: int, into: dict[str, KV]) -> int:
-        """Read [start, end) at `revision` (0: the current one) page by page; returns the
-        revision read at."""
+    def _fit(self, end: bytes, ranges: int = 1) -> int:
+        """Keys per page of the range ending at `end` when `ranges` ranges share one answer:
+        as many as half an answer holds at the largest key and value the range held when last
+        read (at most PAGE_KEYS; PAGE_KEYS when never read)."""
+        largest = self._largest.get(end) or 0
+        return PAGE_KEYS if not largest else min(PAGE_KEYS,
+                                                 MAX_RECEIVE // 2 // (largest * ranges))
+
+    def _pages(self, start: bytes, end: bytes, revision: int, into: dict[str, KV],
+               largest: dict[bytes, int]) -> int:
+        """Read [start, end) at `revision` (0: the current one) page by page, into `into` and
+        its largest key and value into `largest`; returns the revision read at."""
+        keys = max(SAFE_PAGE_KEYS, self._fit(end))
         while True:
-            req = rpc.RangeRequest(key=start, range_end=end, revision=revision,
-                                   limit=self._page_keys)
+            req = rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=keys)
             try:
                 resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
             except EtcdTooLarge:
-                if self._page_keys == 1:
-                    raise
-                self._page_keys = max(1, self._page_keys // 4)
+                if keys == 1:
+                    raise EtcdTooLarge(f"a value under {start[:80]!r} does not fit an answer "
+                                       f"of {MAX_RECEIVE} bytes: etcd's --max-request-bytes "
+                                       "is above it") from None
+                keys = SAFE_PAGE_KEYS if keys > SAFE_PAGE_KEYS else 1
                 continue
             revision = revision or resp.header.revision
+            page = max((len(raw.key) + len(raw.value) for raw in resp.kvs), default=0)
             for raw in resp.kvs:
                 into[raw.key.decode()] = _kv(raw)
+            largest[end] = max(largest.get(end, 0), page)
             if not resp.more or not resp.kvs:
                 return revision
             start = resp.kvs[-1].key + b"\0"
+            # past a large value, pages grow back as fast as the values let them
+            keys = max(SAFE_PAGE_KEYS, min(PAGE_KEYS, 2 * keys, MAX_RECEIVE // 2 // max(page, 1)))
 
     async def _unary(self, client: aetcd.Client, stub: str, method: str, request):
         """A call aetcd does not wrap (or wraps without paging): its stubs exist once

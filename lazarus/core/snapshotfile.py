@@ -117,6 +117,9 @@ def read_header(data: bytes | memoryview, what: str = "snapshot") -> dict:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise SnapshotError(f"{what}: header field {name!r} is missing or not a "
                                 f"{kind.__name__}")
+    for name in ("body_bytes", "raw_bytes"):
+        if header[name] < 0:  # a size; -1 would pass for zstd's "size unknown" (_check_frame)
+            raise SnapshotError(f"{what}: header field {name!r} is {header[name]}, not a size")
     header.setdefault("codec", "zstd")
     if header["codec"] not in CODECS:
         raise SnapshotError(f"{what}: codec {str(header['codec'])[:40]!r}, this reader knows "
@@ -164,7 +167,8 @@ def unpack(data: bytes | memoryview, what: str = "snapshot"
 def _check_frame(body: memoryview, raw_bytes: int, what: str) -> None:
     """SnapshotError unless the zstd body declares the size the header does, within MAX_RATIO
     of its own: zstandard allocates what the frame declares (max_output_size or not), so this
-    is checked before a byte is decompressed."""
+    is checked before a byte is decompressed. A frame that declares no size (a streamed one,
+    which this writer never makes) is refused whatever the header says."""
     if raw_bytes > MAX_RATIO * max(len(body), 1):
         raise SnapshotError(f"{what}: {raw_bytes} bytes from a body of {len(body)}, more than "
                             f"{MAX_RATIO}x: not a snapshot this writer made")
@@ -172,7 +176,7 @@ def _check_frame(body: memoryview, raw_bytes: int, what: str) -> None:
         declared = zstandard.frame_content_size(body)
     except zstandard.ZstdError as e:
         raise SnapshotError(f"{what}: its body is not a zstd frame ({e})") from None
-    if declared != raw_bytes:
+    if declared < 0 or declared != raw_bytes:
         said = "no size" if declared < 0 else f"{declared} bytes"
         raise SnapshotError(f"{what}: its zstd frame declares {said}, its header says "
                             f"{raw_bytes}")

@@ -57,6 +57,35 @@ def test_globals_outside_the_plans_are_refused(named):
         _load(data)
 
 
+def _stack_global(module: str, name: str) -> bytes:
+    """A protocol-4 pickle that loads `module`'s `name` (STACK_GLOBAL, whose names may be
+    dotted paths), then STOP."""
+    def short(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()
+    return b"\x80\x04" + short(module) + short(name) + b"\x93."
+
+
+@pytest.mark.parametrize("module, name", [
+    # dotted paths through a DCP module's own imports: os.error is OSError, an exception
+    ("torch.distributed.checkpoint.metadata", "os.error"),
+    ("torch.distributed.checkpoint.metadata", "os.system"),
+    ("torch.distributed.checkpoint.metadata", "Metadata.__init__.__globals__"),
+    # a class a DCP module imported from elsewhere, not one of DCP's own
+    ("torch.distributed.checkpoint.utils", "Shard"),
+])
+def test_dotted_names_and_borrowed_classes_under_dcp_are_refused(module, name):
+    with pytest.raises(pickle.UnpicklingError, match=f"naming {module}.{name}"):
+        _load(_stack_global(module, name))
+    with pytest.raises(pickle.UnpicklingError):  # the GLOBAL opcode alike
+        _load(b"c" + module.encode() + b"\n" + name.encode() + b"\n.")
+
+
+def test_a_dcp_class_by_its_own_name_still_loads():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    assert _load(_stack_global("torch.distributed.checkpoint.metadata", "Metadata")) is Metadata
+
+
 def test_what_dcp_exchanges_loads(tmp_path):
     """Real plans of a real state dict (DCP's default planners, a model and its AdamW state),
     the metadata a save writes, and a rank's failure as DCP wraps it."""
