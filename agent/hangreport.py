@@ -53,14 +53,17 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
     flights = flight_records(flying, stacks_dir, timeout_s=max(0.0, deadline - time.monotonic()))
     stuck = frozen.frozen({g.ranks[lr]: p.pid for lr, p in g.procs.items() if lr in g.ranks},
                           before, after, dump, asked)
+    # "no progress for S s (allowance A s = what it came from)": kept whatever the ranks' part
+    stalled = verdict.reason.partition(": ")[0]
     if stuck:
         verdict = dataclasses.replace(
             verdict, culprits=tuple(sorted(stuck)), frozen=stuck,
-            reason=f"{verdict.reason.partition(': ')[0]}: " + "; ".join(
+            reason=f"{stalled}: " + "; ".join(
                 f"rank {r} is frozen ({why})" for r, why in sorted(stuck.items())))
     saved = agent.cfg.workdir / "hangs" / f"round{g.round}-{agent.cfg.node}.txt"
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text("".join(
+    # The file the daemon's hang event names: its first line says how long the ranks had.
+    saved.write_text(f"=== hang in round {g.round} on {agent.cfg.node}: {stalled} ===\n" + "".join(
         f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
         f"{_flight_line(flights.get(p.pid), p.pid in flying)}"
         f"{dump.get(p.pid, _silent(p.pid, after, stuck.get(g.ranks.get(lr))))}\n"

@@ -45,6 +45,14 @@ from lazarus.trainer.rngstate import rng_state, set_rng_state
 # The stall a snapshot may cost, as a share of the step time, when the period is automatic.
 STALL_SHARE = 0.01
 MAX_AUTO_EVERY = 1000
+# The automatic period follows the median stall of the last STALL_WINDOW snapshots, once it
+# has MIN_STALLS of them: one slow copy (a page fault storm, a busy core) must not stretch it.
+STALL_WINDOW = 5
+MIN_STALLS = 3
+# Snapshots settled as never durable (the peer refused them, or newer ones overtook them)
+# after which the period may lengthen without a durable copy: snapshots every step do not
+# make a peer that refuses them take one.
+NEVER_DURABLE_LIMIT = 8
 # How long a rank that finished its run waits for the agent to settle its last snapshots
 # before it writes their stall lines without a durable time.
 SETTLE_S = 2.0
@@ -385,6 +393,38 @@ def auto_period(stall: float, step_times: list[float], durable_times: list[float
     return min(MAX_AUTO_EVERY, max(1, wish))
 
 
+def typical_stall(stalls: list[float]) -> float | None:
+    """The stall the automatic period is sized on: the median of the last STALL_WINDOW
+    (`stalls` leaves out a Snapshotter's first: it allocates the buffers and finds the
+    state's tensors), None before MIN_STALLS of them."""
+    recent = stalls[-STALL_WINDOW:]
+    return statistics.median(recent) if len(recent) >= MIN_STALLS else None
+
+
+def wished_period(*, current: int, stalls: list[float], step_times: list[float],
+                  durable_times: list[float], replicated: bool) -> tuple[int, bool]:
+    """(this rank's wish for the automatic period, whether it may lengthen it). It may not
+    before its typical stall is known, nor before one of its copies since it (re)started is
+    durable (`replicated`, on the peer): a rank that started anew has no replica there yet,
+    and a period lengthened meanwhile leaves its peer nothing newer than storage."""
+    stall = typical_stall(stalls)
+    if stall is None:
+        return current, False
+    return auto_period(stall, step_times, durable_times), replicated
+
+
+def agree_period(*, current: int, wish: int, all_ready: bool) -> int:
+    """The period every rank takes: the largest wish (`wish`, all-reduced), but no longer
+    than `current` while any rank may not lengthen it (`all_ready` False)."""
+    return wish if all_ready else min(wish, current)
+
+
+def snapshot_due(step: int, *, next_step: int, checkpoint: bool) -> bool:
+    """Whether a step takes a snapshot: on the period, and at every checkpoint, so that
+    memory holds a step at least as new as storage (a restore takes memory then)."""
+    return checkpoint or step >= next_step
+
+
 class Capture(NamedTuple):
     """A snapshot as still in the host buffers of the rank that took it."""
     step: int
@@ -398,10 +438,13 @@ class Snapshotter:
     once `on_written(step, path)` has told it), at most one in flight.
 
     `every`: steps between snapshots; 0 means automatic -- after each snapshot the ranks agree
-    (an all-reduce of the largest wish) on the smallest period whose stall stays under 1% of
-    the median step time, and that is at least as long as a snapshot takes to be durable (on
-    the peer node): one in flight end to end. A faster one would only be overtaken before it
-    is sent, its encoding and sending paid for by the cores the step runs on. All ranks
+    (an all-reduce of the largest wish) on the smallest period whose stall (the median of the
+    last few: `typical_stall`) stays under 1% of the median step time, and that is at least as
+    long as a snapshot takes to be durable (on the peer node): one in flight end to end. A
+    faster one would only be overtaken before it is sent, its encoding and sending paid for by
+    the cores the step runs on. The period starts at every step and lengthens only once every
+    rank has a durable copy of this round (`wished_period`). A checkpoint step always takes
+    one (`due(step, checkpoint=True)`): memory is never older than storage. All ranks
     snapshot at the same steps: a restore needs every shard of one step.
 
     `kept()`: the (step, durable, time.perf_counter()) of the snapshots the agent settled
@@ -432,6 +475,10 @@ class Snapshotter:
         self.next_step = first_step + self._period
         self._step_times: list[float] = []
         self._durable_times: list[float] = []  # of the last settled snapshots, seconds
+        self._stalls: list[float] = []         # of the snapshots after this one's first
+        self._taken = 0
+        self._replicated = False  # one of this Snapshotter's copies was durable
+        self._never_durable = 0   # of its copies settled as never durable
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazarus-tier0")
         self._inflight: Future | None = None
         self.last_stall_s = 0.0
@@ -440,8 +487,10 @@ class Snapshotter:
         self._step_times.append(seconds)
         del self._step_times[:-20]
 
-    def due(self, step: int) -> bool:
-        return step >= self.next_step
+    def due(self, step: int, *, checkpoint: bool = False) -> bool:
+        """Whether `step` takes a snapshot; `checkpoint`: the step is checkpointed too (every
+        rank must pass the same: the checkpoint decision is agreed)."""
+        return snapshot_due(step, next_step=self.next_step, checkpoint=checkpoint)
 
     def take(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict) -> float:
@@ -464,17 +513,27 @@ class Snapshotter:
         return stall
 
     def _plan(self, step: int, stall: float) -> None:
+        self._taken += 1
+        if self._taken > 1:  # the first allocates the buffers and learns the state's tensors
+            self._stalls = [*self._stalls[-(STALL_WINDOW - 1):], stall]
         if self.every:
-            self.next_step = step + self.every
+            # a checkpoint's snapshot off the period leaves the period as it was
+            if step >= self.next_step:
+                self.next_step = step + self.every
             return
-        wish = auto_period(stall, self._step_times, self._durable_times)
+        wish, ready = wished_period(
+            current=self._period, stalls=self._stalls, step_times=self._step_times,
+            durable_times=self._durable_times,
+            replicated=self._replicated or self._never_durable >= NEVER_DURABLE_LIMIT)
+        all_ready = ready
         if dist.is_available() and dist.is_initialized():
             # On the device the default group's backend runs on: NCCL has no CPU tensors.
-            agreed = torch.tensor(wish, device=collective_device())
+            agreed = torch.tensor([wish, int(not ready)], device=collective_device())
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            wish = int(agreed.item())
-        self._period = wish
-        self.next_step = step + wish
+            wish, unready = (int(v) for v in agreed.tolist())
+            all_ready = not unready
+        self._period = agree_period(current=self._period, wish=wish, all_ready=all_ready)
+        self.next_step = step + self._period
 
     def _write(self, step: int, tensors: dict, values: dict, header: dict) -> None:
         write_file(self.directory, header["rank"], step,
@@ -493,6 +552,9 @@ class Snapshotter:
                                                at - started if durable else None))
                 if durable:
                     self._durable_times = [*self._durable_times[-4:], at - started]
+                    self._replicated = True
+                else:
+                    self._never_durable += 1
         done, self._done = sorted(self._done, key=lambda s: s.step), []
         return done
 

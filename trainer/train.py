@@ -123,11 +123,13 @@ def finish_step(model: Transformer, optimizer: torch.optim.Optimizer, grad_norm:
 
 
 def take_snapshot(snapshots: tier0.Snapshotter, held: kept.Held, step: int, model: Transformer,
-                  optimizer: torch.optim.Optimizer, resumable: dict) -> None:
-    """The step's tier-0 snapshot, if due. The kept objects' capture follows the snapshotter's
-    even when the take fails (a peer gone in its collective): the buffers are overwritten by
-    then, and a capture still named for the older step would restore the newer tensors."""
-    if not snapshots.due(step):
+                  optimizer: torch.optim.Optimizer, resumable: dict, *,
+                  checkpoint: bool = False) -> None:
+    """The step's tier-0 snapshot, if due (always on a `checkpoint` step). The kept objects'
+    capture follows the snapshotter's even when the take fails (a peer gone in its
+    collective): the buffers are overwritten by then, and a capture still named for the older
+    step would restore the newer tensors."""
+    if not snapshots.due(step, checkpoint=checkpoint):
         return
     try:
         snapshots.take(step, model, optimizer, resumable)
@@ -475,12 +477,16 @@ class RankRound:
                       flush=True)
 
     def _save(self, step: int, result: StepResult, resumable: dict) -> None:
-        """The step's tier-0 snapshot and checkpoint, each when due."""
+        """The step's tier-0 snapshot and checkpoint, each when due. A checkpoint step is
+        snapshotted too: a restore takes memory only when it is as new as storage."""
         snapshots, checkpointer, session = self.snapshots, self.checkpointer, self.session
+        checkpoint = checkpointer is not None and _checkpoint_now(session, step, self.cfg,
+                                                                   self.device)
         if snapshots is not None:
             snapshots.observe_step(result.step_time_s)
-            take_snapshot(snapshots, self.held, step, self.model, self.optimizer, resumable)
-        if checkpointer is not None and _checkpoint_now(session, step, self.cfg, self.device):
+            take_snapshot(snapshots, self.held, step, self.model, self.optimizer, resumable,
+                          checkpoint=checkpoint)
+        if checkpoint:
             self._enter("checkpoint")
             checkpointer.save(step, self.model, self.optimizer, resumable,
                               async_save=self.cfg.checkpoint.async_save,

@@ -69,7 +69,7 @@ def test_steady_training_is_quiet_and_sets_the_median():
     run = Run(det)
     run.steps(20, step_s=1.0)
     assert run.quiet
-    assert det.median_step_s == pytest.approx(1.0)
+    assert det.typical_step_s == pytest.approx(1.0)
     assert det.timeout_s() == pytest.approx(3.0)
 
 
@@ -137,7 +137,7 @@ def test_warmup_step_is_left_out_of_the_median():
     run = Run(det)
     run.steps(1, step_s=50.0)                  # the compile step
     run.steps(2, step_s=1.0)
-    assert det.median_step_s == pytest.approx(1.0)
+    assert det.typical_step_s == pytest.approx(1.0)
     since = run.stall(culprit=3)
     assert run.check(since + 5).culprits == (3,)
 
@@ -155,7 +155,7 @@ def test_long_checkpoint_step_is_quiet_and_a_hang_after_it_is_still_caught_fast(
     run.t += 100
     run.steps(5, step_s=1.0)
     assert run.quiet
-    assert det.median_step_s == pytest.approx(1.0)
+    assert det.typical_step_s == pytest.approx(1.0)
     since = run.stall(culprit=1)               # a real hang right after is still caught fast
     assert run.check(since + 3.5).culprits == (1,)
 
@@ -196,7 +196,7 @@ def test_eval_is_quiet():
     run.steps(5)
     run.steps(8, step_s=1.0, extra=("eval", 200.0))
     assert run.quiet
-    assert det.median_step_s == pytest.approx(1.0)   # eval steps are not step times
+    assert det.typical_step_s == pytest.approx(1.0)   # eval steps are not step times
 
 
 def test_reset_forgets_the_old_round():
@@ -205,7 +205,7 @@ def test_reset_forgets_the_old_round():
     run.steps(5)
     det.reset()
     assert det.check(run.t + 1000) is None
-    assert det.median_step_s is None
+    assert det.typical_step_s is None
 
 
 def test_progress_message_round_trip_and_bad_phase():
