@@ -27,7 +27,7 @@ from lazarus.core.records import ROLE_ACTIVE, Keys
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lazarus agent",
-                                description=service.__doc__.splitlines()[0])
+                                description=service.__doc__.split("\n\n")[0])
     settings.add_etcd_args(p, lease_ttl=settings.LEASE_TTL_S, lease_help="node lease TTL in seconds")
     p.add_argument("--node", default=socket.gethostname(), help="node id (default: hostname)")
     p.add_argument("--nproc", type=int, default=1, help="ranks (worker processes) on this node")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from lazarus.core import etcd_auth as _auth
 from lazarus.core.errors import UserError
@@ -24,6 +25,40 @@ LEASE_TTL_S = 5
 # Below this a lease expires between two refreshes of a busy process (refresh every TTL/3),
 # and etcd restarts lease timers with a floor of its own: a dead node would show no sooner.
 MIN_LEASE_TTL_S = 2
+
+
+# Where the operator CLI finds the daemons' API (lazarus.ops.client), as --address takes it.
+ADDRESS_ENV = "LAZARUS_ADDRESS"
+_ADDRESS_USAGE = "give HOST:PORT, or several as HOST:PORT,HOST:PORT"
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")
+
+
+def api_addresses(text: str, source: str) -> list[str]:
+    """The daemon API addresses of a comma-separated list (--address, $LAZARUS_ADDRESS),
+    each checked, in the order given; UserError naming `source` and the bad entry.
+
+    A Kubernetes Service's name is one entry like any other: the Service, not the list,
+    spreads the connections over the daemons behind it."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if "" in entries:
+        raise UserError(f"{source} {text!r} has an empty entry; {_ADDRESS_USAGE}")
+    return [check_api_address(entry, source) for entry in entries]
+
+
+def check_api_address(entry: str, source: str) -> str:
+    """`entry` if it is HOST:PORT (an IPv6 host in brackets); UserError naming `source`."""
+    host, colon, port = entry.rpartition(":")
+    if "://" in entry:
+        why = "takes no scheme (TLS is --tls or --tls-ca)"
+    elif not colon or not host:
+        why = "is not HOST:PORT"
+    elif not _HOST.fullmatch(host):
+        why = f"has host {host!r}, not a name or address (IPv6 goes in brackets: [::1]:7070)"
+    elif not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        why = f"has port {port!r}, not a number from 1 to 65535"
+    else:
+        return entry
+    raise UserError(f"{source}: {entry!r} {why}; {_ADDRESS_USAGE}")
 
 
 def check_lease_ttl(ttl_s: int, *, flag: str = "--lease-ttl") -> int:

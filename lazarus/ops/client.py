@@ -1,12 +1,18 @@
 """The operator CLI on the gRPC API: `lazarus status|nodes|events|checkpoints|checkpoint now|
 drain|cordon|uncordon|pause|resume|cancel`.
 
-It finds the daemon from --address/--token (or --token-file), else $LAZARUS_ADDRESS /
+It finds the daemons from --address/--token (or --token-file), else $LAZARUS_ADDRESS /
 $LAZARUS_TOKEN, else the endpoint file `lazarus daemon` and `lazarus up` leave (see
-lazarus.core.endpoint_file); with several addresses, the first that answers serves. The token
-is the admin one or the daemon's read-only one (status, nodes, events, checkpoints); with the
-latter a command is refused with exit code 4. Tables by default, --json for scripts (events:
-one JSON object per line).
+lazarus.core.endpoint_file). Several addresses (HOST:PORT,HOST:PORT) are tried in turn: one
+that refuses the connection, makes none within CONNECT_S, or whose daemon cannot reach etcd
+gives way to the next. A read (status, nodes, events, checkpoints) takes the first that
+answers. A command goes to the daemon that says it leads (GetRunHealth's served_by_leader),
+else to the first that answers: any daemon takes one (it is an etcd write the leader acts
+on), the leader first so that the daemon that checks it (the node exists, the run's state
+fits) is the one that acts on it. That costs a GetRunHealth per daemon asked, and only with
+several addresses. The token is the admin one or the daemon's read-only one; with the latter
+a command is refused with exit code 4. Tables by default, --json for scripts (events: one
+JSON object per line).
 
 Exit codes: 0 done; 1 the daemon refused (no such node, not in this run state, ...);
 2 a bad argument; 3 the daemon (or its etcd) is unreachable; 4 the token was refused, or is
@@ -17,10 +23,12 @@ This module must stay light: no torch, nothing of the daemon.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,21 +37,29 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from lazarus.core import endpoint_file
+from lazarus.core import endpoint_file, settings
 from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from lazarus.proto.lazarus.v1 import lazarus_pb2_grpc as pb_grpc
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH = 1, 2, 3, 4
+# How long an address that is not the last may take to connect (TCP, and TLS's handshake)
+# before the next is tried: a host that is down drops the packets, and would otherwise hold
+# the CLI for the whole --timeout before the next daemon is asked.
+CONNECT_S = 3.0
+# Reads: any daemon serves them as well as the leader. Every other method is a command.
+_READS = frozenset({"GetRunHealth", "ListNodes", "ListCheckpoints", "WatchEvents"})
 
 
 class Failed(Exception):
-    """The call failed: a one-line message and the exit code that goes with it."""
+    """The call failed: a one-line message and the exit code that goes with it; `why`, for an
+    unreachable daemon, is the short reason a list of several names it by."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, why: str = ""):
         super().__init__(message)
         self.code = code
+        self.why = why
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,8 +76,9 @@ class Target:
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("daemon")
-    g.add_argument("--address", help="daemon API HOST:PORT (default: $LAZARUS_ADDRESS, else "
-                   "the endpoint file left by `lazarus daemon` / `lazarus up`)")
+    g.add_argument("--address", help="daemon API HOST:PORT, or several HOST:PORT,HOST:PORT "
+                   "tried in turn, commands to the leader first (default: $LAZARUS_ADDRESS, "
+                   "else the endpoint file left by `lazarus daemon` / `lazarus up`)")
     g.add_argument("--token", help="bearer token, admin or read-only (default: "
                    "$LAZARUS_TOKEN or the endpoint file); prefer --token-file, which does not "
                    "show in `ps`")
@@ -79,9 +96,10 @@ def _target(args: argparse.Namespace) -> Target:
         raise UserError("--timeout must be positive")
     token = args.token or (endpoint_file.load_token(args.token_file) if args.token_file
                            else None)
-    address = args.address or os.environ.get("LAZARUS_ADDRESS")
+    address = args.address or os.environ.get(settings.ADDRESS_ENV)
     if address:
-        addresses, source = [address], ("--address" if args.address else "$LAZARUS_ADDRESS")
+        source = "--address" if args.address else f"${settings.ADDRESS_ENV}"
+        addresses = settings.api_addresses(address, source)
         file_ep = None
     else:
         path = endpoint_file.default_path()
@@ -92,7 +110,9 @@ def _target(args: argparse.Namespace) -> Target:
         if file_ep.pid and not _alive(file_ep.pid):
             raise Failed(f"the daemon that wrote {path} (pid {file_ep.pid}) has exited; start "
                          "one or give --address", EXIT_UNREACHABLE)
-        addresses, source = file_ep.addresses, str(path)
+        source = str(path)
+        addresses = [settings.check_api_address(a, f"endpoint file {source!r}")
+                     for a in file_ep.addresses]
     token = token or os.environ.get("LAZARUS_TOKEN") or (file_ep.token if file_ep else None)
     tls_ca = args.tls_ca or (file_ep.tls_ca if file_ep else None)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -142,36 +162,117 @@ def _failure(err: grpc.RpcError, address: str, target: Target) -> Failed:
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return Failed(f"the daemon at {address} refused: {details}", EXIT_AUTH)
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith("etcd"):
-        return Failed(f"the daemon at {address} answered: {details}", EXIT_UNREACHABLE)
+        return Failed(f"the daemon at {address} answered: {details}", EXIT_UNREACHABLE,
+                      why=f"{address} answered: {details}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        first = details.splitlines()[0] if details else code.name
-        return Failed(f"cannot reach the daemon at {address} ({first}; from {target.source})",
-                      EXIT_UNREACHABLE)
+        return _unreachable(address, details.splitlines()[0] if details else code.name, target)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return Failed(details, EXIT_USAGE)
     return Failed(details or code.name, EXIT_REFUSED)
 
 
-def call(target: Target, method: str, request):
-    """A unary call on the first address that answers."""
-    failure: Failed | None = None
-    for address in target.addresses:
+def _unreachable(address: str, why: str, target: Target) -> Failed:
+    return Failed(f"cannot reach the daemon at {address} ({why}; from {target.source})",
+                  EXIT_UNREACHABLE, why=f"{address}: {why}")
+
+
+def _none_answered(failures: list[Failed], target: Target) -> Failed:
+    if len(failures) == 1:
+        return failures[0]
+    return Failed(f"no daemon answered ({'; '.join(f.why for f in failures)}; from "
+                  f"{target.source})", EXIT_UNREACHABLE)
+
+
+def _connected(channel: grpc.Channel, seconds: float) -> bool:
+    """Whether the channel got past connecting within `seconds`: ready, or failed for a reason
+    (refused, a TLS handshake gone wrong) that a call on it then gives at once."""
+    settled = threading.Event()
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN):
+            settled.set()
+
+    channel.subscribe(watch, try_to_connect=True)
+    try:
+        return settled.wait(seconds)
+    finally:
+        channel.unsubscribe(watch)
+
+
+def _channels(target: Target, addresses: list[str],
+              failures: list[Failed]) -> Iterator[tuple[str, grpc.Channel]]:
+    """Each address in turn with an open channel to it, closed when the next is asked for.
+    One that does not connect within CONNECT_S is passed over, its failure added to
+    `failures`; the last one is not timed apart: the call's own deadline rules it."""
+    wait_s = min(CONNECT_S, target.timeout_s)
+    for i, address in enumerate(addresses):
         with _channel(target, address) as channel:
-            try:
-                return getattr(pb_grpc.LazarusStub(channel), method)(
-                    request, timeout=target.timeout_s, metadata=_metadata(target))
-            except grpc.RpcError as e:
-                failure = _failure(e, address, target)
-                if failure.code != EXIT_UNREACHABLE:
-                    raise failure from None
-    assert failure is not None
-    raise failure
+            if i + 1 < len(addresses) and not _connected(channel, wait_s):
+                failures.append(_unreachable(address, f"no connection within {wait_s:g} s",
+                                             target))
+                continue
+            yield address, channel
+
+
+def _answers(target: Target, addresses: list[str], method: str,
+             request) -> Iterator[tuple[str, object]]:
+    """(address, reply) of each daemon of `addresses` that answers the unary `method`, in
+    turn; an unreachable one is passed over, any other failure raised as Failed, and so are
+    the unreachable ones when none answered."""
+    failures: list[Failed] = []
+    answered = False
+    for address, channel in _channels(target, addresses, failures):
+        try:
+            reply = getattr(pb_grpc.LazarusStub(channel), method)(
+                request, timeout=target.timeout_s, metadata=_metadata(target))
+        except grpc.RpcError as e:
+            failure = _failure(e, address, target)
+            if failure.code != EXIT_UNREACHABLE:
+                raise failure from None
+            failures.append(failure)
+            continue
+        answered = True
+        yield address, reply
+    if not answered:
+        raise _none_answered(failures, target)
+
+
+def _leader_first(target: Target) -> list[str]:
+    """The addresses to send a command to: the first whose daemon says it leads, then those
+    that answered before it as standbys, then the untried rest; without a leader among them,
+    those that answered. Addresses that did not answer are left out: a second try would cost
+    a second connect deadline."""
+    answered: list[str] = []
+    with contextlib.closing(_answers(target, target.addresses, "GetRunHealth",
+                                     pb.GetRunHealthRequest())) as answers:
+        for address, health in answers:
+            if health.served_by_leader:
+                rest = target.addresses[target.addresses.index(address) + 1:]
+                return [address, *answered, *rest]
+            answered.append(address)
+    return answered
+
+
+def call_at(target: Target, method: str, request) -> tuple[str, object]:
+    """A unary call and the address that answered it: a read on the first address that
+    answers, a command on the leader's first (see the module's docstring)."""
+    addresses = target.addresses
+    if method not in _READS and len(addresses) > 1:
+        addresses = _leader_first(target)
+    with contextlib.closing(_answers(target, addresses, method, request)) as answers:
+        return next(answers)
+
+
+def call(target: Target, method: str, request):
+    """A unary call's reply (see call_at)."""
+    return call_at(target, method, request)[1]
 
 
 def stream_events(target: Target, request: pb.WatchEventsRequest) -> Iterator[pb.Event]:
-    failure: Failed | None = None
-    for address in target.addresses:
-        with _channel(target, address) as channel:
+    failures: list[Failed] = []
+    with contextlib.closing(_channels(target, target.addresses, failures)) as daemons:
+        for address, channel in daemons:
             # A followed stream has no deadline; a plain listing has the usual one.
             timeout = None if request.follow else target.timeout_s
             delivered = False
@@ -186,8 +287,8 @@ def stream_events(target: Target, request: pb.WatchEventsRequest) -> Iterator[pb
                 # Another daemon would replay what was printed already: stop here instead.
                 if failure.code != EXIT_UNREACHABLE or delivered:
                     raise failure from None
-    assert failure is not None
-    raise failure
+                failures.append(failure)
+    raise _none_answered(failures, target)
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -227,7 +328,8 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def render_status(h: pb.RunHealth, now: float) -> None:
+def render_status(h: pb.RunHealth, now: float, address: str = "") -> None:
+    """The status table; `address`: where the daemon that answered was reached."""
     from rich.table import Table
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -262,12 +364,10 @@ def render_status(h: pb.RunHealth, now: float) -> None:
         _add(t, "paused", "a pause command is in force (lazarus resume)")
     if h.draining:
         _add(t, "draining", ", ".join(h.draining))
-    if h.HasField("leader"):
-        who = f"{h.leader.id} at {h.leader.api or '(no API)'}"
-        _add(t, "leader", who if h.served_by_leader else f"{who}; answered by standby "
-                                                        f"{h.served_by}")
-    else:
-        _add(t, "leader", f"none (answered by {h.served_by})")
+    _add(t, "leader", f"{h.leader.id} at {h.leader.api or '(no API)'}"
+         if h.HasField("leader") else "none")
+    who = f"{'leader' if h.served_by_leader else 'standby'} {h.served_by}"
+    _add(t, "answered", f"{address} ({who})" if address else who)
     _console().print(t)
 
 
@@ -337,11 +437,11 @@ def _none(p: argparse.ArgumentParser) -> None:
 
 def status_main(argv: list[str]) -> int:
     def body(args, target):
-        h = call(target, "GetRunHealth", pb.GetRunHealthRequest())
+        address, h = call_at(target, "GetRunHealth", pb.GetRunHealthRequest())
         if args.json:
             _print_json(h)
         else:
-            render_status(h, time.time())
+            render_status(h, time.time(), address)
         return 0
     return _run("lazarus status", argv, _none, body, "the run's health at a glance")
 

@@ -129,6 +129,7 @@ def _credentials(unit: Path, security, dest: Path) -> Path:
              "api-cert": api.cert, "api-key": api.key}
     dest.mkdir()
     (dest / "token").write_text("deploy-test-token\n")
+    (dest / "token").chmod(0o400)  # as LoadCredential= hands it over
     files["replica-key"] = dest / "replica-key.source"
     files["replica-key"].write_text("0123456789abcdef" * 4 + "\n")
     loaded = re.findall(r"^LoadCredential=([\w-]+):", unit.read_text(), re.M)

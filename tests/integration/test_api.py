@@ -455,6 +455,7 @@ def test_a_daemon_serves_both_roles_to_the_cli(etcd, keys, tmp_path):
     _populate(etcd, keys, t0=time.time())
     read_file = tmp_path / "read-token"
     read_file.write_text(READ_TOKEN + "\n")
+    read_file.chmod(0o600)  # a token file others may read is refused
     endpoint = tmp_path / "endpoint.json"
     env = {**os.environ, "LAZARUS_TOKEN": TOKEN}
     env.pop("LAZARUS_READ_TOKEN", None)
@@ -622,7 +623,7 @@ def test_cli_tables_and_json(etcd, keys, server, capsys):
     rc, out, _ = _cli(capsys, client.status_main, address=server)
     assert rc == 0
     assert "api (J1)  RUNNING" in out and "31/50" in out and "running 2, spare 1" in out
-    assert "step 30 (not yet good)" in out and "answered by standby standby-1" in out
+    assert "step 30 (not yet good)" in out and f"{server} (standby standby-1)" in out
     rc, out, _ = _cli(capsys, client.status_main, "--json", address=server)
     doc = json.loads(out)
     assert rc == 0 and doc["state"] == "RUNNING" and doc["step"] == "31"  # int64 as a string

@@ -93,6 +93,7 @@ def test_a_cluster_started_by_hand_does_what_its_flags_say(tmp_path):
     assert {Path(p).name for p in certs.stdout.split()} >= {"ca.pem", "server.pem", "client.pem"}
     token = tmp_path / "token"
     token.write_text("by-hand-token-0123456789\n")
+    token.chmod(0o600)  # a token file others may read is refused
     Collector.posts = []
     collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()

@@ -283,6 +283,7 @@ def test_with_insecure_the_daemon_serves_its_api_in_plaintext_off_loopback(serve
     """--insecure is the operator's explicit yes: the daemon starts, on every address."""
     token = tmp_path / "token"
     token.write_text("t0ken-0123456789abcdef")
+    token.chmod(0o600)  # a token file others may read is refused
     log = tmp_path / "daemon.log"
     with open(log, "wb") as out:
         daemon = subprocess.Popen(

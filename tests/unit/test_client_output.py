@@ -60,7 +60,7 @@ def test_status_table_shows_an_open_incident_and_a_standby_answering(capsys):
     client.render_status(h, time.time())
     out = capsys.readouterr().out
     assert "node_lost on n1 (round 3" in out and "node(s) n1 lost" in out
-    assert "answered by standby d2" in out
+    assert "answered    standby d2" in out
     assert "paused" in out and "draining    n1" in out
 
 

@@ -16,6 +16,7 @@ from lazarus.core.errors import UserError
 def test_a_short_token_file_is_refused_naming_the_file(tmp_path, text):
     path = tmp_path / "api-token"
     path.write_text(text)
+    path.chmod(0o600)  # a file others may read is refused first (test_token_file_mode.py)
     with pytest.raises(UserError) as e:
         endpoint_file.load_token(path)
     assert str(path) in str(e.value) and f"at least {endpoint_file.MIN_TOKEN_CHARS}" in str(e.value)
@@ -24,6 +25,7 @@ def test_a_short_token_file_is_refused_naming_the_file(tmp_path, text):
 def test_a_token_of_the_minimum_length_is_taken(tmp_path):
     path = tmp_path / "api-token"
     path.write_text("k" * endpoint_file.MIN_TOKEN_CHARS + "\n")
+    path.chmod(0o600)  # a file others may read is refused first (test_token_file_mode.py)
     assert endpoint_file.load_token(path) == "k" * endpoint_file.MIN_TOKEN_CHARS
 
 
@@ -31,6 +33,7 @@ def test_the_cli_refuses_a_short_token_file_in_one_line(tmp_path, capsys, monkey
     monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
     path = tmp_path / "token"
     path.write_text("t0ken\n")
+    path.chmod(0o600)  # a file others may read is refused first (test_token_file_mode.py)
     assert cli_main(["status", "--address", "127.0.0.1:1", "--token-file", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(path) in err and "5 characters" in err, err
