@@ -668,6 +668,30 @@ class Etcd:
             # past a large value, pages grow back as fast as the values let them
             keys = max(SAFE_PAGE_KEYS, min(PAGE_KEYS, 2 * keys, MAX_RECEIVE // 2 // max(page, 1)))
 
+    def created_after(self, prefix: str, *, after_revision: int, start: str | None = None
+                      ) -> tuple[list[KV], int]:
+        """The keys under `prefix` (from `start`, when given) created after `after_revision`,
+        in key order, paged at one revision; and that revision. etcd filters them: what is
+        sent is only what is new (a follower of an append-only prefix, as the events are)."""
+        begin = (start or prefix).encode()
+        end = prefix_range_end(prefix.encode())
+        revision, got, keys = 0, [], max(SAFE_PAGE_KEYS, self._fit(end))
+        while True:
+            req = rpc.RangeRequest(key=begin, range_end=end, revision=revision, limit=keys,
+                                   min_create_revision=after_revision + 1)
+            try:
+                resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
+            except EtcdTooLarge:
+                if keys == 1:
+                    raise
+                keys = SAFE_PAGE_KEYS if keys > SAFE_PAGE_KEYS else 1
+                continue
+            revision = revision or resp.header.revision
+            got += [_kv(raw) for raw in resp.kvs]
+            if not resp.more or not resp.kvs:
+                return got, revision
+            begin = resp.kvs[-1].key + b"\0"
+
     async def _unary(self, client: aetcd.Client, stub: str, method: str, request):
         """A call aetcd does not wrap (or wraps without paging): its stubs exist once
         connected."""

@@ -11,15 +11,8 @@ after the revision the previous poll read at; etcd filters them and sends only t
 
 from __future__ import annotations
 
-from aetcd import rpc
-from aetcd.utils import prefix_range_end
-
 from lazarus.core import etcd as E
 from lazarus.core.records import EventRecord, Keys, RecordError
-
-# Events per answer: a poll rarely finds more, and a hundred events of the usual size (a few
-# hundred bytes) fit one many times over.
-PAGE_EVENTS = 100
 
 
 class EventFeed:
@@ -27,8 +20,8 @@ class EventFeed:
         """`since_ns`: only the events whose keys are dated after it (by their writer's
         clock), e.g. since a job was submitted; else every event etcd holds, at first."""
         self.etcd = etcd
-        floor = keys.events if since_ns is None else f"{keys.events}{since_ns:020d}\0"
-        self._range = floor.encode(), prefix_range_end(keys.events.encode())
+        self._prefix = keys.events
+        self._start = None if since_ns is None else f"{keys.events}{since_ns:020d}\0"
         self._read_at = 0  # the revision of the last read; 0: none yet
 
     def new_events(self) -> list[EventRecord]:
@@ -46,32 +39,11 @@ class EventFeed:
     def _read(self) -> list[E.KV]:
         for _ in range(2):
             try:
-                return self._pages()
+                got, self._read_at = self.etcd.created_after(
+                    self._prefix, after_revision=self._read_at, start=self._start)
+                return got
             except E.EtcdCompacted:
                 continue  # compacted between two pages: read again at a newer revision
-        return self._pages()
-
-    def _pages(self) -> list[E.KV]:
-        (start, end), revision, got = self._range, 0, []
-        limit = PAGE_EVENTS
-        while True:
-            req = rpc.RangeRequest(key=start, range_end=end, revision=revision,
-                                   limit=limit, min_create_revision=self._read_at + 1)
-            try:
-                # Etcd has no ranged read with a revision filter: its loop, member failover
-                # and error mapping serve this one.
-                resp = self.etcd._run(lambda c: self.etcd._unary(c, "kvstub", "Range", req))
-            except E.EtcdTooLarge:
-                if limit == 1:
-                    raise
-                # etcd bounds each value, not an answer: an agent may have written a few
-                # huge ones, which fit one at a time
-                limit = 1
-                continue
-            revision = revision or resp.header.revision
-            got += [E._kv(raw) for raw in resp.kvs]
-            if not resp.more or not resp.kvs:
-                break
-            start = resp.kvs[-1].key + b"\0"
-        self._read_at = revision
+        got, self._read_at = self.etcd.created_after(
+            self._prefix, after_revision=self._read_at, start=self._start)
         return got

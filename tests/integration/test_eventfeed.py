@@ -5,7 +5,7 @@ returned all the same."""
 
 from __future__ import annotations
 
-from lazarus.core import eventfeed
+from lazarus.core import etcd as E
 from lazarus.core.eventfeed import EventFeed
 from lazarus.core.records import EventRecord
 
@@ -51,7 +51,7 @@ def test_since_leaves_out_the_events_dated_before_it(etcd, keys):
 
 
 def test_many_new_events_come_in_pages_in_key_order(etcd, keys, monkeypatch):
-    monkeypatch.setattr(eventfeed, "PAGE_EVENTS", 2)
+    monkeypatch.setattr(E, "PAGE_KEYS", 2)  # and SAFE_PAGE_KEYS is 2: pages of two
     feed = EventFeed(etcd, keys)
     _put(etcd, keys, NS, "0")
     assert _said(feed) == ["0"]
