@@ -1,0 +1,202 @@
+"""How a recovery's cost grows with the world (on demand):
+`pytest tests/bench/bench_round_scale.py -m bench -s` (BENCH_WORLDS=2,4,8,16 for the ranks,
+BENCH_STORE_RANKS=1024,4096,16384 for the store; docs/scale.md reads the figures).
+
+Two parts, each on one clock from the fault's injection:
+
+1. **Recoveries with real ranks**: `lazarus up` (gloo, the tiny model, tier 0 every step, a
+   checkpoint every 10) on W ranks -- 2 ranks a node, 2 to W/2 nodes -- and one rank
+   SIGKILLed at step 20. For each W: the fault -> detection -> the next round committed ->
+   each survivor's start (handover, rendezvous, build, restore, setup: lazarus.trainer.train
+   .StartTimes) -> the first step; and what does not depend on this machine's speed: the
+   TCP connections every rank holds once training again (gloo's full meshes), the ranks that
+   restarted in place.
+2. **The round's store under N simulated ranks** (tests/bench/storeload.py: a rank's
+   rendezvous operations, N client connections from 8 processes), in a network namespace of
+   its own when this process may make one: the store resolves every connection's peer name
+   on its one loop thread (docs/scale.md), and a DNS answer lost here costs that thread 5 s.
+
+Nothing asserts a time. The last line is the issue's summary:
+`scale: ranks=.. survivors_x=.. store_16k_s=.. predicted_16384x8_crash_s=.. predicted_16384x8_node_s=..`
+with the predictions of the model in tests/bench/scalemodel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lazarus.sim import up
+from tests.bench import scalemodel
+
+pytestmark = pytest.mark.bench
+
+WORLDS = [int(w) for w in os.environ.get("BENCH_WORLDS", "2,4,8").split(",")]
+STORE_RANKS = [int(n) for n in os.environ.get("BENCH_STORE_RANKS", "1024,4096,16384").split(",")]
+STORE_PROCS = 8
+FAULT_AT = 20
+START = re.compile(r"round (\d+) from (.+?) at step (\d+)( in place)?.*?: first step done "
+                   r"([\d.]+) s after the assignment \(handover ([\d.]+) s, rendezvous ([\d.]+) "
+                   r"s, build ([\d.]+) s, restore ([\d.]+) s, setup ([\d.]+) s, first step "
+                   r"([\d.]+) s\)")
+
+
+def _ranks() -> list[psutil.Process]:
+    """This process's rank processes: workers (parked ones too) below the agents."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            # a rank forked by the zygote carries the zygote's command line
+            if "worker" in cmd and ("--zygote" not in cmd or "--zygote" in p.parent().cmdline()):
+                out.append(p)
+        except (psutil.Error, AttributeError):
+            continue
+    return out
+
+
+class Connections(threading.Thread):
+    """The most ESTABLISHED TCP connections the ranks held at once (sampled)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.most = (0, 0)  # (total, ranks holding any)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.3):
+            total = holding = 0
+            for p in _ranks():
+                try:
+                    n = sum(1 for c in p.net_connections(kind="tcp") if c.status == "ESTABLISHED")
+                except psutil.Error:
+                    continue
+                total += n
+                holding += n > 0
+            self.most = max(self.most, (total, holding))
+
+
+def _starts(workdir: Path, round_: int) -> list[dict]:
+    rows = []
+    # a survivor goes on writing the log of the round it started in
+    for log in (workdir / "nodes" / "logs").glob("*/round-*/rank-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = START.search(line)
+            if m and int(m[1]) == round_:
+                rows.append({"rank": int(log.stem.split("-")[1]), "in_place": bool(m[4]),
+                             "total": float(m[5]),
+                             **dict(zip(("handover", "rendezvous", "build", "restore", "setup",
+                                         "first_step"), map(float, m.groups()[5:])))})
+    return rows
+
+
+def _recovery(tmp: Path, world: int) -> dict:
+    nodes = max(2, world // 2)
+    nproc = world // nodes
+    args = up._parse(["--workdir", str(tmp), "--quiet", "--nodes", str(nodes),
+                      "--nproc-per-node", str(nproc), "--spares", "0", "--model", "tiny",
+                      "--steps", str(FAULT_AT + 12), "--seq-len", "64",
+                      # divisible by each data-parallel degree the job may run at (lazarus
+                      # up's min_nodes is nodes - 1)
+                      "--global-batch",
+                      str(math.lcm(*(nproc * n for n in range(max(1, nodes - 1), nodes + 1)))),
+                      "--ckpt-every", "10",
+                      "--memory-every", "1", "--chaos", f"kill-worker@{FAULT_AT}"])
+    sampler = Connections()
+    sampler.start()
+    try:
+        summary = up.run(args)
+    finally:
+        sampler.stop.set()
+    assert summary["final_state"] == "SUCCEEDED", summary
+    (rec,) = summary["recoveries"]
+    (fault,) = summary["faults"]
+    events = [json.loads(line) for line in (tmp / "events.jsonl").open()]
+    injected = fault["time"]
+    detected = next(e["time"] for e in events if e["kind"] == "fault_detected"
+                    and e["time"] >= injected - 0.5)
+    committed = next(e for e in events if e["kind"] == "round_started" and e["time"] >= detected)
+    starts = _starts(tmp, committed["round"])
+    survivors = [s for s in starts if s["in_place"]]
+    own = ("handover", "rendezvous", "build", "restore", "setup")
+    return {
+        "world": world, "nodes": nodes,
+        "detect_s": detected - injected,
+        "decide_s": committed["time"] - detected,
+        # the survivors' part: from the round's assignment to their own state ready; their
+        # first step waits on the restarted rank, whose start is the crash's own cost
+        "survivors_s": max((sum(s[p] for p in own) for s in survivors), default=float("nan")),
+        "survivor_rendezvous_s": max((s["rendezvous"] for s in survivors), default=float("nan")),
+        "new_rank_s": max((s["total"] for s in starts if not s["in_place"]), default=float("nan")),
+        "first_step_s": max((s["first_step"] for s in starts), default=float("nan")),
+        "recovered_s": rec["recovered_after_s"],
+        "in_place": len(survivors), "ranks_started": len(starts),
+        "connections": sampler.most[0], "ranks_connected": sampler.most[1],
+    }
+
+
+def _store(n: int, netns: bool) -> dict:
+    """N simulated ranks' rendezvous on one store (tests/bench/storeload.py)."""
+    driver = Path(__file__).with_name("storeload_driver.py")
+    cmd = [sys.executable, str(driver), str(n), str(STORE_PROCS)]
+    if netns:
+        cmd = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                         cwd=Path(__file__).parents[2])
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(line)
+
+
+def _may_unshare() -> bool:
+    return (os.geteuid() == 0 and shutil.which("unshare") is not None
+            and subprocess.run(["unshare", "--net", "true"]).returncode == 0)
+
+
+@pytest.mark.timeout(7200)
+def test_recovery_cost_against_world_size(tmp_path):
+    rows = []
+    for w in WORLDS:
+        row = _recovery(tmp_path / f"w{w}", w)
+        rows.append(row)
+        print(f"\nworld {w:>3} ({row['nodes']} nodes): detect {row['detect_s']:.2f} s, decide "
+              f"{row['decide_s']:.2f} s, survivors {row['survivors_s']:.2f} s (rendezvous "
+              f"{row['survivor_rendezvous_s']:.2f} s), new rank {row['new_rank_s']:.2f} s, "
+              f"first step {row['first_step_s']:.2f} s, recovered {row['recovered_s']:.2f} s; "
+              f"{row['in_place']} of {row['ranks_started']} ranks in place; "
+              f"{row['connections']} TCP connections across {row['ranks_connected']} ranks",
+              flush=True)
+    netns = _may_unshare()
+    stores = []
+    for n in STORE_RANKS:
+        s = _store(n, netns)
+        stores.append(s)
+        print(f"store: {n} ranks' rendezvous in {s['wall_s']:.2f} s "
+              f"({s['wall_s'] / n * 1e3:.3f} ms a rank; the store's loop thread busy "
+              f"{s['server_cpu_s']:.2f} s){'' if netns else ' WITH DNS in the path'}", flush=True)
+    base = rows[0]["survivors_s"]
+    biggest = rows[-1]
+    # The store's own cost is its loop thread's: the wall here is bound by the 16,384
+    # simulated clients sharing this machine's cores with it.
+    fit = scalemodel.fit_store([(s["ranks"], s["server_cpu_s"]) for s in stores])
+    store_16k = fit(16384)
+    crash = scalemodel.predict(16384 * 8, kind="worker_crash", store=fit)
+    node = scalemodel.predict(16384 * 8, kind="node_lost", store=fit)
+    print(json.dumps({"rows": rows, "stores": stores}, indent=1))
+    print(scalemodel.table(fit))
+    print(f"survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
+                                             for r in rows))
+    print(f"scale: ranks={biggest['world']} survivors_x={biggest['survivors_s'] / base:.2f} "
+          f"store_16k_s={store_16k:.2f} predicted_16384x8_crash_s={crash.total:.1f} "
+          f"predicted_16384x8_node_s={node.total:.1f}")
