@@ -6,6 +6,12 @@ sample, config)` is the pure verdict. Failed means the next checkpoint would not
 exhausted); the daemon alerts (lazarus.daemon.hostalert), the trainer goes on and drops the
 saves the storage refuses, and a node whose own disk fails is swapped for an idle spare at a
 checkpoint. Degraded means it is getting there.
+
+The checkpoint dir is the job's: its user may own what lies in it, and the agent may hold
+rights that user lacks (root's, under --run-as). So the agent writes its probe only in a
+directory under its allowed roots, reached without following a symlink below them
+(lazarus.core.jobpaths.open_dir); one outside them is not sampled at all (the ranks refuse
+the job: docs/security.md, "The job's own code").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from lazarus.agent.gpu import DEGRADED, FAILED, HEALTHY
+from lazarus.core import jobpaths
 
 GiB = 1 << 30
 
@@ -44,6 +51,9 @@ class HostConfig:
     checkpoint_bytes: int = 0          # size of the last checkpoint, once known
     memory_degraded: float = 0.90      # share of memory in use
     memory_failed: float = 0.97
+    # where the agent lets jobs write (lazarus.core.jobpaths; empty: anywhere): the probe
+    # writes nowhere else
+    allowed_roots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,8 @@ class HostSample:
     # False: the directory is not there yet and was measured through the nearest existing
     # parent, where the trainer will create it (the first save of a run does).
     exists: bool = True
+    # Why the directory was not sampled: it lies outside the agent's allowed roots.
+    outside: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,21 +89,27 @@ class HostVerdict:
         return {"state": self.state, "reasons": list(self.reasons), "swap": self.swap}
 
 
-def _probe(directory: Path) -> str | None:
-    """Write, sync and remove a small file: what a checkpoint save will need. The file is a
-    new one of an unguessable name: a checkpoint dir others may write to can hold a symlink
-    planted where a predictable name would be, and a write must not go through it."""
-    path = directory / f".lazarus-probe-{secrets.token_hex(8)}"
+def _said(e: OSError) -> str:
+    return f"{errno.errorcode.get(e.errno, 'error')}: {e.strerror}"
+
+
+def _probe(directory: int) -> str | None:
+    """Write, sync and remove a small file in the directory open as `directory`: what a
+    checkpoint save will need. The file is a new one of an unguessable name: a checkpoint dir
+    others may write to can hold a symlink planted where a predictable name would be, and a
+    write must not go through it."""
+    name = f".lazarus-probe-{secrets.token_hex(8)}"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                     dir_fd=directory)
         try:
             os.write(fd, b"lazarus probe\n" * 64)
             os.fsync(fd)
         finally:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(name, dir_fd=directory)
     except OSError as e:
-        return f"{errno.errorcode.get(e.errno, 'error')}: {e.strerror}"
+        return _said(e)
     return None
 
 
@@ -125,21 +143,30 @@ def sample_host(config: HostConfig) -> HostSample:
     directory = Path(config.checkpoint_dir)
     mem = psutil.virtual_memory()
     missing = tuple(m for m in config.required_mounts if not os.path.ismount(m))
+    host = {"checkpoint_dir": str(directory), "memory_used": 1 - mem.available / mem.total,
+            "memory_available_bytes": mem.available, "missing_mounts": missing}
+    unseen = {**host, "free_bytes": None, "total_bytes": None, "exists": False}
+    if why := jobpaths.outside({"checkpoint dir": str(directory)}, config.allowed_roots):
+        return HostSample(**unseen, write_error=None, outside=why)
     where = directory
     while not where.exists() and where != where.parent:
         where = where.parent   # a run's directory appears with its first save
     if not where.is_dir() or (where != directory and not os.access(where, os.W_OK | os.X_OK)):
-        return HostSample(checkpoint_dir=str(directory), free_bytes=None, total_bytes=None,
-                          write_error=f"the directory does not exist and {where} does not "
-                                      "let it be created",
-                          memory_used=1 - mem.available / mem.total,
-                          memory_available_bytes=mem.available, missing_mounts=missing,
-                          exists=False)
-    usage = psutil.disk_usage(str(where))
-    return HostSample(checkpoint_dir=str(directory), free_bytes=usage.free,
-                      total_bytes=usage.total, write_error=_probe(where),
-                      memory_used=1 - mem.available / mem.total,
-                      memory_available_bytes=mem.available, missing_mounts=missing,
+        return HostSample(**unseen, write_error=f"the directory does not exist and {where} "
+                                                "does not let it be created")
+    try:
+        fd = jobpaths.open_dir(where, config.allowed_roots)
+    except ValueError as e:  # not made yet, nor is the root above it
+        return HostSample(**unseen, write_error=None, outside=str(e))
+    except OSError as e:     # a symlink swapped in below the root since it was resolved
+        return HostSample(**unseen, write_error=f"{where}: {_said(e)}")
+    try:
+        usage = os.fstatvfs(fd)
+        error = _probe(fd)
+    finally:
+        os.close(fd)
+    return HostSample(**host, free_bytes=usage.f_bavail * usage.f_frsize,
+                      total_bytes=usage.f_blocks * usage.f_frsize, write_error=error,
                       io_errors=_io_errors(_device_of(where.resolve())),
                       exists=where == directory)
 
@@ -158,7 +185,9 @@ def assess_host(previous: HostSample | None, sample: HostSample,
     degraded: list[str] = []
     conditions: set[str] = set()
     s = sample
-    if s.write_error:
+    if s.outside:
+        pass  # not the node's to judge: the ranks refuse the job
+    elif s.write_error:
         failed.append(f"checkpoint dir {s.checkpoint_dir} is not writable ({s.write_error})")
     elif existed and not s.exists:
         failed.append(f"checkpoint dir {s.checkpoint_dir} disappeared after it existed")

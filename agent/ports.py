@@ -129,7 +129,9 @@ class NodePorts:
         c = self.config
         return NodeHealth(gpu_backend=c.gpu_backend, gpus=c.nproc,
                           fault_script=c.gpu_faults or c.workdir / f"{c.node}.gpu-faults.json",
-                          host_limits=c.host_limits)
+                          # its probe writes under the allowed roots only (lazarus.agent.host)
+                          host_limits={**(c.host_limits or {}),
+                                       "allowed_roots": c.allowed_roots})
 
     def workers(self, agent_grace_s: float, script_pg_timeout_s: float) -> Workers:
         c = self.config

@@ -6,9 +6,12 @@ may raise to a failure with its reason, and measures its cost:
     gpu          every GPU the node should have is there and healthy by the GPU monitor's
                  rules (lazarus.agent.gpu: NVML, or the simulated backend without GPUs)
     storage      a file of a few MB written, fsynced, dropped from the page cache, read back
-                 and compared, in the agent's work dir and the job's checkpoint dir
+                 and compared, in the agent's work dir and the job's checkpoint dir (only
+                 under the agent's allowed roots, reached through no symlink below them:
+                 lazarus.core.jobpaths.open_dir; the job's user may own what is there)
     checkpoint   a small state dict saved and loaded through torch.distributed.checkpoint
                  (the trainer's path to storage) in the checkpoint dir, compared, removed
+                 (as the ranks' user where they have one; skipped outside the allowed roots)
     clock        this host's wall clock against the etcd leader's (lazarus.agent.clockskew)
     collective   an all-reduce, checked, with its bus bandwidth (lazarus.agent.collective_check):
                  gloo with one member of the current round when there is one and the node
@@ -41,6 +44,7 @@ from lazarus.agent import collective_check as coll
 from lazarus.agent.dcpprobe import checkpoint_round_trip, os_error
 from lazarus.agent.gpu import HEALTHY, GpuVerdict
 from lazarus.core import etcd as E
+from lazarus.core import jobpaths
 from lazarus.core.etcd_auth import EtcdAuth
 
 log = logging.getLogger(__name__)
@@ -87,6 +91,9 @@ class PreflightConfig:
     # the checkpoint test then runs as them, zygote or not.
     run_as: object = None
     child_env: dict | None = None
+    # Where the agent lets jobs write (lazarus.core.jobpaths; empty: anywhere): the tests in
+    # the job's checkpoint dir run only there.
+    allowed_roots: tuple[str, ...] = ()
 
 
 def timed(name: str, fn: Callable[[], tuple[bool, str]]) -> Check:
@@ -116,33 +123,45 @@ def gpus(verdicts: Sequence[GpuVerdict], expected: int, backend: str) -> tuple[b
 
 
 # -- storage -----------------------------------------------------------------------------------
-def storage(directories: Sequence[Path], nbytes: int) -> tuple[bool, str]:
-    """Write, fsync, read back and compare `nbytes` in each directory. The pages are dropped
-    from the cache after the fsync so that the read comes from the device where the
-    filesystem allows it (tmpfs and some network filesystems keep them)."""
+def storage(directories: Sequence[Path], nbytes: int, *,
+            allowed_roots: Sequence[str] = ()) -> tuple[bool, str]:
+    """Write, fsync, read back and compare `nbytes` in each directory (one outside
+    `allowed_roots` is skipped, reached as lazarus.core.jobpaths.open_dir does). The pages
+    are dropped from the cache after the fsync so that the read comes from the device where
+    the filesystem allows it (tmpfs and some network filesystems keep them)."""
     done = []
     for d in directories:
         if not d.is_dir():
             done.append(f"{d} not there yet")
             continue
         data = os.urandom(nbytes)
-        path = d / f".lazarus-preflight-{secrets.token_hex(8)}"
         try:
-            back = _write_read(path, data)
+            fd = jobpaths.open_dir(d, allowed_roots)
+        except ValueError:
+            done.append(f"{d} skipped (outside the allowed roots)")
+            continue
         except OSError as e:
             return False, f"{d}: {os_error(e)}"
+        try:
+            back = _write_read(fd, f".lazarus-preflight-{secrets.token_hex(8)}", data)
+        except OSError as e:
+            return False, f"{d}: {os_error(e)}"
+        finally:
+            os.close(fd)
         if back != data:
             return False, f"{d}: read back {len(back)} bytes that differ from those written"
         done.append(str(d))
     return True, f"{nbytes // MiB} MiB written, synced, read back: {', '.join(done)}"
 
 
-def _write_read(path: Path, data: bytes) -> bytes:
-    """Write `data` to a new file, fsync it, drop it from the cache, read it back, remove it.
-    The file is created here or not at all (O_EXCL, O_NOFOLLOW) and read back through the same
-    descriptor: the checkpoint dir may be writable by others, who must not get a write through
-    a symlink planted at its name, nor swap the file before the read."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _write_read(directory: int, name: str, data: bytes) -> bytes:
+    """Write `data` to a new file `name` in the directory open as `directory`, fsync it, drop
+    it from the cache, read it back, remove it. The file is created here or not at all
+    (O_EXCL, O_NOFOLLOW) and read back through the same descriptor: the checkpoint dir may be
+    writable by others, who must not get a write through a symlink planted at its name, nor
+    swap the file before the read."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                 dir_fd=directory)
     try:
         view = memoryview(data)
         while view:
@@ -156,7 +175,7 @@ def _write_read(path: Path, data: bytes) -> bytes:
     finally:
         os.close(fd)
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=directory)
         except FileNotFoundError:
             pass
 
@@ -208,14 +227,27 @@ def run_checks(config: PreflightConfig, *, gpu_verdicts: Callable[[], tuple[list
         verdicts, backend = gpu_verdicts()
         return gpus(verdicts, c.expected_gpus, backend)
 
-    dirs = [c.workdir] + ([c.checkpoint_dir] if c.checkpoint_dir is not None else [])
+    def storage_check() -> tuple[bool, str]:
+        # the work dir is the agent's (or, under --run-as, the ranks' in the agent's): no root
+        ok, said = storage([c.workdir], c.storage_bytes)
+        if not ok or c.checkpoint_dir is None:
+            return ok, said
+        ok, more = storage([c.checkpoint_dir], c.storage_bytes, allowed_roots=c.allowed_roots)
+        return ok, f"{said}; {more}" if ok else more
+
+    def checkpoint_check() -> tuple[bool, str]:
+        where = c.checkpoint_dir or c.workdir
+        if c.checkpoint_dir is not None and jobpaths.outside(
+                {"checkpoint dir": str(where)}, c.allowed_roots):
+            return True, f"skipped: {where} is outside the allowed roots"
+        if c.zygote is None and c.run_as is None:
+            return checkpoint_round_trip(where)
+        return coll.checkpoint(str(where), zygote=c.zygote, user=c.run_as, env=c.child_env)
+
     steps: list[tuple[str, Callable[[], tuple[bool, str]]]] = [
         ("gpu", gpu_check),
-        ("storage", lambda: storage(dirs, c.storage_bytes)),
-        ("checkpoint", lambda: checkpoint_round_trip(c.checkpoint_dir or c.workdir)
-         if c.zygote is None and c.run_as is None else coll.checkpoint(
-             str(c.checkpoint_dir or c.workdir), zygote=c.zygote, user=c.run_as,
-             env=c.child_env)),
+        ("storage", storage_check),
+        ("checkpoint", checkpoint_check),
         ("clock", lambda: clock(etcd, c.skew_limit_s, now=now)),
         ("collective", lambda: coll.with_peer(*c.pair, host=c.host, nbytes=c.collective_bytes,
                                               min_bus_gbps=c.min_bus_gbps, zygote=c.zygote)

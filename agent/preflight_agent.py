@@ -39,7 +39,9 @@ def checks(agent: Agent) -> list[pre.Check]:
                                  # own, none in the agent (docs/constraints.md)
                                  zygote=agent.workers.ready_zygote(ZYGOTE_START_S),
                                  run_as=agent.cfg.run_as,
-                                 child_env=agent.workers.env if agent.cfg.run_as else None)
+                                 child_env=agent.workers.env if agent.cfg.run_as else None,
+                                 # the job's dir is tested only under them
+                                 allowed_roots=agent.cfg.allowed_roots)
     gpu = agent.health.gpu
     done = pre.run_checks(config, etcd=agent.etcd,
                           gpu_verdicts=lambda: (list(gpu.verdicts), gpu.backend.name))

@@ -15,7 +15,9 @@ is adopted (`adopt_claims`) only if it is of the run's job and
 The job's ranks write that dir, so the manifest is read as a file they control
 (lazarus.core.jobfile: no FIFO, symlink or giant), and the storage in threads beside the
 decision pass, which waits for it READ_WAIT_S at most (docs/security.md, "The job's own code").
-A job that runs its own script names no checkpoint dir: its claims are taken as they are.
+A job of its own script is held to the same dir when its job file names one; one that
+names none (`lazarus run`'s) has its claims taken as they are, and retention keeps the record
+its rounds restored from, so forged claims cannot push that out.
 A claim never replaces the record of its step, unless the daemon reads another manifest there
 than the one the record was adopted with (the trainer saved the step again, after a rollback):
 so no agent can mark a record good again, move it elsewhere or lose it. Each claim is deleted
@@ -191,8 +193,9 @@ def _check(rec: CheckpointRecord, job: JobSpec,
            read_manifest: Callable[[str], _Manifest | str | None]) -> Verdict:
     root = checkpoint_dir(job)
     if root is None:
-        # A job of its own script (no built-in trainer) names no dir the daemon could hold
-        # its records to: nothing to check them against.
+        # A job of its own script that names no dir (`lazarus run` names none): nothing to
+        # hold its claims to; retention keeps the record its rounds restored from
+        # (docs/security.md, "The job's own code", says what is left open).
         return Verdict(None)
     if not rec.path or "\0" in rec.path:
         return Verdict("its path is empty")

@@ -212,8 +212,25 @@ def _hang(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
         culprits, reason = sorted(reports), verdict.reason
     stacks = [_clip(str(view.node_status[n].hang.get("stacks"))) for n in reports]
     return _to_recovering(now, st, "hang", culprits,
-                          f"hang: {reason} (stacks: {', '.join(stacks)})",
+                          f"hang: {reason}; {_allowance(reports, culprits)} "
+                          f"(stacks: {', '.join(stacks)})",
                           min(started))
+
+
+def _allowance(reports: dict[str, HangVerdict], culprits: list[str]) -> str:
+    """The allowance that ran out, as the agent that reported it said it ("allowance 10.0 s
+    = the 10 s floor (...)": lazarus.agent.hang), a culprit's where one reported."""
+    node = next((n for n in culprits if n in reports),
+                max(sorted(reports), key=lambda n: reports[n].stalled_s))
+    verdict = reports[node]
+    said = verdict.reason
+    start = said.find("(allowance ")
+    depth = 0
+    for end in range(start, len(said)) if start >= 0 else ():
+        depth += {"(": 1, ")": -1}.get(said[end], 0)
+        if depth == 0:  # the parenthesis that opened it, closed
+            return _clip(f"allowance on {node}: {said[start + len('(allowance '):end]}")
+    return f"allowance on {node}: {verdict.timeout_s:.1f} s"  # a report that did not say
 
 
 def _peer_in_long_phase(now: float, view: ClusterView, st: RunStatus, reporting: set[str],

@@ -4,9 +4,13 @@ minutes (docs/architecture.md, "Keyspace and retention").
 
 What goes is chosen by `plan()`, a pure function of one snapshot and the clock: past a count
 (the newest N of each kind stay) or an age (records that carry a time: events and checkpoint
-records), never the round the run is in, the checkpoint it restores, or the newest good
+records), never the round the run is in, the checkpoint it restores, the newest good
 checkpoint of its job that passes the daemon's check (lazarus.daemon.ckptcheck: records of an
-older version were agents' to write, and forged newer ones must not push the real one out).
+older version were agents' to write, and forged newer ones must not push the real one out),
+nor the newest good one a round of the job restored. That last is the one the ranks
+themselves vouched for (one that failed its restore is marked bad): where the daemon does not
+see the storage, the check cannot tell a forged `step-N` claim from a real one, and N forged
+newer records would otherwise leave nothing real in etcd to fall back to.
 Checkpoint claims need no retention: the leader deletes each as it judges it. Retention deletes
 records only, never a directory: what is on disk is the trainer's (keep_last, by manifests). The Pruner appends what goes to the daemon's history files
 (lazarus.daemon.history) and only then deletes it, in transactions fenced on the leader's
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from lazarus.core import etcd as E
 from lazarus.core.errors import UserError
 from lazarus.core.jobspec import JobSpec
-from lazarus.core.records import CheckpointRecord, Keys, RecordError, RunStatus
+from lazarus.core.records import CheckpointRecord, Keys, RecordError, RoundRecord, RunStatus
 from lazarus.daemon import ckptcheck
 from lazarus.daemon.history import CHECKPOINTS, EVENTS, ROUNDS, History
 from lazarus.daemon.leader import Leadership
@@ -85,7 +89,7 @@ def plan(now: float, snap: E.Snapshot, keys: Keys,
     return {EVENTS: _events(now, snap.prefix(keys.events), keys, retention),
             ROUNDS: _rounds(snap.prefix(keys.rounds), keys, retention, status),
             CHECKPOINTS: _checkpoints(now, snap.prefix(keys.checkpoints), keys, retention,
-                                      status, job)}
+                                      status, job, _restored(snap.prefix(keys.rounds)))}
 
 
 def _record(snap: E.Snapshot, key: str, cls):
@@ -119,8 +123,22 @@ def _rounds(kvs: dict[str, E.KV], keys: Keys, retention: Retention,
     return [kv for n, kv in numbered[:cut] if n != current]
 
 
+def _restored(kvs: dict[str, E.KV]) -> set[tuple[str, int, str]]:
+    """(path, step, job) of every checkpoint a round in `kvs` restored from storage."""
+    out = set()
+    for key, kv in kvs.items():
+        try:
+            rec = RoundRecord.from_json(kv.value, key)
+        except RecordError:
+            continue
+        if rec.restore:
+            out.add((rec.restore, rec.restore_step, rec.job_id))
+    return out
+
+
 def _checkpoints(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retention,
-                 status: RunStatus | None, job: JobSpec | None = None) -> list[E.KV]:
+                 status: RunStatus | None, job: JobSpec | None = None,
+                 restored: set[tuple[str, int, str]] = frozenset()) -> list[E.KV]:
     records = []
     for key, kv in kvs.items():
         if _NUMBERED.fullmatch(key[len(keys.checkpoints):]):
@@ -137,9 +155,13 @@ def _checkpoints(now: float, kvs: dict[str, E.KV], keys: Keys, retention: Retent
         newest = next((r for r in reversed(records)
                        if r[2] is not None and r[2].job_id == status.job_id and r[2].good
                        and (not checked or ckptcheck.why_not(r[2], job) is None)), None)
-        protected = {r[0] for r in [newest] if r is not None} | {r[0] for r in records
-                                                 if r[2] is not None and status.restore
-                                                 and r[2].path == status.restore}
+        # the newest good one a round restored: what the ranks verified, forged or not
+        vouched = next((r for r in reversed(records)
+                        if r[2] is not None and r[2].job_id == status.job_id and r[2].good
+                        and (r[2].path, r[2].step, r[2].job_id) in restored), None)
+        protected = {r[0] for r in [newest, vouched] if r is not None} | {
+            r[0] for r in records
+            if r[2] is not None and status.restore and r[2].path == status.restore}
     cut = max(0, len(records) - retention.checkpoints)
     return [kv for i, (step, kv, rec) in enumerate(records)
             if step not in protected and (i < cut or (

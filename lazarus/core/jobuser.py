@@ -11,6 +11,7 @@ never to list or write.
 from __future__ import annotations
 
 import ctypes
+import grp
 import os
 import pwd
 import stat
@@ -27,6 +28,10 @@ from lazarus.core.privatedir import set_dir
 # they write (FOWNER), read and rotate their files (DAC_OVERRIDE), stop them (KILL).
 CAPABILITIES = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_KILL": 5,
                 "CAP_SETGID": 6, "CAP_SETUID": 7}
+
+# Groups whose members are root in all but name (docker's socket, sudo, raw disks, lxd's
+# containers, the logs adm reads): a job user in one hands that to every job's code.
+PRIVILEGED_GROUPS = ("docker", "sudo", "wheel", "adm", "disk", "lxd")
 
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _CAP_V3 = 0x20080522
@@ -74,7 +79,8 @@ class JobUser:
     def resolve(cls, spec: str) -> JobUser:
         """The user of `spec`: a user name, or `UID[:GID]` (a container's user need not be
         in its /etc/passwd: then it has no home, and its group is GID, else UID). Checked:
-        not root, not this process's own user; UserError naming the problem otherwise."""
+        not root, not this process's own user, in no group of root's, the agent's or
+        PRIVILEGED_GROUPS (primary or supplementary); UserError naming the problem otherwise."""
         uid_text, sep, gid_text = spec.partition(":")
         numeric = uid_text.isdigit() and (not sep or gid_text.isdigit())
         if sep and not numeric:
@@ -97,9 +103,13 @@ class JobUser:
         if gid == 0 or gid == os.getegid():
             raise UserError(f"--run-as {spec!r}: its group ({gid}) is root's or the agent's; "
                             f"the ranks' group may pass the agent's directories")
+        groups = () if entry is None else tuple(
+            g for g in os.getgrouplist(entry.pw_name, gid) if g != gid)
+        if why := _privileged(gid, groups):
+            raise UserError(f"--run-as {spec!r}: it is in {why}, which every job's code "
+                            "would hold; give the jobs a user in none of them")
         if entry is None:
             return cls(str(uid), uid, gid, (), "")
-        groups = tuple(g for g in os.getgrouplist(entry.pw_name, gid) if g != gid)
         return cls(entry.pw_name, uid, gid, groups, entry.pw_dir)
 
     def popen_kwargs(self) -> dict:
@@ -164,6 +174,20 @@ class JobUser:
         if not self.can_pass(path):
             raise UserError(f"{what} {str(path)!r}: the ranks' user {self.name} cannot reach it "
                             f"(a directory on the way closed to it); give one it can reach")
+
+
+def _privileged(gid: int, groups: tuple[int, ...]) -> str | None:
+    """Which of the user's groups (its primary `gid` first) would give its processes more
+    than a user's rights, said as "group NAME (GID)"; None when none would."""
+    for g in (gid, *groups):
+        try:
+            name = grp.getgrgid(g).gr_name
+        except KeyError:
+            name = ""
+        if g == 0 or g == os.getegid() or name in PRIVILEGED_GROUPS:
+            whose = "root's" if g == 0 else "the agent's" if g == os.getegid() else name
+            return f"group {name or g} ({g}, {whose})" if name != whose else f"group {name} ({g})"
+    return None
 
 
 def job_dir(workdir: Path) -> Path:

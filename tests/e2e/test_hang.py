@@ -89,6 +89,8 @@ def test_a_rank_frozen_with_sigstop_is_named_alone_at_a_step_and_inside_a_checkp
                                                                       ("hang", "n0")]
     for e, node in zip(hangs, ("n1", "n0")):
         assert f"rank {0 if node == 'n0' else 1} is frozen (stopped" in e.message, e.message
+        # what the culprit's agent gave its rank, and from what (4 s floor; 8 s in the save)
+        assert f"; allowance on {node}: " in e.message and " s = " in e.message, e.message
         # the allowance (4 s floor; 8 s in the save), the stack capture's 3 s, the reports
         assert e.time - frozen_at[node] < 30, (node, e.time - frozen_at[node])
     # In place (docs/inplace.md): n0's rank, the frozen one's victim, was released when n1's

@@ -379,8 +379,8 @@ def test_garbage_health_reads_as_healthy():
                   ).actions == []
 
 
-def _hang_report(at, positions):
-    return {"culprits": [], "reason": "stalled", "stalled_s": 12.0, "timeout_s": 10.0,
+def _hang_report(at, positions, reason="stalled"):
+    return {"culprits": [], "reason": reason, "stalled_s": 12.0, "timeout_s": 10.0,
             "at": at, "stacks": "/w/hangs/x.txt",
             "positions": {str(r): {"step": st, "phase": ph, "seq": seq, "stalled_s": 12.0,
                                    "op": ""} for r, (st, ph, seq) in positions.items()}}
@@ -391,11 +391,15 @@ def test_hang_waits_for_all_reports_then_names_the_rank_behind():
     v = view(status=status(RUNNING), node_status=[a, ns("b", "running", step=9)])
     d = decide(NOW, v)
     assert d.actions == [] and "waiting for the others" in d.reason
-    v.node_status["b"] = ns("b", "running", step=9,
-                            hang=_hang_report(NOW - 0.5, {1: (9, "optimizer", 38)}))
+    v.node_status["b"] = ns("b", "running", step=9, hang=_hang_report(
+        NOW - 0.5, {1: (9, "optimizer", 38)}, reason="no progress for 12.0 s (allowance "
+        "10.0 s = the 10 s floor (3 x 0.20 s, the lower quartile)): rank 1 is behind"))
     st = only(decide(NOW, v).actions, SetStatus).status
     assert st.incident["kind"] == "hang" and st.incident["culprit"] == "b"
     assert st.incident["fault_at"] == NOW - 1 - 12.0
+    # the culprit's agent said how long its ranks had, and from what
+    assert ("; allowance on b: 10.0 s = the 10 s floor (3 x 0.20 s, the lower quartile) "
+            "(stacks: ") in st.reason, st.reason
 
 
 def test_a_lone_hang_report_waits_out_a_stack_capture_then_blames_the_silent_node():
@@ -408,7 +412,7 @@ def test_a_lone_hang_report_waits_out_a_stack_capture_then_blames_the_silent_nod
     st = only(decide(NOW, view(status=status(RUNNING), node_status=[a])).actions,
               SetStatus).status
     assert st.incident["kind"] == "hang" and st.incident["culprit"] == "b"
-    assert "no report from b" in st.reason
+    assert "no report from b; allowance on a: 10.0 s (stacks: " in st.reason, st.reason
 
 
 def test_unreadable_hang_report_is_ignored():
