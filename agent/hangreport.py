@@ -44,10 +44,13 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
     # asked first, read after the stacks: the ranks write both meanwhile
     flying = ask_flight_records(pids, stacks_dir)
     request_flight_recorder_dumps(stacks_dir, sorted(g.ranks.values()))  # NCCL's own
+    taken_at = time.monotonic()
     before = frozen.samples(pids)
-    deadline = time.monotonic() + STACK_CAPTURE_S
+    deadline = taken_at + STACK_CAPTURE_S
     dump = capture(pids, stacks_dir, timeout_s=STACK_CAPTURE_S)
-    after = frozen.samples(pids)
+    # A main thread in D is sampled again a moment later, even when another of its threads
+    # answered the dump at once: staying there is what names it stuck in the kernel.
+    after = frozen.settled(pids, before, taken_at)
     # Within the stacks' own deadline, never after: the daemon's wait for the other nodes'
     # reports is sized on it, and a stopped rank (the culprit) answers neither.
     flights = flight_records(flying, stacks_dir, timeout_s=max(0.0, deadline - time.monotonic()))
@@ -65,6 +68,7 @@ def report(agent: Agent, g: Group, verdict: HangVerdict) -> None:
     # The file the daemon's hang event names: its first line says how long the ranks had.
     saved.write_text(f"=== hang in round {g.round} on {agent.cfg.node}: {stalled} ===\n" + "".join(
         f"=== rank {g.ranks.get(lr)} pid {p.pid} ===\n"
+        f"{_frozen_line(stuck.get(g.ranks.get(lr)), after.get(p.pid), p.pid in dump)}"
         f"{_flight_line(flights.get(p.pid), p.pid in flying)}"
         f"{dump.get(p.pid, _silent(p.pid, after, stuck.get(g.ranks.get(lr))))}\n"
         for lr, p in sorted(g.procs.items())))
@@ -88,6 +92,15 @@ def _flight_line(record: bytes | None, asked: bool) -> str:
     if record is not None:
         return f"collectives (flight recorder): {describe_flight(record)}\n"
     return "collectives (flight recorder): no answer\n" if asked else ""
+
+
+def _frozen_line(why: str | None, state: frozen.ProcSample | None, answered: bool) -> str:
+    """The stacks file's line on a frozen rank whose stack is there all the same: another
+    of its threads answered the dump while the main thread was stuck (lazarus.agent.frozen)."""
+    if not why or not answered:
+        return ""
+    threads = f" (thread states, the main one's first: {state.threads})" if state else ""
+    return f"frozen: {why}{threads}\n"
 
 
 def _silent(pid: int, after: dict, why: str | None) -> str:

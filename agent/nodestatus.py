@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 
 # A status period is stretched by up to this fraction at random each time (see `Publisher`).
 PERIOD_JITTER = 0.2
+# A checkpoint or eval under way is published once it has lasted this part of the hang floor.
+# The daemon reads it only to hold the hang reports of other nodes whose ranks wait for it,
+# and those come after a whole allowance (the floor at least): a save shorter than this
+# stalls nobody long enough to matter, and costs no write (it was two per node per save:
+# docs/architecture.md, "Write budget").
+LONG_PHASE_SHOWN = 0.25
 
 
 def workers_state(agent: Agent, step: int) -> str:
@@ -47,7 +53,7 @@ def state(agent: Agent) -> tuple:
     with agent._lock:
         r = agent.report
         step, spikes = r.step["step"], len(r.spikes)
-        long_phase = bool(r.long_phase.get("since"))
+        long_phase = bool(_long_phase(agent, r.long_phase, time.time()).get("since"))
         refused = bool(r.refused)
         restore_failed = r.restore_failed.get("kind")
         hang = r.hang is not None
@@ -66,7 +72,7 @@ def build(agent: Agent) -> NodeStatus:
         st = dict(r.step)
         spikes = list(r.spikes)
         throughput = agent.throughput.summary()
-        long_phase = dict(r.long_phase)
+        long_phase = _long_phase(agent, r.long_phase, time.time())
         refused = r.refused
         restore_failed = dict(r.restore_failed)
         hang, job_id, world_size = r.hang, r.job_id, r.world_size
@@ -86,6 +92,16 @@ def build(agent: Agent) -> NodeStatus:
         restore_failed=restore_failed, output_tail=_output_tail(agent, g),
         in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [],
         anew=_anew(g))
+
+
+def _long_phase(agent: Agent, phase: dict, now: float) -> dict:
+    """The long phase as the status says it: one under way only once it has lasted
+    LONG_PHASE_SHOWN of the hang floor, so that a status written meanwhile never holds the
+    daemon with a save that ended unseen."""
+    since = phase.get("since")
+    if since and now - since < LONG_PHASE_SHOWN * agent.hangs.config.floor_s:
+        return {"since": 0.0, "until": phase.get("until", 0.0)}
+    return dict(phase)
 
 
 def _anew(g: Group | None) -> dict[str, list[int]]:

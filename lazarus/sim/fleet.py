@@ -15,7 +15,13 @@ only what an agent drives -- processes, sockets, GPUs -- never what it decides:
   heavy for thousands in one process), and its etcd reads and lease are served by the fleet.
 - Its ranks are `SimRank`s handed out by the agent's own `Workers` (one seam: `_spawn`); they
   take the real assignment line, step on a shared clock once their round's whole world has
-  joined, and exit with the codes real ranks use (a crash, PEER_LOST when a peer goes).
+  joined, and exit with the code real ranks use for a crash. They tell their agent what real
+  ranks do, so that a node status carries what a real one does: each step's report (with its
+  work time and data window: the throughput summary), a tier-0 snapshot each step (the
+  node's holdings, its own ranks' and its ring predecessor's, steps advancing), their
+  checkpoint phases (progress records in and out of each save: the long phase), and when a
+  peer goes, that they survive it and wait in their process (lazarus.trainer.inplace): the
+  next round takes them in place, over the channel, and the status says so.
 - One etcd client serves the whole fleet (one client per process, lazarus.core.etcd), and
   what an agent reads when it decides to read (run/status, the round record, the checkpoint
   request) is read once for all of them by a follower that watches run/ and commands/ as
@@ -41,13 +47,15 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from lazarus.agent.agentconfig import STATUS_PERIOD_S, AgentConfig
 from lazarus.agent.health import NodeHealth
 from lazarus.agent.service import RECONCILE_S, Agent
-from lazarus.agent.workers import Workers
+from lazarus.agent.tier0_agent import DEFAULT_MEMORY_MB, ring_peer
+from lazarus.agent.workers import Group, Workers
 from lazarus.core import etcd as E
-from lazarus.core import exitcodes, settings
+from lazarus.core import settings
 from lazarus.core.contract import WorkerAssignment
 from lazarus.core.embedded_etcd import die_with_parent
 from lazarus.core.errors import UserError
@@ -74,8 +82,8 @@ CRASH_EXIT = 1  # what a Python rank dying of an exception exits with
 class World:
     """The ranks of one round across the fleet. They step together (synchronous training) once
     every rank has joined -- a process group needs them all -- plus `startup_s` (group init,
-    checkpoint load); once one is lost the others fail with PEER_LOST after `peer_lost_s`,
-    as collectives notice a dead peer."""
+    checkpoint load); once one is lost the others stop after `peer_lost_s`, as collectives
+    notice a dead peer, and survive it."""
 
     def __init__(self, round_: int, size: int, *, startup_s: float, first_step: int):
         self.round, self.size = round_, size
@@ -97,6 +105,11 @@ class World:
         until = now if self.broken_at is None else min(now, self.broken_at)
         return self.first_step - 1 + max(0, int((until - self.start) / step_time_s))
 
+    def ended(self, step: int, step_time_s: float) -> float:
+        """When `step` ended (a wall time), once the world has started."""
+        assert self.start is not None
+        return self.start + (step - self.first_step + 1) * step_time_s
+
     def break_(self, now: float) -> None:
         if self.broken_at is None:
             self.broken_at = now
@@ -111,6 +124,12 @@ class SimRank:
         self.returncode: int | None = None
         self.assignment: WorkerAssignment | None = None
         self.started = time.time()
+        self.survived = False  # lost a peer; waits in its process for the next round
+
+    def resume(self, a: WorkerAssignment) -> None:
+        """A survivor takes its rank of the next round in the same process."""
+        self.assignment, self.survived = a, False
+        self.fleet.join(a)
 
     @property
     def stdin(self) -> SimRank:
@@ -147,9 +166,13 @@ class SimWorkers(Workers):
     def __init__(self, fleet: Fleet, *, nproc: int, scratch: Path):
         super().__init__(nproc=nproc, env={}, log_dir=scratch, notes_dir=scratch, park=False)
         self.fleet = fleet
+        self.live: dict[int, SimRank] = {}  # pid -> rank: whom the channel reaches
 
     def _spawn(self) -> SimRank:
-        return SimRank(self.fleet, self.fleet.next_pid())
+        self.live = {pid: r for pid, r in self.live.items() if r.returncode is None}
+        rank = SimRank(self.fleet, self.fleet.next_pid())
+        self.live[rank.pid] = rank
+        return rank
 
 
 # -- leases ----------------------------------------------------------------------------------------
@@ -367,17 +390,91 @@ class RunFollower:
             self._thread.join(timeout=5)
 
 
+# -- tier 0 --------------------------------------------------------------------------------------
+class SimTier0:
+    """A node's tier 0 as the agent uses it (lazarus.agent.tier0_agent.Tier0), without bytes:
+    which steps of which ranks it holds -- its own ranks' snapshots as they report them, and
+    copies of its ring predecessor's, which that node's tier 0 hands over as the real one
+    sends them -- the `keep` newest per rank, each of `copy_bytes`."""
+
+    def __init__(self, fleet: Fleet, node: str, *, keep: int = 2):
+        self.fleet, self.node, self.keep = fleet, node, keep
+        self.port = fleet.next_port()  # what the node record advertises; nothing listens
+        self.store = SimpleNamespace(incoming=Path("sim://tier0") / node)
+        self.copy_bytes = DEFAULT_MEMORY_MB * (1 << 20) // (4 * fleet.config.nproc)
+        self._lock = threading.Lock()
+        self._steps: dict[int, list[int]] = {}  # rank -> steps held, newest first
+        self._job: str | None = None
+        self._round: int | None = None
+        self._world: int | None = None
+        self._peer: str | None = None
+
+    def taken(self, job: str, msg: dict) -> None:
+        rank, step = int(msg["rank"]), int(msg["step"])
+        self.hold(job, rank, step)
+        peer = self.fleet.agents.get(self._peer) if self._peer else None
+        if peer is not None and not peer.dead and peer.tier0 is not None:
+            peer.tier0.hold(job, rank, step)
+
+    def hold(self, job: str, rank: int, step: int) -> None:
+        with self._lock:
+            if self._job is not None and job != self._job:
+                return  # another job's copy: refused, as the real one refuses it
+            steps = self._steps.setdefault(rank, [])
+            if step not in steps:
+                steps.insert(0, step)
+                steps.sort(reverse=True)
+                del steps[self.keep:]
+
+    def round_seen(self, rec: RoundRecord) -> None:
+        """As the real one: another job's copies, or newer ones than the step the round
+        restores, or of another world size, are of no use any more."""
+        if rec.round == self._round:
+            return
+        keep = rec.restore_step if (rec.restore or rec.tier0) else 0
+        with self._lock:
+            if (self._job is not None and self._job != rec.job_id) or (
+                    self._world is not None and self._world != rec.world_size):
+                self._steps.clear()
+            for steps in self._steps.values():
+                steps[:] = [s for s in steps if s <= keep]
+            self._round, self._job, self._world = rec.round, rec.job_id, rec.world_size
+            self._peer = ring_peer(rec.members, self.node)
+
+    def prepare(self, rec: RoundRecord, ranks: list[int]) -> dict[int, str | None]:
+        self.round_seen(rec)
+        step = (rec.tier0 or {}).get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            return dict.fromkeys(ranks)
+        return {rank: f"{self.store.incoming}/r{rank:05d}-s{step:010d}.t0" for rank in ranks}
+
+    def holdings(self, job: str, world_size: int) -> dict:
+        if not job:
+            return {}
+        with self._lock:
+            ranks = {str(r): list(steps) for r, steps in sorted(self._steps.items()) if steps}
+        return {"job": job, "world": world_size, "ranks": ranks,
+                "bytes": self.copy_bytes * sum(len(s) for s in ranks.values()),
+                "limit": DEFAULT_MEMORY_MB * (1 << 20)}
+
+    def close(self) -> None:
+        pass
+
+
 # -- the agent -----------------------------------------------------------------------------------
 class _SimChannel:
-    """The worker channel's face the agent uses: where ranks report, and a broadcast."""
+    """The worker channel's face the agent uses: where ranks report, a broadcast, and a
+    message to one process; what it carries reaches the simulated ranks (SimAgent.heard)."""
 
-    def __init__(self, node: str, on_checkpoint_requested):
+    def __init__(self, node: str, agent: SimAgent):
         self.path = f"sim://{node}"
-        self._on_checkpoint_requested = on_checkpoint_requested
+        self._agent = agent
 
     def broadcast(self, msg: dict) -> None:
-        if msg.get("type") == "checkpoint_requested":
-            self._on_checkpoint_requested()
+        self._agent.heard(msg)
+
+    def send_to(self, pid: int, msg: dict) -> bool:
+        return self._agent.heard(msg, pid=pid)
 
     def close(self) -> None:
         pass
@@ -390,12 +487,13 @@ class _SimStore:
 
 class FleetPorts:
     """A simulated node's outside (lazarus.agent.ports.Ports): ranks that are SimRanks, a
-    channel and a store that nothing dials, no GPU, no tier 0, no preflight, no record left
-    for a next agent; the lease and the assignment's reads served by the fleet."""
+    channel to them and a store that nothing dials, no GPU, a tier 0 without bytes, no
+    preflight, no record left for a next agent; the lease and the assignment's reads served
+    by the fleet."""
 
-    def __init__(self, fleet: Fleet, node: str, on_checkpoint_requested):
+    def __init__(self, fleet: Fleet, node: str, agent: SimAgent):
         self.fleet, self.node = fleet, node
-        self._on_checkpoint_requested = on_checkpoint_requested
+        self._agent = agent
 
     def left(self):
         return None  # no process outlives a simulated agent
@@ -420,7 +518,7 @@ class FleetPorts:
         return SimWorkers(self.fleet, nproc=self.fleet.config.nproc, scratch=self.fleet.scratch)
 
     def channel(self, *, on_message, admit) -> _SimChannel:
-        return _SimChannel(self.node, self._on_checkpoint_requested)
+        return _SimChannel(self.node, self._agent)
 
     def store(self) -> _SimStore:
         return _SimStore(port=self.fleet.next_port())
@@ -428,8 +526,8 @@ class FleetPorts:
     def host_round_store(self, rec, store) -> None:
         """No store of the round's own: the simulated ranks never dial one."""
 
-    def tier0(self, *, lookup, on_kept):
-        return None
+    def tier0(self, *, lookup, on_kept) -> SimTier0:
+        return SimTier0(self.fleet, self.node)
 
     def preflight(self, *, run, on_done, store):
         return None, None
@@ -441,25 +539,40 @@ class FleetPorts:
 class SimAgent(Agent):
     """The node agent, built by its own constructor with the fleet's ports (FleetPorts):
     everything it decides and writes is `Agent`'s own code; `tick` is its run loop's pass,
-    with the steps its simulated ranks report fed in first."""
+    with what its simulated ranks report fed in first."""
 
     def __init__(self, fleet: Fleet, *, node: str, role: str):
         cfg = fleet.config
         self.fleet = fleet
         self.dead = False
         self.checkpoint_requested = False
+        self._release: int | None = None  # the round whose ranks were told to abort their groups
         super().__init__(fleet.etcd, fleet.keys,
                          AgentConfig(node=node, nproc=cfg.nproc, role=role,
                                      workdir=fleet.scratch, lease_ttl_s=cfg.lease_ttl_s,
                                      status_period_s=cfg.status_period_s,
                                      preflight_every_s=None),
-                         FleetPorts(fleet, node, self._checkpoint_requested))
+                         FleetPorts(fleet, node, self))
         self.outage = E.OutageLog(self.etcd, log, "the simulated ranks keep training")
         self._seen: Assignment | None = None   # the fleet's read this agent has had news of
         self._fed = (0, 0)          # (round, last step reported to the agent)
+        self._saving: tuple[int, float] | None = None  # the save under way: (step, when it ends)
 
-    def _checkpoint_requested(self) -> None:
-        self.checkpoint_requested = True
+    def heard(self, msg: dict, *, pid: int | None = None) -> bool:
+        """What the agent sends its ranks over the channel (to one process: `pid`), as they
+        take it; whether it reached one."""
+        kind = msg.get("type")
+        if kind == "checkpoint_requested":
+            self.checkpoint_requested = True
+        elif kind == "abort_groups":
+            self._release = msg.get("round")  # they abort theirs and survive, at the next pass
+        elif kind == "resume" and pid is not None:
+            rank = self.workers.live.get(pid)
+            if rank is None or rank.returncode is not None:
+                return False
+            rank.resume(WorkerAssignment.from_dict(msg["assignment"]))
+            return True
+        return pid is None
 
     # -- the run loop's pass -----------------------------------------------------------------
     def tick(self, now: float, assignment: Assignment) -> None:
@@ -481,9 +594,11 @@ class SimAgent(Agent):
         return wrote
 
     def _feed_steps(self, now: float) -> None:
-        """Report the steps the round's world finished since the last pass, as each rank's
-        trainer would (a `step` message per rank and step on the worker channel), and commit
-        a checkpoint every `checkpoint_every` steps from global rank 0."""
+        """Report what the round's ranks did since the last pass, as each rank's trainer
+        would: a `step` message per rank and step, a tier-0 `snapshot` after it, and each
+        `checkpoint_every` steps a save -- every rank in its checkpoint phase for `save_s`
+        (progress records in and out), global rank 0 committing it. A rank whose peer is
+        gone survives it (`survivor`) and waits for the next round in its process."""
         g = self.workers.group
         if g is None:
             return
@@ -491,26 +606,57 @@ class SimAgent(Agent):
         if world is None:
             return
         cfg = self.fleet.config
-        if world.broken_at is not None and now >= world.broken_at + cfg.peer_lost_s:
-            for proc in g.procs.values():
-                proc.exit(exitcodes.PEER_LOST)
+        if self._release == g.round:
+            world.break_(now)  # they aborted their groups: nobody steps any more
+        if world.broken_at is not None and (now >= world.broken_at + cfg.peer_lost_s
+                                            or self._release == g.round):
+            self._survive(g, world.step(now, cfg.step_time_s))
         last = world.step(now, cfg.step_time_s)
         fed_round, fed = self._fed
         if fed_round != g.round:
-            fed = world.first_step - 1
-        if last <= fed:
-            self._fed = (g.round, fed)
-            return
-        alive = [(lr, p) for lr, p in g.procs.items() if p.returncode is None]
+            fed, self._saving = world.first_step - 1, None
+        alive = [p for p in g.procs.values() if p.returncode is None and not p.survived]
         for step in range(max(fed + 1, last - cfg.window + 1), last + 1):
-            for lr, proc in alive:
+            self._end_save(alive, world.ended(step, cfg.step_time_s))
+            for proc in alive:
                 self._on_message(self.fleet.step_report(proc.assignment, step))
-            if 0 in g.ranks.values() and (
-                    (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                self._on_message({"type": "snapshot", "rank": proc.assignment.rank,
+                                  "round": g.round, "step": step,
+                                  "path": f"sim://tier0/r{proc.assignment.rank:05d}-s{step}"})
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0
                     or self.checkpoint_requested):
-                self.checkpoint_requested = False
-                self._commit_checkpoint(g.round, step)
-        self._fed = (g.round, last)
+                self._save(g.round, alive, step, world.ended(step, cfg.step_time_s))
+        self._end_save(alive, now)
+        self._fed = (g.round, max(fed, last))
+
+    def _save(self, round_: int, alive: list[SimRank], step: int, at: float) -> None:
+        """The save of `step`, begun at `at` (wall): each rank into its checkpoint phase;
+        global rank 0 commits it."""
+        self.checkpoint_requested = False
+        if self.fleet.config.report_phases:
+            for proc in alive:
+                self._on_message(self.fleet.progress(proc.assignment, step, "checkpoint", at))
+            self._saving = (step, at + self.fleet.config.save_s)
+        if 0 in (p.assignment.rank for p in alive):
+            self._commit_checkpoint(round_, step)
+
+    def _end_save(self, alive: list[SimRank], until: float) -> None:
+        """The ranks leave the save under way once it has taken `save_s`, by `until`."""
+        if self._saving is None or self._saving[1] > until:
+            return
+        step, at = self._saving
+        self._saving = None
+        for proc in alive:
+            self._on_message(self.fleet.progress(proc.assignment, step + 1, "data", at))
+
+    def _survive(self, g: Group, step: int) -> None:
+        """The round's ranks here lost a peer: each aborts its groups, tells its agent it
+        survived, and waits (lazarus.trainer.inplace)."""
+        for proc in g.procs.values():
+            if proc.returncode is None and not proc.survived:
+                proc.survived = True
+                self._on_message({"type": "survivor", "rank": proc.assignment.rank,
+                                  "round": g.round, "pid": proc.pid, "step": step})
 
     def _commit_checkpoint(self, round_: int, step: int) -> None:
         """Rank 0's side of a save: ask whether its round may commit, then report the commit
@@ -562,10 +708,14 @@ class FleetConfig:
     """`step_time_s`: a training step of every rank; each step costs the simulator one agent
     message per rank, so thousands of ranks want seconds here. `startup_s`: a round's
     assignment -> its first step (process group init, checkpoint load). `peer_lost_s`: a rank
-    lost -> the other ranks of its round fail with PEER_LOST. `return_after_s`: a lost node
+    lost -> the other ranks of its round survive it. `return_after_s`: a lost node
     comes back (repaired, a new agent) after this long; None: never. `hosts`: threads that
     run the agents' passes, each for its share of the nodes (and so up to that many etcd
-    writes in flight). `tick_s`: how often each agent passes; a crash is reported within it."""
+    writes in flight). `tick_s`: how often each agent passes; a crash is reported within it.
+    `save_s`: how long each rank stays in the checkpoint phase of a save; `report_phases`:
+    the ranks report those phases (progress records), as real ranks do -- from the first
+    save on, each agent's pass then asks its hang detector, which costs the simulator about
+    15 us per node and pass: off for fleets too big for the machine."""
     nodes: int
     spares: int = 0
     nproc: int = 8
@@ -579,6 +729,8 @@ class FleetConfig:
     hosts: int = 48
     tick_s: float = 0.1
     window: int = 20        # steps a rank's agent needs for its throughput summary
+    save_s: float = 0.2     # a save's blocking part: short saves cost no status write
+    report_phases: bool = True
 
     def check(self) -> FleetConfig:
         if self.nodes < 1 or self.spares < 0 or self.nproc < 1:
@@ -587,8 +739,10 @@ class FleetConfig:
         for name in ("status_period_s", "step_time_s", "tick_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name.removesuffix('_s').replace('_', '-')} must be positive")
-        if self.startup_s < 0 or self.peer_lost_s < 0 or self.checkpoint_every < 0:
-            raise UserError("startup, peer-lost delay and checkpoint period must not be negative")
+        if (self.startup_s < 0 or self.peer_lost_s < 0 or self.checkpoint_every < 0
+                or self.save_s < 0):
+            raise UserError("startup, peer-lost delay, checkpoint period and save time must "
+                            "not be negative")
         if self.hosts < 1:
             raise UserError("a fleet needs at least one host thread")
         return self
@@ -715,7 +869,7 @@ class Fleet:
             if world is None:
                 world = self.worlds[a.round] = World(
                     a.round, a.world_size, startup_s=self.config.startup_s,
-                    first_step=restored_step(a.restore) + 1)
+                    first_step=max(a.restore_step, restored_step(a.restore)) + 1)
                 for old in [r for r in self.worlds if r < a.round - 2]:
                     del self.worlds[old]
             world.join(now)
@@ -732,6 +886,13 @@ class Fleet:
                 "tokens": batch * 1024, "step_time_s": cfg.step_time_s, "skipped": False,
                 "compute_s": cfg.step_time_s * 0.9 * noise,
                 "window": [(step - 1) * batch, step * batch - 1]}
+
+    def progress(self, a: WorkerAssignment, step: int, phase: str, at: float) -> dict:
+        """A rank's `progress` record (lazarus.trainer.session.progress): it entered `phase`
+        of `step` at `at` (a wall time; the record carries this host's monotonic clock)."""
+        return {"type": "progress", "rank": a.rank, "round": a.round, "step": step,
+                "phase": phase, "seq": step, "op": "",
+                "since": time.monotonic() - (time.time() - at)}
 
     def status_written(self, agent: SimAgent, started: float) -> None:
         """`agent` wrote its status; its write began at `started`. That is when a crash
@@ -819,8 +980,7 @@ class Fleet:
 
     def crash(self, node: str | None = None, *, code: int = CRASH_EXIT) -> Fault:
         """A rank of `node` (a random member by default) dies with `code`; its agent reports
-        it at its next pass, and the round's other ranks fail with PEER_LOST after
-        peer_lost_s."""
+        it at its next pass, and the round's other ranks survive it after peer_lost_s."""
         agent = self._victim(node)
         g = agent.workers.group
         now = time.time()

@@ -72,7 +72,24 @@ def test_a_simulated_fleet_trains_and_recovers_under_the_real_daemon(tmp_path):
         assert crash.new_round == 2 and crash.at <= crash.seen_at <= crash.committed_at
         rec = RoundRecord.from_json(etcd.get(keys.round_key(2)).value)
         assert sorted(rec.members) == sorted(st.members)
-        assert rec.restore is not None and rec.restore_step >= ckpt.step
+        # from the ranks' snapshots in memory (tier 0), no older than the last checkpoint
+        assert rec.tier0 is not None and rec.restore_step == rec.tier0["step"] >= ckpt.step
+        # the statuses say what real nodes' do: the tier-0 copies each holds (its own ranks'
+        # and its ring predecessor's), and the ranks that went on in place
+        statuses = _until(lambda: (got := {s.node: s for s in (
+            NodeStatus.from_json(kv.value) for kv in
+            etcd.get_prefix(keys.nodestatus).kvs.values())}) and all(
+                got[n].round == 2 and got[n].tier0.get("ranks") for n in rec.members) and got,
+            "every member's status of round 2")
+        for i, node in enumerate(rec.members):
+            held = statuses[node].tier0["ranks"]
+            before = (i - 1) % NODES
+            assert {int(r) for r in held} >= set(range(i * NPROC, (i + 1) * NPROC)) | set(
+                range(before * NPROC, (before + 1) * NPROC)), (node, held)
+            # the crashed rank's peers elsewhere are held until they said they survived; on
+            # its own node they go on in place only if they said so before the round ended
+            if node != crash.node:
+                assert len(statuses[node].in_place) == NPROC, (node, statuses[node])
 
         lost = run.fault("node_lost")
         assert lost.new_round == 3 and lost.at <= lost.seen_at <= lost.committed_at
