@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.agent.adopt import AdoptedRank
-from lazarus.agent import jobfence
+from lazarus.agent import frozen, jobfence
 from lazarus.agent.zygote import ZYGOTE_RETRY_S, ForkedWorker, Zygote
 from lazarus.core import exitcodes, jobcommand, rankfiles
 from lazarus.core.contract import WorkerAssignment, exit_note_path, worker_files
@@ -40,6 +40,9 @@ PARK_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--park"]
 # lost: it keeps its file open), so a rank keeps at most twice the bound on the node; the
 # directories of the newest KEEP_ROUNDS rounds are kept.
 RANK_LOG_BYTES = 64 << 20
+# A SIGKILLed process is gone within milliseconds unless it sleeps where no signal reaches it
+# (state D): past this it is set aside rather than waited for (Workers._kill).
+KILL_WAIT_S = 5.0
 KEEP_ROUNDS = 20
 
 
@@ -145,6 +148,8 @@ class Workers:
         self.ended: dict[int, str] = {}
         self._rehearsed_round = -1  # the last round `rehearse` asked the zygote about
         self.job: str | None = None  # the job whose ranks this node runs or ran last
+        # pid -> (process, why): killed, but in a wait no signal ends (see _kill)
+        self.unkillable: dict[int, tuple] = {}
         self.fence_jobs = fence_jobs  # see new_job
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -373,6 +378,8 @@ class Workers:
 
     def poll(self) -> bool:
         """Collect exits of the current group; True when something changed."""
+        if self.unkillable:
+            self.reap_unkillable()
         g = self.group
         if g is None:
             return False
@@ -423,9 +430,28 @@ class Workers:
                     proc.send_signal(signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + KILL_WAIT_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
         for proc in procs:
-            proc.wait()
-            self._forget(proc.pid)
+            if proc.poll() is None:
+                # In an uninterruptible wait SIGKILL cannot end (an NFS hard mount, a FUSE
+                # server that never answers): waiting for it would stop this agent's loop.
+                why = (frozen.unkillable(proc.pid)
+                       or f"still there {KILL_WAIT_S:.0f} s after its SIGKILL")
+                log.error("pid %d %s: set aside, this agent goes on; it is reaped if it ever "
+                          "ends", proc.pid, why)
+                self.unkillable[proc.pid] = (proc, why)
+            else:
+                self._forget(proc.pid)
+
+    def reap_unkillable(self) -> None:
+        """Reap what `_kill` set aside, once it ended."""
+        for pid, (proc, _why) in list(self.unkillable.items()):
+            if proc.poll() is not None:
+                del self.unkillable[pid]
+                self._forget(pid)
+                log.info("pid %d set aside earlier ended at last", pid)
 
     def _forget(self, pid: int) -> None:
         # A weeks-long run starts thousands of workers: their files must not pile up.

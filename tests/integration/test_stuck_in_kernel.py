@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,3 +152,41 @@ def test_the_hang_event_names_the_kernel_wait_not_a_collective(stuckfs, tmp_path
     # the stacks file says it beside the stack another thread gave
     stacks = Path(n1.report.hang["stacks"]).read_text()
     assert "frozen: stuck in the kernel (wchan " in stacks and "in <module>" in stacks
+
+
+class _Rank:
+    """A process as the agent's Workers hold one (poll, send_signal, pid)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return -signal.SIGKILL if frozen.sample(self.pid).state in ("", "Z") else None
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def test_the_agent_sets_aside_a_rank_sigkill_cannot_end_and_goes_on(stuckfs, tmp_path,
+                                                                     monkeypatch):
+    """Stopping a round used to wait for every killed rank: one that SIGKILL cannot end froze
+    the agent's loop for good (lazarus.agent.workers.Workers._kill)."""
+    from lazarus.agent import workers as workers_mod
+
+    reader = stuckfs.start("read")
+    _in_d(reader)
+    opener = stuckfs.start("open")
+    _in_d(opener)
+    monkeypatch.setattr(workers_mod, "KILL_WAIT_S", 1.0)
+    w = workers_mod.Workers(nproc=1, env={}, log_dir=tmp_path / "logs", notes_dir=tmp_path,
+                            park=False)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (w._kill([_Rank(opener)]), done.set()), daemon=True)
+    t.start()
+    t.join(timeout=30)  # a hang guard, not a timing
+    assert done.is_set(), "the agent still waits for a process SIGKILL cannot end"
+    assert "SIGKILL cannot end it" in w.unkillable[opener][1], w.unkillable
+    # the mount goes away, the wait ends: the next poll reaps it
+    stuckfs.proc.stdin.close()
+    stuckfs.proc.wait()
+    _until(lambda: (w.poll() or True) and opener not in w.unkillable, "the set-aside rank reaped")
