@@ -87,6 +87,35 @@ def release_groups(timeout_s: float = ABORT_S) -> bool:
     return done.wait(timeout_s) and not dist.is_initialized()
 
 
+def hang_up_tcp() -> int:
+    """Shut down every connected TCP socket of this process: the connections of the round it
+    left (gloo's pairs, its store's), which abort does not close on gloo. A peer blocked in a
+    collective on one of them then fails at once and survives in turn, instead of waiting for
+    this process to exit (docs/scale.md: 1 of 7 survivors kept otherwise at 8 ranks). The
+    next round's connections are made after. The number shut down."""
+    import socket
+
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                s.getpeername()  # a listening or unconnected socket raises: left alone
+                s.shutdown(socket.SHUT_RDWR)  # the socket's, not this descriptor's
+                count += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only
+    return count
+
+
 def told_by_agent(round_: int) -> None:
     """The agent says a peer of round `round_` on another node is gone (its `abort_groups`
     message: lazarus.agent.decide.ReleaseVictims); called on the session's reader thread.
@@ -140,19 +169,26 @@ def enter_next(nxt: WorkerAssignment) -> None:
 
 
 def survive(a: WorkerAssignment, session, step: int, reason: str, *,
-            wait_s: float | None = None) -> WorkerAssignment | None:
+            wait_s: float | None = None, own_sockets: bool = False) -> WorkerAssignment | None:
     """Stay for the next round: the assignment to run next, or None when this process
     should exit as a lost peer's survivor (see the module's doc). `wait_s`: how long to wait
-    for it (default: `resume_wait_s()`)."""
+    for it (default: `resume_wait_s()`). `own_sockets`: every TCP connection of this process
+    is the round's (the built-in trainer's), so on gloo they are shut down (`hang_up_tcp`); a
+    script's may be its own (a metrics service), and are left."""
     wait_s = resume_wait_s() if wait_s is None else wait_s
     # Said first: the agent must know not to kill this process when the round ends, which
     # can happen as soon as the daemon has seen the fault.
     session.survived(step, reason)
+    from lazarus.trainer.collprogress import uses_nccl  # imports torch: a rank's, not here
+
+    nccl = uses_nccl()  # asked before the groups go
     t0 = time.perf_counter()
     if not release_groups():
         print(f"rank {a.rank} round {a.round}: aborting the process groups did not return "
               f"within {ABORT_S:.0f} s; exiting", file=sys.stderr, flush=True)
         return None
+    if own_sockets and not nccl:
+        hang_up_tcp()  # gloo's abort leaves the pairs open: the peers blocked on them notice
     print(f"rank {a.rank} round {a.round}: survived a lost peer; groups aborted in "
           f"{time.perf_counter() - t0:.3f} s, waiting for the next round", file=sys.stderr,
           flush=True)

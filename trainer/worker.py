@@ -145,7 +145,7 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
             # The round's model and optimizer are referenced from train()'s frame through the
             # traceback: let them go, so that the survivor frees them while it waits.
             traceback.clear_frames(e.__traceback__)
-            nxt = inplace.survive(a, session, session.last_step, why)
+            nxt = inplace.survive(a, session, session.last_step, why, own_sockets=True)
             if nxt is not None:
                 return Survived(nxt)
         exitnote.exit_now(exitcodes.PEER_LOST)
