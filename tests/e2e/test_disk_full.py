@@ -19,8 +19,10 @@ from tests.e2e.helpers import losses, reference, train_table
 def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
     # 38 steps after the space is back: the hosts' alerts must clear (each holds a state for
     # a second, lazarus.agent.host.HOLD_S) before the run ends; 10 steps were ~1.6 s on CI,
-    # too few once, and 22 too few for one node on a machine loaded by a second suite
-    steps = 60
+    # too few once, and 22 too few for one node on a machine loaded by a second suite. The
+    # disk stays full for 37 steps, for the same reason the other way: 15 (~1.5 s once
+    # recoveries got quicker) ended before a host monitor's failed state had held its second
+    steps = 82
     work = tmp_path / "up"
     proc = subprocess.run(
         [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(work), "--quiet",
@@ -30,7 +32,7 @@ def test_disk_full_alerts_training_goes_on_and_checkpoints_resume(tmp_path):
          # (every ~15 steps of the tiny model here), and the crash must find one newer than
          # the last checkpoint the disk took
          "--memory-every", "2",
-         "--chaos", "disk-full@7,kill-worker@14,disk-free@22"],
+         "--chaos", "disk-full@7,kill-worker@14,disk-free@44"],
         capture_output=True, text=True, timeout=300)
     if proc.returncode == 2 and "private mount namespace" in proc.stderr:
         pytest.skip(proc.stderr.strip())
