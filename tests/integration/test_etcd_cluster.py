@@ -20,7 +20,7 @@ import pytest
 
 from lazarus.core.stall import is_step
 from lazarus.core import etcd as E
-from lazarus.core import jobspec
+from lazarus.core import jobspec, settings
 from lazarus.core.embedded_etcd import EmbeddedCluster, EmbeddedEtcd
 from lazarus.core.records import ROLE_ACTIVE
 from lazarus.sim.localcluster import LocalCluster
@@ -72,8 +72,11 @@ def assert_untouched(cluster: LocalCluster, final, steps: int, metrics: Path) ->
 
 def test_one_member_of_three_killed_mid_run_changes_nothing(tmp_path):
     steps, metrics = 40, tmp_path / "metrics.jsonl"
+    # The agents' own lease TTL, not the local cluster's 3 s: on a loaded CI machine an
+    # agent's client took 2.4 s to move its keep-alives to another member, and the 3 s lease
+    # ran out meanwhile (a node loss a real cluster's 5 s would not have seen).
     with EmbeddedCluster(tmp_path / "etcd", secure=True) as members, \
-            LocalCluster(tmp_path / "cluster") as cluster:
+            LocalCluster(tmp_path / "cluster", lease_ttl_s=settings.LEASE_TTL_S) as cluster:
         start(cluster, members, steps=steps, metrics=metrics)
         wait_steps(metrics, 5, timeout=90, what="step 5")
         members.members[0].kill()  # the member every process talks to first
