@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core.errors import UserError
-from lazarus.core.privatedir import private_dir
+from lazarus.core.privatedir import private_dir, read_secret_file
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,24 +111,12 @@ def check_token(token: str, source: str) -> str:
 
 
 def load_token(path: str | Path) -> str:
-    """The bearer token in a token file (surrounding whitespace ignored).
-
-    Like ssh with a private key, a file of this user's that group or others may read is
-    refused: the token would be theirs too. A file of another owner's is taken whatever its
-    mode, as ssh takes it: a Kubernetes Secret mounted with fsGroup is root's and reaches this
-    user through its group, and systemd's LoadCredential= file is root's with a read ACL for
-    the service's user (its mode then shows the ACL's mask, 0440), or the user's own, 0400.
-    The mode is the file's own, not a symlink's (a Secret's files are symlinks)."""
+    """The bearer token in a token file (surrounding whitespace ignored); refused when group
+    or others may read it (lazarus.core.privatedir.read_secret_file says which files)."""
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            text = f.read().decode()
+        text = read_secret_file(path, "token file", "a token")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"token file {str(path)!r} is unreadable ({e})") from None
-    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-        raise UserError(f"token file {str(path)!r} may be read by other users (mode "
-                        f"{stat.S_IMODE(st.st_mode):04o}); a token must be its owner's alone: "
-                        f"chmod 600 {shlex.quote(str(path))}")
     token = text.strip()
     if not token:
         raise UserError(f"token file {str(path)!r} is empty")

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 # We fork worker processes while gRPC threads run; gRPC's fork handlers only add noise then.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -51,6 +52,8 @@ from lazarus.core.etcd_auth import PASSWORD_ENV, EtcdAuth  # noqa: E402
 from lazarus.core.etcd_watcher import StreamRenewed, WatchCanceled, Watcher  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -274,6 +277,11 @@ class Alarm:
 def _kv(raw) -> KV:
     return KV(key=raw.key.decode(), value=raw.value, create_revision=raw.create_revision,
               mod_revision=raw.mod_revision, version=raw.version, lease=raw.lease)
+
+
+def _largest(kvs) -> int:
+    """The largest key and value of a page of raw key-values, in bytes."""
+    return max((len(raw.key) + len(raw.value) for raw in kvs), default=0)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -595,12 +603,7 @@ class Etcd:
         """All keys under `prefixes` at a single revision: one read-only transaction, whose
         ranges continue in pages at that revision when they hold more keys than a page or do
         not fit one answer."""
-        for _ in range(3):
-            try:
-                return self._snapshot(prefixes)
-            except EtcdCompacted:
-                continue  # compacted between two pages: read again at a newer revision
-        return self._snapshot(prefixes)
+        return reread_if_compacted(lambda: self._snapshot(prefixes), times=3)
 
     def _snapshot(self, prefixes: Sequence[str]) -> Snapshot:
         ranges = [(p.encode(), prefix_range_end(p.encode())) for p in prefixes]
@@ -645,9 +648,21 @@ class Etcd:
                largest: dict[bytes, int]) -> int:
         """Read [start, end) at `revision` (0: the current one) page by page, into `into` and
         its largest key and value into `largest`; returns the revision read at."""
+        for revision, kvs in self._paged(start, end, revision):
+            for raw in kvs:
+                into[raw.key.decode()] = _kv(raw)
+            largest[end] = max(largest.get(end, 0), _largest(kvs))
+        return revision
+
+    def _paged(self, start: bytes, end: bytes, revision: int, *, min_create_revision: int = 0):
+        """The pages of [start, end) at `revision` (0: the current one), each as the revision
+        read at and its raw key-values; only the keys created at `min_create_revision` or
+        later when given (etcd filters them). A page that does not fit an answer is asked for
+        again with fewer keys; past it, pages grow back as fast as the values let them."""
         keys = max(SAFE_PAGE_KEYS, self._fit(end))
         while True:
-            req = rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=keys)
+            req = rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=keys,
+                                   min_create_revision=min_create_revision)
             try:
                 resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
             except EtcdTooLarge:
@@ -658,39 +673,25 @@ class Etcd:
                 keys = SAFE_PAGE_KEYS if keys > SAFE_PAGE_KEYS else 1
                 continue
             revision = revision or resp.header.revision
-            page = max((len(raw.key) + len(raw.value) for raw in resp.kvs), default=0)
-            for raw in resp.kvs:
-                into[raw.key.decode()] = _kv(raw)
-            largest[end] = max(largest.get(end, 0), page)
+            yield revision, resp.kvs
             if not resp.more or not resp.kvs:
-                return revision
+                return
             start = resp.kvs[-1].key + b"\0"
             # past a large value, pages grow back as fast as the values let them
-            keys = max(SAFE_PAGE_KEYS, min(PAGE_KEYS, 2 * keys, MAX_RECEIVE // 2 // max(page, 1)))
+            keys = max(SAFE_PAGE_KEYS, min(PAGE_KEYS, 2 * keys,
+                                           MAX_RECEIVE // 2 // max(_largest(resp.kvs), 1)))
 
     def created_after(self, prefix: str, *, after_revision: int, start: str | None = None
                       ) -> tuple[list[KV], int]:
         """The keys under `prefix` (from `start`, when given) created after `after_revision`,
         in key order, paged at one revision; and that revision. etcd filters them: what is
         sent is only what is new (a follower of an append-only prefix, as the events are)."""
-        begin = (start or prefix).encode()
-        end = prefix_range_end(prefix.encode())
-        revision, got, keys = 0, [], max(SAFE_PAGE_KEYS, self._fit(end))
-        while True:
-            req = rpc.RangeRequest(key=begin, range_end=end, revision=revision, limit=keys,
-                                   min_create_revision=after_revision + 1)
-            try:
-                resp = self._run(lambda c: self._unary(c, "kvstub", "Range", req))
-            except EtcdTooLarge:
-                if keys == 1:
-                    raise
-                keys = SAFE_PAGE_KEYS if keys > SAFE_PAGE_KEYS else 1
-                continue
-            revision = revision or resp.header.revision
-            got += [_kv(raw) for raw in resp.kvs]
-            if not resp.more or not resp.kvs:
-                return got, revision
-            begin = resp.kvs[-1].key + b"\0"
+        got, revision = [], 0
+        for revision, kvs in self._paged((start or prefix).encode(),
+                                         prefix_range_end(prefix.encode()), 0,
+                                         min_create_revision=after_revision + 1):
+            got += [_kv(raw) for raw in kvs]
+        return got, revision
 
     async def _unary(self, client: aetcd.Client, stub: str, method: str, request):
         """A call aetcd does not wrap (or wraps without paging): its stubs exist once
@@ -942,6 +943,20 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = self.initial_s
+
+
+def reread_if_compacted(read: Callable[[], T], *, times: int) -> T:
+    """`read()` (one read in pages at one revision), done again up to `times` times when etcd
+    compacted that revision away between two pages: the next read is at a newer one. The last
+    EtcdCompacted is raised."""
+    done = 0
+    while True:
+        try:
+            return read()
+        except EtcdCompacted:
+            done += 1
+            if done > times:
+                raise
 
 
 def retry(fn: Callable[[], object], *, deadline_s: float,

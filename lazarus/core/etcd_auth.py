@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core.privatedir import read_secret_file
 
 CA_ENV = "LAZARUS_ETCD_CA"
 CERT_ENV = "LAZARUS_ETCD_CERT"
@@ -104,7 +105,8 @@ class EtcdAuth:
         password = None
         if password_file is not None:
             try:
-                password = Path(password_file).read_text(encoding="utf-8").strip()
+                password = read_secret_file(password_file, "--etcd-password-file",
+                                            "a password").strip()
             except (OSError, UnicodeDecodeError) as e:
                 raise UserError(f"--etcd-password-file {password_file}: cannot read it "
                                 f"({getattr(e, 'strerror', None) or e})") from None

@@ -37,13 +37,6 @@ class EventFeed:
         return out
 
     def _read(self) -> list[E.KV]:
-        for _ in range(2):
-            try:
-                got, self._read_at = self.etcd.created_after(
-                    self._prefix, after_revision=self._read_at, start=self._start)
-                return got
-            except E.EtcdCompacted:
-                continue  # compacted between two pages: read again at a newer revision
-        got, self._read_at = self.etcd.created_after(
-            self._prefix, after_revision=self._read_at, start=self._start)
+        got, self._read_at = E.reread_if_compacted(lambda: self.etcd.created_after(
+            self._prefix, after_revision=self._read_at, start=self._start), times=2)
         return got

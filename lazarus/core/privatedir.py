@@ -1,6 +1,7 @@
 """Directories only this user may enter: the agent's workdir (its socket, the ranks' stacks and
 exit notes, the record of running ranks) and the directory of the endpoint file (the API
-token).
+token); and secret files only this user may read (the API token, etcd's password, the
+tier-0 and rendezvous keys).
 
 A directory another user made first (a shared /tmp), or one they may write to, would let them
 plant a socket the ranks talk to, a symlink a write follows, or a note the agent believes. So
@@ -10,6 +11,7 @@ such a directory is refused with the reason, never repaired behind the operator'
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from pathlib import Path
 
@@ -66,3 +68,25 @@ def set_dir(path: Path, mode: int, *, uid: int = -1, gid: int = -1) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def read_secret_file(path: str | Path, what: str, secret: str) -> str:
+    """The text of the secret file `path`, named `what` in messages; `secret` says what it
+    holds ("a token").
+
+    Like ssh with a private key, a file of this user's that group or others may read is
+    refused (UserError): the secret would be theirs too. A file of another owner's is taken
+    whatever its mode, as ssh takes it: a Kubernetes Secret mounted with fsGroup is root's and
+    reaches this user through its group, and systemd's LoadCredential= file is root's with a
+    read ACL for the service's user (its mode then shows the ACL's mask, 0440), or the user's
+    own, 0400. The mode is the file's own, not a symlink's (a Secret's files are symlinks).
+    OSError or UnicodeDecodeError when it cannot be read: the caller words that, naming its
+    flag."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        text = f.read().decode()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        raise UserError(f"{what} {str(path)!r} may be read by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}); {secret} must be its owner's alone: "
+                        f"chmod 600 {shlex.quote(str(path))}")
+    return text

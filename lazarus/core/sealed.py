@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from lazarus.core.errors import UserError
+from lazarus.core.privatedir import read_secret_file
 
 MAGIC = b"LZS1"
 TAG_BYTES = hashlib.sha256().digest_size
@@ -72,10 +73,11 @@ def check(key: bytes, context: bytes, sealed_tag: bytes) -> None:
 
 def load_key(*, file: str | Path | None, env: str, what: str) -> bytes | None:
     """The shared key from `file` if given, else from the environment variable `env`; None
-    when neither is set. UserError for an unreadable file or a key too short to be one."""
+    when neither is set. UserError for an unreadable file, one of this user's that others may
+    read (lazarus.core.privatedir.read_secret_file), or a key too short to be one."""
     if file is not None:
         try:
-            text = Path(file).read_text().strip()
+            text = read_secret_file(file, f"{what} file", "a key").strip()
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"{what} file {str(file)!r} is unreadable ({e})") from None
         source = f"{what} file {str(file)!r}"

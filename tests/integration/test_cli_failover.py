@@ -14,13 +14,7 @@ from lazarus.daemon import api
 from lazarus.ops import client
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
 from tests.integration.test_api import TOKEN, _populate
-
-
-@pytest.fixture(autouse=True)
-def no_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
-    for var in ("LAZARUS_ADDRESS", "LAZARUS_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
+from tests.unit.cli_home import lazarus_home  # noqa: F401 (fixture)
 
 
 def _serve(etcd, keys, served_by: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,8 +19,6 @@ from lazarus.core.records import NodeRecord, RunStatus
 from lazarus.trainer.session import Session
 
 
-
-
 def _job() -> jobspec.JobSpec:
     return jobspec.from_dict({"job": {"name": "t", "nodes": 2, "min_nodes": 1,
                                       "nproc_per_node": 1, "id": "J"},
@@ -32,6 +31,25 @@ def _register(etcd, keys, *names, lease=None):
     for n in names:
         rec = NodeRecord(node=n, host="127.0.0.1", nproc=1, store_port=1)
         etcd.put(keys.node_key(n), rec.to_json(), lease=lease)
+
+
+def _submitted(etcd, keys) -> None:
+    """Nodes n0 and n1 registered and job J submitted."""
+    _register(etcd, keys, "n0", "n1")
+    etcd.put(keys.job, _job().to_json())
+
+
+@contextlib.contextmanager
+def _leading(etcd, keys, *, steps: int):
+    """A daemon on the submitted job J, `steps` ticks in; it resigns at the end."""
+    _submitted(etcd, keys)
+    daemon = Daemon(etcd, keys, lease_ttl_s=3)
+    try:
+        for _ in range(steps):
+            daemon.step()
+        yield daemon
+    finally:
+        daemon.leadership.resign()
 
 
 def _status(etcd, keys) -> RunStatus:
@@ -78,29 +96,17 @@ def test_garbage_in_our_keys_is_ignored_and_the_run_starts(etcd, keys):
                keys.root + "unknown/key": b"whatever"}
     for k, v in garbage.items():
         etcd.put(k, v)
-    _register(etcd, keys, "n0", "n1")
-    etcd.put(keys.job, _job().to_json())
-    daemon = Daemon(etcd, keys, lease_ttl_s=3)
-    try:
-        for _ in range(4):
-            daemon.step()
+    with _leading(etcd, keys, steps=4) as daemon:
         st = _status(etcd, keys)
         assert st.state == "RENDEZVOUS" and st.members == ["n0", "n1"]
         # a garbled submission does not disturb the accepted run
         etcd.put(keys.job, b"{broken")
         daemon.step()
         assert _status(etcd, keys).job_id == "J"
-    finally:
-        daemon.leadership.resign()
 
 
 def test_garbled_run_status_is_repaired_not_lost(etcd, keys):
-    _register(etcd, keys, "n0", "n1")
-    etcd.put(keys.job, _job().to_json())
-    daemon = Daemon(etcd, keys, lease_ttl_s=3)
-    try:
-        for _ in range(3):
-            daemon.step()
+    with _leading(etcd, keys, steps=3) as daemon:
         assert _status(etcd, keys).round == 1
         etcd.put(keys.status, b"garbage typed by hand")
         for _ in range(3):
@@ -109,13 +115,10 @@ def test_garbled_run_status_is_repaired_not_lost(etcd, keys):
         assert st.job_id == "J" and st.round == 2 and st.state == "RENDEZVOUS"
         events = [json.loads(kv.value)["kind"] for kv in etcd.get_prefix(keys.events).kvs.values()]
         assert "status_repaired" in events
-    finally:
-        daemon.leadership.resign()
 
 
 def test_two_daemons_never_act_at_once(etcd, keys):
-    _register(etcd, keys, "n0", "n1")
-    etcd.put(keys.job, _job().to_json())
+    _submitted(etcd, keys)
     a = Daemon(etcd, keys, lease_ttl_s=2)
     b = Daemon(etcd, keys, lease_ttl_s=2)
     try:
@@ -162,11 +165,7 @@ def test_two_daemons_never_act_at_once(etcd, keys):
     ("[job]\ncommand = 'python train.py'\n", "[job] command must be a non-empty list of strings"),
 ])
 def test_submit_rejects_bad_job_files_with_one_line(tmp_path, body, expect, etcd):
-    path = tmp_path / "job.toml"
-    path.write_text(body)
-    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
-                           etcd.endpoint, "--root", "/test/submit/"],
-                          capture_output=True, text=True, timeout=120)
+    proc = _submit(_job_file(tmp_path, body), "--etcd", etcd.endpoint, "--root", "/test/submit/")
     if expect is None:
         assert proc.returncode == 0, proc.stderr
         assert etcd.get("/test/submit/job") is not None
@@ -177,26 +176,31 @@ def test_submit_rejects_bad_job_files_with_one_line(tmp_path, body, expect, etcd
     assert len(lines) == 1 and expect in lines[0], proc.stderr
 
 
+def _job_file(tmp_path, body: str = "[job]\nnodes = 1\n") -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(body)
+    return str(path)
+
+
+def _submit(*args: str) -> subprocess.CompletedProcess:
+    """`lazarus submit ARGS` in a process of its own, as the operator runs it."""
+    return subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_job_file_that_does_not_exist(tmp_path, etcd):
-    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(tmp_path / "no.toml"),
-                           "--etcd", etcd.endpoint], capture_output=True, text=True, timeout=60)
+    proc = _submit(str(tmp_path / "no.toml"), "--etcd", etcd.endpoint)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
 def test_unreachable_etcd_is_one_clear_line(tmp_path):
-    path = tmp_path / "job.toml"
-    path.write_text("[job]\nnodes = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
-                           "127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    proc = _submit(_job_file(tmp_path), "--etcd", "127.0.0.1:9")
     assert proc.returncode == 1 and "unavailable" in (proc.stdout + proc.stderr)
     assert "Traceback" not in proc.stderr
 
 
 def test_bad_etcd_endpoint_is_a_user_error(tmp_path):
-    path = tmp_path / "job.toml"
-    path.write_text("[job]\nnodes = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", "submit", str(path), "--etcd",
-                           "nonsense"], capture_output=True, text=True, timeout=60)
+    proc = _submit(_job_file(tmp_path), "--etcd", "nonsense")
     assert proc.returncode == 2 and "is not HOST:PORT" in proc.stderr
 
 

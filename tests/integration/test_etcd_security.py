@@ -112,6 +112,7 @@ def test_refused_clients_are_told_why_in_one_line(server, daemon, tmp_path, caps
     ca, cert, key = map(str, (security.ca.ca_file, security.client.cert, security.client.key))
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-password")
+    wrong.chmod(0o600)  # a secret file others may read is refused before etcd sees it
     right = str(security.password_files[DAEMON_USER])
     ep = server.endpoint
     cases = [

@@ -96,6 +96,7 @@ def test_up_leaves_what_reaching_its_etcd_takes_in_its_workdir(tmp_path):
     for name in ("ca.pem", "client.pem", "client-key.pem"):
         (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\n")
     (tmp_path / "lazarus-daemon.password").write_text("pw\n")
+    (tmp_path / "lazarus-daemon.password").chmod(0o600)  # as `lazarus up` writes it
     auth = EtcdAuth.load(ca=str(tmp_path / "ca.pem"), cert=str(tmp_path / "client.pem"),
                          key=str(tmp_path / "client-key.pem"), user="lazarus-daemon",
                          password_file=str(tmp_path / "lazarus-daemon.password"), env={})

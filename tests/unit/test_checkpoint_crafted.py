@@ -24,25 +24,9 @@ from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint
 from lazarus.trainer.ckptload import load_checkpoint
 from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.dcpread import read_dcp_metadata
-from lazarus.trainer.models import Transformer, get_model_config
-from lazarus.trainer.optim import build_optimizer
+from tests.unit.tiny_model import trained, untrained
 
 PASSWD = Path("/etc/passwd")
-
-
-def _trained():
-    torch.manual_seed(1)
-    model = Transformer(get_model_config("tiny"))
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
-    model(torch.randint(0, 100, (2, 16))).float().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    return model, opt
-
-
-def _fresh():
-    model = Transformer(get_model_config("tiny"))
-    return model, build_optimizer(model, lr=1e-3, weight_decay=0.1)
 
 
 def _save(root: Path, model, opt, step: int = 1) -> Path:
@@ -56,7 +40,7 @@ def _save(root: Path, model, opt, step: int = 1) -> Path:
 
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory) -> Path:
-    return _save(tmp_path_factory.mktemp("honest") / "ckpt", *_trained())
+    return _save(tmp_path_factory.mktemp("honest") / "ckpt", *trained())
 
 
 @pytest.fixture
@@ -105,14 +89,14 @@ def test_a_crafted_manifest_is_a_bad_checkpoint_naming_the_problem(copy, case):
     _rewrite(copy, change)
     n = len(json.loads((copy / MANIFEST).read_text())["files"])
     with pytest.raises(RestoreFailed) as got:
-        load_checkpoint(copy, *_fresh())
+        load_checkpoint(copy, *untrained())
     assert got.value.kind == "corrupt", got.value
     message = str(got.value).replace(f"files[{n - 1}]", "files[*]")
     assert problem in message, message
 
 
 def test_a_manifest_with_a_commit_seq_of_text_is_not_listed_and_others_still_are(copy):
-    other = _save(copy.parent, *_trained(), step=2)
+    other = _save(copy.parent, *trained(), step=2)
     _rewrite(copy, lambda m: m.update(commit_seq="99"))
     assert latest_checkpoint(copy.parent) == other
     assert [p for p, _ in committed_checkpoints(copy.parent)] == [other]
@@ -127,14 +111,14 @@ def _with_exp_avg(model, opt, value) -> None:
 def test_optimizer_state_that_does_not_fit_the_model_is_a_bad_checkpoint(tmp_path, case):
     # An honest writer of crafted state: DCP saves it, checksums and all, and loads it back
     # as it is; only the first step after the restore would notice, as a crash.
-    model, opt = _trained()
+    model, opt = trained()
     param = next(iter(model.parameters()))
     _with_exp_avg(model, opt, {"a flat moment": torch.zeros(param.numel() + 1),
                                "a moment of ints": torch.zeros(param.shape, dtype=torch.int64),
                                }[case])
     path = _save(tmp_path / "ckpt", model, opt)
     with pytest.raises(RestoreFailed) as got:
-        load_checkpoint(path, *_fresh())
+        load_checkpoint(path, *untrained())
     assert got.value.kind == "corrupt"
     name = next(iter(dict(model.named_parameters())))
     assert f"optimizer state exp_avg of {name} is" in str(got.value), got.value
@@ -168,12 +152,12 @@ def _huge(key: str):
 def test_crafted_dcp_metadata_is_a_bad_checkpoint(copy, case, change, problem):
     _rewrite_metadata(copy, change)
     with pytest.raises(RestoreFailed) as got:
-        load_checkpoint(copy, *_fresh())
+        load_checkpoint(copy, *untrained())
     assert got.value.kind == "corrupt" and problem in str(got.value), got.value
 
 
 def test_the_honest_checkpoint_still_loads(copy):
-    model, opt = _fresh()
+    model, opt = untrained()
     assert load_checkpoint(copy, model, opt) == {"step": 1}
     model(torch.randint(0, 100, (2, 16))).float().mean().backward()
     opt.step()

@@ -14,14 +14,7 @@ from lazarus.core import endpoint_file, settings
 from lazarus.core.errors import UserError
 from lazarus.ops import client
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-
-
-@pytest.fixture(autouse=True)
-def lazarus_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
-    for var in ("LAZARUS_ADDRESS", "LAZARUS_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+from tests.unit.cli_home import lazarus_home  # noqa: F401 (fixture)
 
 
 @pytest.mark.parametrize("text, addresses", [

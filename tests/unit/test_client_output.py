@@ -15,14 +15,7 @@ from lazarus.ops import client
 from lazarus.core import endpoint_file
 from lazarus.cli import main as cli_main
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-
-
-@pytest.fixture(autouse=True)
-def lazarus_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
-    for var in ("LAZARUS_ADDRESS", "LAZARUS_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+from tests.unit.cli_home import lazarus_home  # noqa: F401 (fixture)
 
 
 def _health(**kw) -> pb.RunHealth:

@@ -20,6 +20,7 @@ def test_files_and_password_are_read_and_passed_on_to_children(pki, tmp_path):
     ca, client = pki
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
+    secret.chmod(0o600)  # a secret file others may read is refused
     auth = EtcdAuth.load(ca=str(ca.ca_file), cert=str(client.cert), key=str(client.key),
                          user="lazarus-agent", password_file=str(secret), env={})
     assert auth.tls and auth.password == "s3cret" and auth.ca.startswith(b"-----BEGIN")
@@ -55,6 +56,8 @@ def test_a_mistake_is_one_clear_line(pki, tmp_path, given, expect):
     ca, client = pki
     (tmp_path / "pw").write_text("x")
     (tmp_path / "empty").write_text("\n")
+    for name in ("pw", "empty"):
+        (tmp_path / name).chmod(0o600)  # a secret file others may read is refused
     files = {"CA": str(ca.ca_file), "CERT": str(client.cert), "KEY": str(client.key),
              "PW": str(tmp_path / "pw"), "EMPTY": str(tmp_path / "empty")}
     with pytest.raises(UserError) as e:

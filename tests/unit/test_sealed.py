@@ -45,6 +45,7 @@ def test_keys_come_from_a_file_before_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TEST_SEAL_KEY", "e" * 20)
     keyfile = tmp_path / "key"
     keyfile.write_text("f" * 32 + "\n")
+    keyfile.chmod(0o600)  # a secret, so its owner's alone (lazarus.core.privatedir)
     assert load_key(file=keyfile, env="TEST_SEAL_KEY", what="key") == b"f" * 32
     assert load_key(file=None, env="TEST_SEAL_KEY", what="key") == b"e" * 20
     monkeypatch.delenv("TEST_SEAL_KEY")

@@ -23,8 +23,7 @@ from lazarus.trainer.ckptlist import latest_checkpoint
 from lazarus.trainer.ckptload import load_checkpoint
 from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer import snapshot
-from lazarus.trainer.models import Transformer, get_model_config
-from lazarus.trainer.optim import build_optimizer
+from tests.unit.tiny_model import trained, untrained
 
 # More than any address space: an allocation of it fails wherever the test runs.
 HUGE = 1 << 50
@@ -92,15 +91,6 @@ def test_an_honest_file_of_zeros_within_the_ratio_still_reads():
     assert bytes(snapshotfile.unpack(data)[1]) == raw
 
 
-def _trained():
-    torch.manual_seed(1)
-    model = Transformer(get_model_config("tiny"))
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
-    model(torch.randint(0, 100, (2, 16))).float().mean().backward()
-    opt.step()
-    return model, opt
-
-
 def _file(tensors, values, drop: str | None = None) -> bytes:
     header = {"job": "j", "round": 3, "rank": 0, "world_size": 1, "step": 17,
               "extra": {"step": 17}, "rng": snapshot.rng_state()}
@@ -110,7 +100,7 @@ def _file(tensors, values, drop: str | None = None) -> bytes:
 
 @pytest.fixture(scope="module")
 def state():
-    return snapshot.capture(*_trained())
+    return snapshot.capture(*trained())
 
 
 def _exp_avg(tensors) -> str:
@@ -133,10 +123,7 @@ def test_crafted_state_is_a_bad_snapshot_not_a_crash(state, case, fresh):
         "no rng": lambda: _file(tensors, values, drop="rng"),
         "lr as text": lambda: _file(tensors, {**values, lr: "0.1; rm -rf"}),
     }[case]()
-    model = Transformer(get_model_config("tiny"))
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
-    if not fresh:
-        model, opt = _trained()
+    model, opt = untrained() if fresh else trained()
     with pytest.raises(SnapshotError) as got:
         snapshot.restore(data, model, opt, rank=0, world_size=1, what="crafted")
     assert isinstance(got.value, CheckpointError)  # the worker's BAD_CHECKPOINT
@@ -144,8 +131,7 @@ def test_crafted_state_is_a_bad_snapshot_not_a_crash(state, case, fresh):
 
 def test_an_honest_snapshot_still_restores_into_a_fresh_optimizer(state):
     tensors, values = state
-    model = Transformer(get_model_config("tiny"))
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    model, opt = untrained()
     snapshot.restore(_file(tensors, values), model, opt, rank=0, world_size=1)
     model(torch.randint(0, 100, (2, 16))).float().mean().backward()
     opt.step()
@@ -153,7 +139,7 @@ def test_an_honest_snapshot_still_restores_into_a_fresh_optimizer(state):
 
 @pytest.mark.parametrize("field", ["world_size", "extra"])
 def test_a_manifest_missing_a_field_a_restore_reads_is_a_bad_checkpoint(tmp_path, field):
-    model, opt = _trained()
+    model, opt = trained()
     saver = Checkpointer(tmp_path / "ckpt", keep_last=2)
     try:
         saver.save(1, model, opt, {"step": 1}, async_save=False)
@@ -166,5 +152,5 @@ def test_a_manifest_missing_a_field_a_restore_reads_is_a_bad_checkpoint(tmp_path
     manifest.pop(field)
     manifest_file.write_text(json.dumps(manifest))  # not in its own checksums
     with pytest.raises(RestoreFailed) as got:
-        load_checkpoint(path, *_trained())
+        load_checkpoint(path, *trained())
     assert got.value.kind == "corrupt" and field in str(got.value)

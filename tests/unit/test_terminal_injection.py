@@ -12,6 +12,7 @@ import pytest
 
 from lazarus.ops import client
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
+from tests.unit.cli_home import lazarus_home  # noqa: F401 (fixture)
 
 TITLE = "\x1b]0;pwned\x07"   # OSC 0: sets the terminal's title
 CLEAR = "\x1b[2J"            # CSI 2J: clears the screen
@@ -23,13 +24,6 @@ def _assert_harmless(out: str) -> None:
     for ch in ("\x1b", "\x07", "\x9b"):
         assert ch not in out, repr(out)
     assert "\\x1b]0;pwned\\x07" in out, repr(out)
-
-
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("LAZARUS_HOME", str(tmp_path))
-    for var in ("LAZARUS_ADDRESS", "LAZARUS_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
 
 
 def test_nodes_print_agent_written_markup_and_escapes_as_text(capsys):
