@@ -10,6 +10,8 @@
     command = ["python", "train.py", "--config", "x.toml"]   # default: the built-in trainer
     env = { HF_HOME = "/data/hf" }                            # added to every rank's environment
     cwd = "/home/me/project"                                  # where the ranks start (absolute)
+    failure_unit = "world" # or "replica": a failure stops only its replica (docs/replicas.md)
+    replicas = 1           # replica groups, with failure_unit = "replica"; must divide nodes
 
     [policy]               # loss spikes, stragglers: lazarus.core.policy (optional)
     max_spikes = 3
@@ -46,7 +48,9 @@ from lazarus.core.records import MAX_RANKS_PER_NODE, RecordError, load_json, num
 from lazarus.core.trainconfig import TrainConfig, check_types
 
 _JOB_KEYS = {"name", "nodes", "min_nodes", "nproc_per_node", "max_restarts",
-             "rendezvous_timeout_s", "id", "command", "env", "cwd", "start_on_spares"}
+             "rendezvous_timeout_s", "id", "command", "env", "cwd", "start_on_spares",
+             "failure_unit", "replicas"}
+FAILURE_UNITS = ("world", "replica")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +70,10 @@ class JobSpec:
     # The first round may take spare nodes when too few active ones are free; False: spares
     # wait for a fault (`lazarus run` without --spares-ok)
     start_on_spares: bool = True
+    # "world": every failure is a whole-world recovery (bit-exact); "replica": the job is
+    # `replicas` replica groups and a failure stops only its own (docs/replicas.md)
+    failure_unit: str = "world"
+    replicas: int = 1
 
     @property
     def builtin(self) -> bool:
@@ -165,7 +173,9 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     start_on_spares = job.get("start_on_spares", True)
     if not isinstance(start_on_spares, bool):
         raise UserError(f"{source}: [job] start_on_spares must be true or false")
+    failure_unit, replicas = _replicas(job, nodes, source)
     spec = JobSpec(
+        failure_unit=failure_unit, replicas=replicas,
         command=command, env=env, cwd=cwd, start_on_spares=start_on_spares,
         name=name, nodes=nodes, min_nodes=min_nodes,
         nproc_per_node=_int(job, "nproc_per_node", 1, minimum=1, source=source,
@@ -178,6 +188,23 @@ def from_dict(doc: dict, *, source: str, check_sizes: bool = True) -> JobSpec:
     return spec
 
 
+def _replicas(job: dict, nodes: int, source: str) -> tuple[str, int]:
+    unit = job.get("failure_unit", "world")
+    if unit not in FAILURE_UNITS:
+        raise UserError(f'{source}: [job] failure_unit must be "world" or "replica", got {unit!r}')
+    replicas = _int(job, "replicas", 1, minimum=1, source=source)
+    if unit == "world" and replicas != 1:
+        raise UserError(f'{source}: [job] replicas = {replicas} needs failure_unit = "replica"')
+    if unit == "replica":
+        if replicas < 2:
+            raise UserError(f'{source}: [job] failure_unit = "replica" needs replicas >= 2 '
+                            f"(one replica is the whole world), got {replicas}")
+        if nodes % replicas:
+            raise UserError(f"{source}: [job] replicas = {replicas} must divide nodes = {nodes} "
+                            "(every replica gets the same number of nodes)")
+    return unit, replicas
+
+
 def _check_tp(train: dict, source: str) -> None:
     # Every reader of a job divides by it (JobSpec.dp_for), so it is checked on every read.
     tp = train.get("parallelism", {}).get("tp", 1)
@@ -187,7 +214,14 @@ def _check_tp(train: dict, source: str) -> None:
 
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
     """Every node count from min_nodes to nodes must give a valid trainer config (the
-    built-in trainer's; a command of the user's own has its own configuration)."""
+    built-in trainer's; a command of the user's own has its own configuration). A job in
+    replica mode is refused here, where the daemon accepts jobs: its trainer-side core is
+    built, its per-replica rounds are not (docs/replicas.md), and running it as one world
+    would be a silent change of what the user asked for."""
+    if spec.failure_unit == "replica":
+        raise UserError(f'{source}: [job] failure_unit = "replica" is not run by this daemon '
+                        "yet (docs/replicas.md: the trainer's core is built, per-replica rounds are "
+                        "not); leave it out for the whole-world recovery")
     if not spec.builtin:
         return
     if "dp" in spec.train.get("parallelism", {}):

@@ -1,0 +1,262 @@
+"""The cross-replica side of a rank in a job of replica groups (docs/replicas.md): the per-step
+quorum, the gloo group of this rank's counterparts in the other replicas, the gradient
+average over the replicas that took part, and healing a restarted replica from a live one.
+
+Each replica is a world of its own (the default process group: its FSDP shards). Rank s of
+every replica pairs with rank s of the others in a group of its own, rebuilt, under a new
+store prefix, whenever the quorum changes: a lost replica is dropped by building a smaller
+group among the survivors, with no round of the whole job. The quorum is kept in a store
+shared by all replicas (a TCPStore, hosted by whoever supervises the job), written a few keys a
+step: never etcd (docs/architecture.md, the write budget).
+
+Only a replica's leader (its rank 0) takes part in the quorum; it hands the answer to its
+replica's ranks over the replica's own group, so all shards of a replica agree on it.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lazarus.trainer.replicapolicy import Quorum, Silence, decide
+
+
+class LeftOut(RuntimeError):
+    """This replica is not in the quorum of the step (it came too late, or broke): it must be
+    restarted to heal."""
+
+
+class ReplicaGroup:
+    def __init__(self, host: str, port: int, *, replica: int, replicas: int,
+                 min_replicas: int = 1, wait_s: float = 3.0, start_wait_s: float = 120.0,
+                 timeout_s: float = 60.0):
+        """`host`:`port`: the quorum's store, shared by every replica's ranks. `wait_s`: how
+        long a replica's leader may stay silent before a quorum goes on without it;
+        `timeout_s`: a cross-replica collective's (and a heal's) limit."""
+        self.store = _connect(host, port)
+        self.replica, self.replicas = replica, replicas
+        self.min_replicas = min_replicas
+        self.wait_s, self.start_wait_s = wait_s, start_wait_s
+        self.timeout = timedelta(seconds=timeout_s)
+        self.local_rank = dist.get_rank()
+        self.quorum: Quorum | None = None
+        self.group: dist.ProcessGroup | None = None
+        self._attempt = 0
+        self._broken = False
+        # Every start of this replica counts: any after the first is a restart that heals.
+        incarnation = torch.tensor([self.store.add(f"incarnation/{replica}", 1)
+                                    if self.local_rank == 0 else 0])
+        dist.broadcast(incarnation, src=0)
+        self.joining = int(incarnation) > 1
+        self._silence = Silence(wait_s, start_wait_s)
+        if self.local_rank == 0:
+            # A connection of its own: the main thread's may be held for a whole rendezvous.
+            beat_store = _connect(host, port)
+            threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
+                             name="replica-heartbeat").start()
+
+    def _beat(self, store: dist.Store) -> None:
+        while True:
+            store.add(f"hb/{self.replica}", 1)
+            time.sleep(self.wait_s / 6)
+
+    def _gone(self, replicas: set[int], since: float) -> set[int]:
+        """Those of `replicas` that their supervisor said were lost (mark_left), or whose
+        leader has not beaten for wait_s (or, never seen, not since `since` plus
+        start_wait_s): measured on this host's clock alone."""
+        gone = set()
+        for r in replicas:
+            told = _peek(self.store, f"left/{r}/{_peek(self.store, f'incarnation/{r}')}")
+            if told is not None or self._silence.gone(r, self.store.add(f"hb/{r}", 0),
+                                                      time.monotonic(), since):
+                gone.add(r)
+        return gone
+
+    # -- the quorum -------------------------------------------------------------------------
+
+    def next_quorum(self, step: int) -> Quorum:
+        """The quorum of `step` (or of its next try, after a failed collective), with the
+        cross-replica group built for it. Raises LeftOut if this replica is not in it."""
+        if self.quorum is None or self.quorum.step != step:
+            self._attempt = 0
+        if self.local_rank == 0:
+            q = self._join() if self.joining else self._ask(step, self._attempt)
+            box = [q.to_json()]
+        else:
+            box = [None]
+        dist.broadcast_object_list(box, src=0)
+        q = Quorum.from_json(box[0])
+        self.joining = False
+        if self.replica not in q.members:
+            raise LeftOut(f"replica {self.replica} was left out of step {q.step}'s quorum "
+                          f"{list(q.members)}")
+        if (self.group is None or self._broken or self.quorum is None
+                or q.members != self.quorum.members):
+            self._build_group(q)
+        self.quorum, self._attempt, self._broken = q, q.attempt, False
+        return q
+
+    def _ask(self, step: int, attempt: int) -> Quorum:
+        key = f"q/{step}.{attempt}"
+        self.store.set(f"in/{step}.{attempt}/{self.replica}", "1")
+        expected = set(self.quorum.members) if self.quorum else set(range(self.replicas))
+        started = time.monotonic()
+        while not self.store.check([key]):
+            arrived = {r for r in range(self.replicas)
+                       if self.store.check([f"in/{step}.{attempt}/{r}"])}
+            # a joiner's nonce names the key it waits on: a late writer of an old quorum's
+            # answer can never reach a later start of the same replica
+            joiners = {r: nonce for r in range(self.replicas)
+                       if (nonce := _peek(self.store, f"join/{r}")) is not None}
+            q = decide(step=step, attempt=attempt, expected=expected, arrived=arrived,
+                       joiners=set(joiners), gone=self._gone(expected - arrived, started),
+                       min_replicas=self.min_replicas)
+            if q is not None:
+                # The first proposal stored is the quorum, whoever made it.
+                decided = Quorum.from_json(self.store.compare_set(key, "", q.to_json()))
+                for r in set(decided.healing) & set(joiners):
+                    self.store.set(f"healed/{r}/{joiners[r]}", key)
+                return decided
+            if time.monotonic() - started > self.timeout.total_seconds() + self.start_wait_s:
+                raise TimeoutError(f"no quorum for step {step} (try {attempt}): only "
+                                   f"{sorted(arrived)} of {sorted(expected)} arrived")
+            time.sleep(0.01)
+        return Quorum.from_json(self.store.get(key))
+
+    def _join(self) -> Quorum:
+        """A restarted replica's way in: ask, and wait for a quorum that takes it in."""
+        nonce = uuid.uuid4().hex
+        self.store.set(f"join/{self.replica}", nonce)
+        answer = f"healed/{self.replica}/{nonce}"
+        deadline = time.monotonic() + self.start_wait_s
+        while not self.store.check([answer]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica} was not let back in within "
+                                   f"{self.start_wait_s:.0f} s")
+            time.sleep(0.01)
+        self.store.delete_key(f"join/{self.replica}")
+        return Quorum.from_json(self.store.get(self.store.get(answer).decode()))
+
+    def _build_group(self, q: Quorum) -> None:
+        # A fresh prefix per quorum: a group's rendezvous keys are never reused by the next.
+        prefix = dist.PrefixStore(f"g/{q.key}/{self.local_rank}/", self.store)
+        self.group = dist.ProcessGroupGloo(prefix, q.members.index(self.replica), len(q.members),
+                                           self.timeout)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def average(self, grads: list[torch.Tensor], divisor: int) -> bool:
+        """Sum this rank's gradient shards with its counterparts' in the quorum's replicas and
+        divide by `divisor`, in place; every rank of this replica returns whether all its
+        shards got the sum. False: the gradients are untouched, and the group is marked broken
+        -- ask next_quorum again (the same step's next try) and call this again."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        ok = True
+        if len(self.quorum.members) > 1:
+            try:
+                self.group.allreduce([flat]).wait()
+            except RuntimeError:
+                ok = False  # a counterpart is gone (a reset connection) or timed out
+        # Every shard of this replica must apply the same sum, or none: one shard's peer may
+        # still answer while another's is dead.
+        agreed = torch.tensor([int(ok)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not agreed.item():
+            self._broken = True
+            self._attempt += 1
+            return False
+        flat /= divisor
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return True
+
+    # -- healing ----------------------------------------------------------------------------
+
+    def heal(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict | None = None) -> dict | None:
+        """At the start of a quorum with healing members: the source's rank sends its shard
+        of the model and optimizer (and `extra`, e.g. the data position) to each healing
+        replica's rank of the same shard, which loads it. Returns `extra` as received on a
+        healing rank, None elsewhere. Other members do nothing."""
+        q = self.quorum
+        if not q.healing or (self.replica != q.source and self.replica not in q.healing):
+            return None
+        src = q.members.index(q.source)
+        if self.replica == q.source:
+            buf = io.BytesIO()
+            torch.save(_state_of(model, optimizer, extra), buf)
+            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            for r in q.healing:
+                dst = q.members.index(r)
+                self.group.send([size], dst, 0).wait()
+                self.group.send([payload], dst, 1).wait()
+            return None
+        size = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([size], src, 0).wait()
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.recv([payload], src, 1).wait()
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        _load_state(model, optimizer, state)
+        return state["extra"]
+
+
+def mark_left(store: dist.Store, replica: int) -> None:
+    """Tell the quorum that `replica`, as it is now, is lost: for its supervisor (an agent
+    that saw one of its ranks die), so that the others go on at once rather than after
+    wait_s of its silence. Its next start is a new incarnation, which this does not touch.
+    `store`: the quorum's store, as ReplicaGroup's host and port reach it."""
+    store = dist.PrefixStore("replicas/", store)
+    store.set(f"left/{replica}/{_peek(store, f'incarnation/{replica}')}", "1")
+
+
+_ABSENT = "\x00absent"
+
+
+def _peek(store: dist.Store, key: str) -> str | None:
+    """The key's value, or None at once if there is none (a get would wait for it): a
+    compare_set that cannot match never writes."""
+    value = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if value == _ABSENT else value
+
+
+def _connect(host: str, port: int) -> dist.Store:
+    return dist.PrefixStore("replicas/", dist.TCPStore(host, port, is_master=False,
+                                                       wait_for_workers=False))
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None) -> dict:
+    # Both replicas shard the same model over the same number of ranks, so rank s's local
+    # shards are the same shapes on both sides: they travel as plain tensors.
+    params = list(model.parameters())
+    return {"params": [_local(p).detach() for p in params],
+            "optim": [{k: _local(v) for k, v in optimizer.state.get(p, {}).items()}
+                      for p in params],
+            "extra": extra or {}}
+
+
+@torch.no_grad()
+def _load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    params = list(model.parameters())
+    if len(params) != len(state["params"]):
+        raise RuntimeError(f"the peer's model has {len(state['params'])} parameters, this one "
+                           f"{len(params)}")
+    for p, local, opt in zip(params, state["params"], state["optim"]):
+        _local(p).copy_(local)
+        optimizer.state[p] = {
+            k: (DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
+                if isinstance(p, DTensor) and v.dim() > 0 else v)
+            for k, v in opt.items()}
