@@ -57,12 +57,15 @@ def state(agent: Agent) -> tuple:
         refused = bool(r.refused)
         restore_failed = r.restore_failed.get("kind")
         hang = r.hang is not None
+        # Not a reason to write (a level-0 script issues them all the time): it rides on
+        # the period's write, which moving collectives make due as a moving step does.
+        agent.publisher.collectives = collectives(agent)[0]
     health = agent.health.poll() if agent.cfg.monitors else {}
     checked = agent.preflight.result if agent.preflight is not None else {}
     return (workers_state(agent, step), g.round if g else 0,
             g.failed_rank() if g else None, spikes, health.get("state"),
             hang, long_phase, refused, checked.get("at"),
-            restore_failed)
+            restore_failed, tuple(sorted(agent.workers.unkillable)))
 
 
 def build(agent: Agent) -> NodeStatus:
@@ -76,6 +79,7 @@ def build(agent: Agent) -> NodeStatus:
         refused = r.refused
         restore_failed = dict(r.restore_failed)
         hang, job_id, world_size = r.hang, r.job_id, r.world_size
+        issued, issued_at = collectives(agent)
     return NodeStatus(
         node=agent.cfg.node, round=g.round if g else 0, workers=workers_state(agent, st["step"]),
         exit_codes={str(k): v for k, v in g.exit_codes.items()} if g else {},
@@ -91,7 +95,20 @@ def build(agent: Agent) -> NodeStatus:
         if agent.tier0 is not None else {},
         restore_failed=restore_failed, output_tail=_output_tail(agent, g),
         in_place=sorted(g.ranks[lr] for lr in g.kept) if g else [],
-        anew=_anew(g))
+        anew=_anew(g), collectives=issued, collective_at=issued_at,
+        unkillable=agent.workers.set_aside())
+
+
+def collectives(agent: Agent) -> tuple[int, float]:
+    """(the collectives every local rank has issued this round, wall time of the newest
+    report of one); (-1, 0.0) before any. Read from the hang detector, which holds each
+    rank's latest progress (lazarus.trainer.collwatch for a level-0 script); lock held."""
+    latest = [st.progress for st in agent.hangs._ranks.values()]  # its only store of them
+    if not latest:
+        return -1, 0.0
+    newest = max(p.since for p in latest)
+    # `since` is time.monotonic() of the host, which every process on it shares
+    return min(p.seq for p in latest), time.time() - max(0.0, time.monotonic() - newest)
 
 
 def _long_phase(agent: Agent, phase: dict, now: float) -> dict:
@@ -133,17 +150,24 @@ class Publisher:
         self.period_s = period_s
         self.state: tuple | None = None   # None: nothing written under the current lease
         self.step = -1
+        # Collectives of a script that reports no steps move as a step does: the latest
+        # seen (set by `state`, asked every pass) and the one written.
+        self.collectives = -1
+        self.written_collectives = -1
         self.at = 0.0
         self._jitter = random.Random(node)
         self.next_period_s = period_s
 
     def due(self, now: float, state: tuple, step: int, *, force: bool) -> bool:
-        return decide.status_due(now, state, step, published_state=self.state,
-                                 published_step=self.step, published_at=self.at,
+        return decide.status_due(now, state, (step, self.collectives),
+                                 published_state=self.state,
+                                 published_step=(self.step, self.written_collectives),
+                                 published_at=self.at,
                                  period_s=self.next_period_s, force=force)
 
-    def wrote(self, state: tuple, step: int, now: float) -> None:
+    def wrote(self, state: tuple, step: int, now: float, collectives: int = -1) -> None:
         self.state, self.step, self.at = state, step, now
+        self.written_collectives = collectives
         self.next_period_s = self.period_s * (1 + PERIOD_JITTER * self._jitter.random())
 
 
@@ -158,5 +182,5 @@ def write(agent: Agent, state_: tuple, now: float) -> bool:
     except E.LeaseLost:
         agent.session.mark_lost()
         return False
-    agent.publisher.wrote(state_, status.step, now)
+    agent.publisher.wrote(state_, status.step, now, status.collectives)
     return True

@@ -43,6 +43,10 @@ RANK_LOG_BYTES = 64 << 20
 # A SIGKILLed process is gone within milliseconds unless it sleeps where no signal reaches it
 # (state D): past this it is set aside rather than waited for (Workers._kill).
 KILL_WAIT_S = 5.0
+# What the node status carries of the processes set aside (Workers.set_aside): a few, each
+# reason bounded (frozen.where's wchan and file name are bounded too).
+UNKILLABLE_SHOWN = 4
+UNKILLABLE_WHY_CHARS = 400
 KEEP_ROUNDS = 20
 
 
@@ -148,7 +152,8 @@ class Workers:
         self.ended: dict[int, str] = {}
         self._rehearsed_round = -1  # the last round `rehearse` asked the zygote about
         self.job: str | None = None  # the job whose ranks this node runs or ran last
-        # pid -> (process, why): killed, but in a wait no signal ends (see _kill)
+        # pid -> (process, why, global rank or None): killed, but in a wait no signal ends
+        # (see _kill); the node status says so, and the daemon cordons the node for it
         self.unkillable: dict[int, tuple] = {}
         self.fence_jobs = fence_jobs  # see new_job
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -318,7 +323,8 @@ class Workers:
         self.ended.update(dict.fromkeys(kept, ANEW_LET_GO))
         g = self.group
         waiting = [g.procs[lr] for lr in g.survivors] if g is not None else []
-        self._kill(list(kept.values()) + waiting)
+        self._kill(list(kept.values()) + waiting,
+                   ranks={g.procs[lr].pid: g.ranks[lr] for lr in g.survivors} if g else None)
 
     def bound_logs(self) -> None:
         """Keep the current round's rank logs within the bound (see RANK_LOG_BYTES)."""
@@ -419,10 +425,13 @@ class Workers:
             if local_rank in g.survivors and proc is not None and proc.poll() is None:
                 self.kept[local_rank] = proc
         self.ended = {lr: ended_why(g, lr) for lr in g.procs if lr not in self.kept}
-        self._kill([p for lr, p in g.procs.items() if lr not in self.kept])
+        self._kill([p for lr, p in g.procs.items() if lr not in self.kept],
+                   ranks={p.pid: g.ranks[lr] for lr, p in g.procs.items()})
         self.group = None
 
-    def _kill(self, procs: list) -> None:
+    def _kill(self, procs: list, ranks: dict[int, int] | None = None) -> None:
+        """SIGKILL `procs` and wait for them, KILL_WAIT_S at most; `ranks`: pid -> the global
+        rank it ran, said of one set aside."""
         for proc in procs:
             _kill_group(proc.pid)
             if proc.poll() is None:
@@ -441,17 +450,25 @@ class Workers:
                        or f"still there {KILL_WAIT_S:.0f} s after its SIGKILL")
                 log.error("pid %d %s: set aside, this agent goes on; it is reaped if it ever "
                           "ends", proc.pid, why)
-                self.unkillable[proc.pid] = (proc, why)
+                self.unkillable[proc.pid] = (proc, why, (ranks or {}).get(proc.pid))
             else:
                 self._forget(proc.pid)
 
     def reap_unkillable(self) -> None:
         """Reap what `_kill` set aside, once it ended."""
-        for pid, (proc, _why) in list(self.unkillable.items()):
+        for pid, (proc, *_) in list(self.unkillable.items()):
             if proc.poll() is not None:
                 del self.unkillable[pid]
                 self._forget(pid)
                 log.info("pid %d set aside earlier ended at last", pid)
+
+    def set_aside(self) -> list[dict]:
+        """The processes `_kill` could not end, as the node status says them: {"pid", "rank"
+        (None: a worker of no round, parked or let go), "why"}, the first UNKILLABLE_SHOWN by
+        pid. One is enough for the daemon to cordon the node."""
+        return [{"pid": pid, "rank": rank, "why": why[:UNKILLABLE_WHY_CHARS]}
+                for pid, (_proc, why, rank) in sorted(self.unkillable.items())
+                [:UNKILLABLE_SHOWN]]
 
     def _forget(self, pid: int) -> None:
         # A weeks-long run starts thousands of workers: their files must not pile up.

@@ -5,10 +5,12 @@ or standby, keeps one current from a watch), first brought up to etcd's current 
 standby answers like the leader and names it, and a read sees every write made before it. Commands are etcd writes on the keys of lazarus.core.records (cordon/, commands/...);
 the leader's reconcile loop acts on them. Nothing here holds state of the run.
 
-Two roles, each a bearer token: the admin token may call every RPC; the read-only token only
-READ_METHODS (run health, nodes, checkpoints, events), and any other call with it ends
-PERMISSION_DENIED before its request is parsed. A method not listed there needs the admin
-token, so an RPC added later is an admin's until someone decides otherwise.
+Three roles, each a bearer token: the admin token may call every RPC; the read-only token only
+READ_METHODS (run health, nodes, checkpoints, events); the submit token, a user's, those and
+SUBMIT_METHODS (submit and cancel a job), so that users run jobs without the daemons' etcd
+credentials or the operators' commands. Any other call with a lesser token ends
+PERMISSION_DENIED before its request is parsed. A method not listed needs the admin token, so
+an RPC added later is an admin's until someone decides otherwise.
 
 A client cannot hurt the daemon: requests over MAX_REQUEST_BYTES are refused by gRPC before
 they are parsed, every field is checked (INVALID_ARGUMENT names it), at most MAX_STREAMS event
@@ -55,6 +57,9 @@ MAX_REASON_LEN = 256
 MAX_CHECKPOINT_LIMIT = 100_000
 # What the read-only token may call: everything that changes nothing.
 READ_METHODS = frozenset({"GetRunHealth", "ListNodes", "ListCheckpoints", "WatchEvents"})
+# What the submit token may call besides: a user's own job, not the operators' commands
+# (drain, cordon, pause, checkpoint).
+SUBMIT_METHODS = READ_METHODS | {"SubmitJob", "CancelJob"}
 # How often a quiet event stream looks whether its client is still there.
 STREAM_POLL_S = 1.0
 # Events a follow stream may hold for a reader that does not keep up; past them it ends
@@ -393,13 +398,16 @@ class LazarusServicer(pb_grpc.LazarusServicer):
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Every call must carry `authorization: Bearer TOKEN`, the admin token or, for
-    READ_METHODS only, the read-only one; others end UNAUTHENTICATED (no or an unknown token)
-    or PERMISSION_DENIED (the read-only token on a command) before their request is parsed."""
+    """Every call must carry `authorization: Bearer TOKEN`, the admin token, the submit one for
+    SUBMIT_METHODS or the read-only one for READ_METHODS; others end UNAUTHENTICATED (no or an
+    unknown token) or PERMISSION_DENIED (a lesser token on a command it may not call) before
+    their request is parsed."""
 
-    def __init__(self, token: str, read_token: str | None = None):
+    def __init__(self, token: str, read_token: str | None = None,
+                 submit_token: str | None = None):
         self._admin = f"Bearer {token}".encode()
         self._read = f"Bearer {read_token}".encode() if read_token else None
+        self._submit = f"Bearer {submit_token}".encode() if submit_token else None
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -411,15 +419,20 @@ class TokenAuth(grpc.ServerInterceptor):
         # came close.
         admin = hmac.compare_digest(given, self._admin)
         reader = self._read is not None and hmac.compare_digest(given, self._read)
+        submitter = self._submit is not None and hmac.compare_digest(given, self._submit)
         if admin:
             return handler
         method = details.method.rpartition("/")[2]
-        if reader:
-            if method in READ_METHODS:
+        if reader or submitter:
+            allowed, kind = (SUBMIT_METHODS, "a submit token") if submitter else (
+                READ_METHODS, "read-only")
+            if method in allowed:
                 return handler
+            needs = ("the submit or admin token" if method in SUBMIT_METHODS
+                     else "the admin token")
             return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
-                         f"{method} needs the admin token; this token is read-only (it may "
-                         f"call {', '.join(sorted(READ_METHODS))})")
+                         f"{method} needs {needs}; this token is {kind} (it may "
+                         f"call {', '.join(sorted(allowed))})")
         return _deny(handler, grpc.StatusCode.UNAUTHENTICATED,
                      "missing or wrong bearer token" if given else
                      "missing bearer token (authorization metadata)")
@@ -452,15 +465,16 @@ def _read(path: str, what: str) -> bytes:
 
 
 def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
-          read_token: str | None = None,
+          read_token: str | None = None, submit_token: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None,
           client_ca: str | None = None, served_by: str | None = None,
           max_streams: int = MAX_STREAMS, history: History | None = None,
           views: LiveView | None = None) -> tuple[Server, int]:
     """Start the API on `address` (HOST:PORT; port 0 = any free port); returns the started
     server and the port it bound. token None = no authentication; `read_token`, beside the
-    admin `token`, may call READ_METHODS only. TLS when tls_cert and tls_key are given; with
-    client_ca, clients must present a certificate it signed.
+    admin `token`, may call READ_METHODS only; `submit_token`, SUBMIT_METHODS. TLS when
+    tls_cert and tls_key are given; with client_ca, clients must present a certificate it
+    signed.
     `views`: the daemon's cached view; without one the server keeps its own."""
     if read_token is not None and token is None:
         raise UserError("a read-only token needs an admin token beside it (--token-file or "
@@ -468,6 +482,13 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
     if read_token is not None and read_token == token:
         raise UserError("the read-only token is the admin token; give the readers a token "
                         "of their own")
+    if submit_token is not None and token is None:
+        raise UserError("a submit token needs an admin token beside it (--token-file or "
+                        "LAZARUS_TOKEN)")
+    if submit_token is not None and submit_token in (token, read_token):
+        other = "admin" if submit_token == token else "read-only"
+        raise UserError(f"the submit token is the {other} token; give the users a token of "
+                        "their own")
     if (tls_cert is None) != (tls_key is None):
         raise UserError("TLS needs both --tls-cert and --tls-key")
     if client_ca is not None and tls_cert is None:
@@ -479,7 +500,8 @@ def serve(etcd: E.Etcd, keys: Keys, *, address: str, token: str | None = None,
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8,
                                                     thread_name_prefix="api"),
-                         interceptors=[TokenAuth(token, read_token)] if token else [],
+                         interceptors=([TokenAuth(token, read_token, submit_token)]
+                                       if token else []),
                          options=options, maximum_concurrent_rpcs=4 * (max_streams + 8))
     own = views is None
     if views is None:

@@ -14,6 +14,9 @@ Failure classes handled here (docs/architecture.md, "Failure classes"):
   host failing    -> alerted, training goes on (hostalert); a node-local fault is swapped
                      out at a checkpoint when a spare is idle
   preflight failed-> the node is cordoned with the reason, whatever the run does (preflight)
+  unkillable rank -> a rank SIGKILL cannot end (in the kernel on a dead mount): the node is
+                     cordoned with the reason until an operator uncordons it, and replaced
+                     like a lost node (unkillable)
   restore failed  -> the checkpoint condemned for what is wrong with it, or the node that
                      alone cannot read it cordoned (restorefail)
   commit claimed  -> checked and made the step's record, or refused, in any state (ckptcheck)
@@ -34,7 +37,7 @@ from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSE
                              ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
 from lazarus.daemon import (ckptcheck, commands, hostalert, preflight, restorefail, spikes,
-                            stragglers, tier0)
+                            stragglers, tier0, unkillable)
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -46,11 +49,20 @@ def decide(now: float, view: ClusterView) -> Decision:
     # Agents' claims of a commit first: the rest decides from the view with the adopted ones
     # among its records, so a recovery in this pass restores the newest checkpoint.
     claims, view = ckptcheck.adopt_claims(view)
+    # A node holding a process SIGKILL cannot end is cordoned first, and the rest decides
+    # with the cordon in its view, so no round chosen in this pass takes it; the live round's
+    # members are replaced with their cordon (_check_faults), in one event.
+    st = view.status
+    live = set(st.members) if st is not None and st.state in (RENDEZVOUS, RUNNING) else set()
+    stuck = unkillable.respond(view, skip=live)
+    if stuck is not None:
+        view = dataclasses.replace(view, cordoned=view.cordoned | {
+            a.node for a in stuck.actions if isinstance(a, Cordon)})
     decision = _decide(now, view)
     # Whatever the run does, a node that failed its preflight is cordoned (and lifted when it
     # passes again) in the same transaction: it is never chosen meanwhile (rounds.usable).
     gate = preflight.respond(view)
-    parts = [p for p in (claims, gate) if p is not None]
+    parts = [p for p in (claims, stuck, gate) if p is not None]
     if not parts:
         return decision
     actions = [a for p in (*parts, decision) for a in p.actions]
@@ -133,6 +145,19 @@ def _to_recovering(now: float, st: RunStatus, kind: str, culprits: list[str], re
                                  incident=incident)
     return Decision([SetStatus(status), Emit("fault_detected", reason,
                                              {**incident, **event_fields})], reason)
+
+
+def _unkillable(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
+    """Members holding a process SIGKILL cannot end: cordoned (unless they are already) and
+    replaced, as lost nodes are: the next round is chosen without them."""
+    stuck = {n: e for n in st.members if (e := unkillable.stuck(view, n))}
+    if not stuck:
+        return None
+    d = _to_recovering(now, st, unkillable.KIND, list(stuck),
+                       f"{unkillable.cannot_serve(stuck)}, replaced", now,
+                       processes=dict(list(stuck.items())[:unkillable.NODES_SAID]))
+    return Decision([*(unkillable.cordon(n, e) for n, e in stuck.items()
+                       if n not in view.cordoned), *d.actions], d.reason)
 
 
 def health_of(view: ClusterView, node: str, monitor: str) -> tuple[str, list[str]]:
@@ -280,6 +305,9 @@ def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | No
         ttl = max(view.departed_ttl.get(n) or settings.LEASE_TTL_S for n in lost)
         return _to_recovering(now, st, "node_lost", lost,
                               f"node(s) {', '.join(lost)} lost (agent lease expired)", now - ttl)
+    stuck = _unkillable(now, view, st)
+    if stuck is not None:
+        return stuck
     sick = {n: health_of(view, n, "gpu") for n in st.members}
     sick = {n: why for n, (state, why) in sick.items() if state == H_FAILED}
     if sick:
@@ -453,13 +481,14 @@ ANEW_RANKS_SAID = 3
 
 
 def _anew_said(anew: dict[str, list[int]]) -> str:
-    """The ranks that started anew and why, shortest first: "rank 1 failed first, 2 ranks
-    new on this node"."""
+    """The ranks that started anew and why, shortest first, as sentences: "rank 1 started
+    anew (failed first); 2 ranks started anew (new on this node)"."""
     def which(some: list[int]) -> str:
         if len(some) > ANEW_RANKS_SAID:
             return f"{len(some)} ranks"
-        return ("rank " if len(some) == 1 else "ranks ") + ", ".join(map(str, sorted(some)))
-    return ", ".join(f"{which(some)} {why}" for why, some in
+        *head, last = map(str, sorted(some))
+        return f"ranks {', '.join(head)} and {last}" if head else f"rank {last}"
+    return "; ".join(f"{which(some)} started anew ({why})" for why, some in
                      sorted(anew.items(), key=lambda kv: (len(kv[1]), kv[0])))
 
 
@@ -506,7 +535,7 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    + (f"step {step} done" if step else "every rank joined its process group")
                    + f" {fields['recovered_after_s']:.1f} s after the fault"
                    + (f"; {kept} of {ranks} rank(s) in place" if kept else "")
-                   + (f"{', ' if kept else '; '}anew: {_anew_said(anew)}" if anew else ""))
+                   + (f"; {_anew_said(anew)}" if anew else ""))
             status = dataclasses.replace(st, incident=None, reason=msg)
             return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})

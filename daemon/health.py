@@ -17,11 +17,15 @@ from lazarus.daemon.decide import health_of
 from lazarus.daemon.history import History
 from lazarus.daemon.view import ClusterView, prefixes  # noqa: F401 (what the API reads)
 from lazarus.proto.lazarus.v1 import lazarus_pb2 as pb
-from lazarus.core.records import (RUNNING, TERMINAL, CheckpointRecord, EventRecord, RecordError,
-                                  RunStatus, load_json, number)
+from lazarus.core.records import (ROLE_SPARE, RUNNING, TERMINAL, W_IDLE, W_RUNNING, W_SUCCEEDED,
+                                  CheckpointRecord, EventRecord, RecordError, RunStatus,
+                                  load_json, number)
 
-# Node.state values beyond the worker states an agent reports.
+# Node.state values beyond the worker states an agent reports. Outside the run a node is
+# what it registered as: a spare waits to be promoted; an active node has simply no work
+# (the run has its nodes, or there is no run), and "spare" would say it is one.
 SPARE, CORDONED, LOST, STARTING = "spare", "cordoned", "lost", "starting"
+IDLE = W_IDLE
 
 
 def with_history(history: History | None, view: ClusterView) -> list[EventRecord]:
@@ -84,7 +88,7 @@ def node_state(node: str, view: ClusterView, members: set[str]) -> str:
     if node not in view.nodes:
         return LOST
     if st is None or node not in members:
-        return SPARE
+        return SPARE if view.nodes[node].role == ROLE_SPARE else IDLE
     ns = view.node_status.get(node)
     if ns is not None and ns.round == st.round:
         return ns.workers
@@ -155,6 +159,7 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
             # Loss and throughput as rank 0 sees them (tokens are counted for the whole batch).
             first = next((ns for ns in current if ns.node == st.members[0]), current[0])
             h.loss, h.tokens_per_s, h.step_time_s = first.loss, first.tokens_per_s, first.step_time_s
+        _script_progress(h, view, current, now)
         if st.incident is not None:
             inc = st.incident  # its keys typed (records.Incident)
             h.incident.CopyFrom(pb.Incident(
@@ -176,6 +181,30 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
         state = node_state(node, view, members)
         h.nodes_by_state[state] = h.nodes_by_state[state] + 1
     return h
+
+
+def _script_progress(h: pb.RunHealth, view: ClusterView, current: list, now: float) -> None:
+    """What is known of a round whose ranks report no steps (level 0: docs/adopting.md):
+    its ranks joined, the collectives they all issued (the least node's), their rate (the
+    slowest node's, from its two newest statuses: daemon.view) and the time since the
+    newest."""
+    job = view.job
+    h.steps_unknown = not (job is not None and job.id == h.job_id and job.builtin
+                           or any(ns.step > 0 for ns in current))
+    h.collectives, h.last_collective_age_s = -1, -1.0
+    rnd = view.round
+    if rnd is not None and view.status is not None and rnd.round == view.status.round:
+        h.world_size = rnd.world_size
+        h.ranks_joined = rnd.nproc_per_node * sum(ns.workers in (W_RUNNING, W_SUCCEEDED)
+                                                  for ns in current)
+    reported = [ns for ns in current if ns.collectives >= 0]
+    if not reported:
+        return
+    h.collectives = min(ns.collectives for ns in reported)
+    rates = [view.collective_rate[ns.node] for ns in reported if ns.node in view.collective_rate]
+    h.collectives_per_s = min(rates, default=0.0)
+    newest = max(ns.collective_at for ns in reported)
+    h.last_collective_age_s = max(0.0, now - newest) if newest > 0 else -1.0
 
 
 def _node_names(view: ClusterView) -> list[str]:

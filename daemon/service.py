@@ -246,6 +246,10 @@ def main(argv: list[str]) -> int:
                    "env LAZARUS_TOKEN, else a random one, written to the endpoint file)")
     p.add_argument("--read-token-file", help="read-only bearer token: status, nodes, events "
                    "and checkpoints, no commands (default: env LAZARUS_READ_TOKEN, else none)")
+    p.add_argument("--submit-token-file", help="submit bearer token, the users': what the "
+                   "read-only one may, and submit and cancel jobs (`lazarus run`, `lazarus "
+                   "submit`); no operator commands (default: env LAZARUS_SUBMIT_TOKEN, else "
+                   "none)")
     p.add_argument("--tls-cert", help="serve the API over TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="mutual TLS: clients need a certificate this CA "
@@ -280,6 +284,8 @@ def main(argv: list[str]) -> int:
              else _env_token("LAZARUS_TOKEN"))
     read_token = (endpoint_file.load_token(args.read_token_file) if args.read_token_file
                   else _env_token("LAZARUS_READ_TOKEN"))
+    submit_token = (endpoint_file.load_token(args.submit_token_file) if args.submit_token_file
+                    else _env_token("LAZARUS_SUBMIT_TOKEN"))
     ep_path = endpoint_file.default_path() if args.endpoint_file is None else (
         Path(args.endpoint_file) if args.endpoint_file else None)
     if args.api != "off" and token is None:
@@ -321,7 +327,7 @@ def main(argv: list[str]) -> int:
                 log.info("OTLP export to %s", tel_cfg.otlp_endpoint)
         if args.api != "off":
             server, port = api.serve(etcd, keys, address=args.api, token=token,
-                                     read_token=read_token,
+                                     read_token=read_token, submit_token=submit_token,
                                      tls_cert=args.tls_cert, tls_key=args.tls_key,
                                      client_ca=args.tls_client_ca, served_by=daemon.writer,
                                      history=history, views=daemon.views)

@@ -64,6 +64,10 @@ class ClusterView:
     # revoked): a lost node's fault is dated one TTL before its loss is seen. History the
     # watch saw, not state a snapshot holds: left out of a view's equality.
     departed_ttl: dict[str, int] = field(default_factory=dict, compare=False)
+    # Collectives a second of each node's ranks in its round, from its two newest statuses
+    # that differ in them (a script that reports no steps: NodeStatus.collectives). History
+    # too, as above: a snapshot alone has one status a node, and no rate.
+    collective_rate: dict[str, float] = field(default_factory=dict, compare=False)
     node_status: dict[str, NodeStatus] = field(default_factory=dict)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)  # by step
     # The newest MAX_CLAIMS checkpoint claims, by key; and how many older ones there are.
@@ -127,6 +131,8 @@ class ViewBuilder:
         self._one: dict[str, object] = {}   # kind -> payload of the singleton keys
         self._nodes: dict[str, NodeRecord] = {}
         self._departed_ttl: dict[str, int] = {}
+        self._collective_rate: dict[str, float] = {}
+        self._replaced: dict[str, NodeStatus] = {}  # a node's status a change took away
         self._node_lease: dict[str, int] = {}
         self._statuses: dict[str, tuple[NodeStatus, int]] = {}  # readable ones, with leases
         self._node_status: dict[str, NodeStatus] = {}  # those bound to their node's lease
@@ -223,6 +229,7 @@ class ViewBuilder:
         if kind == "nodestatus":
             name = self._name(key, kind)
             self._statuses[name] = payload
+            self._collectives(name, self._replaced.pop(name, None), payload[0])
             self._bind(name)
         elif kind == "node":
             name = self._name(key, kind)
@@ -263,7 +270,7 @@ class ViewBuilder:
         kind, _ = entry
         if kind == "nodestatus":
             name = self._name(key, kind)
-            del self._statuses[name]
+            self._replaced[name] = self._statuses.pop(name)[0]
             self._bind(name)
         elif kind == "node":
             name = self._name(key, kind)
@@ -292,6 +299,18 @@ class ViewBuilder:
             self._ignored.pop(key, None)
             if kind != "ignored":
                 del self._one[kind]
+
+    def _collectives(self, node: str, before: NodeStatus | None, now: NodeStatus) -> None:
+        """The node's collective rate once `now` replaced `before`: kept while its
+        collectives stand still (a status written for another reason), dropped with the
+        round or when none are reported."""
+        if (now.collectives < 0 or before is None or before.round != now.round
+                or before.collectives < 0):
+            self._collective_rate.pop(node, None)
+            return
+        done, spent = now.collectives - before.collectives, now.collective_at - before.collective_at
+        if done > 0 and spent > 0:
+            self._collective_rate[node] = done / spent
 
     def _bind(self, node: str) -> None:
         """Count node's status, or not, after a change of it or of its registration: O(1)."""
@@ -331,6 +350,7 @@ class ViewBuilder:
             latest_round=rounds.get(last_round), last_round=last_round,
             round=rounds.get(status.round) if status is not None else None,
             nodes=dict(self._nodes), departed_ttl=dict(self._departed_ttl),
+            collective_rate=dict(self._collective_rate),
             node_status=dict(self._node_status),
             checkpoints=list(checkpoints), cordoned=set(self._cordoned),
             claims=list(claims), older_claims=len(self._claims) - len(claims),

@@ -9,6 +9,8 @@ lazarus.trainer.rankrun) tells the agent:
     CUDA, those its device has passed: lazarus.trainer.collprogress), whenever that changes. A rank that stops issuing them while its peers wait in one is
     behind them, and the agent's hang detector names it (lazarus.agent.hang) with the
     allowance of a step it never saw complete: the first-step timeout.
+The least of a node's ranks' collectives, and when the newest was seen, ride on its node
+status (lazarus.agent.nodestatus), and `lazarus status` shows them for a script with no step.
 It stops reporting progress once the script reports its own (`Session.progress`, level 1):
 those say more than this can.
 """

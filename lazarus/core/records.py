@@ -481,6 +481,18 @@ class NodeStatus(_Record):
     in_place: list[int] = field(default_factory=list)
     # Why the others started anew: reason (lazarus.agent.workers ANEW_*) -> global ranks.
     anew: dict[str, list[int]] = field(default_factory=dict)
+    # Processes of its ranks a SIGKILL could not end (in the kernel, on a mount that never
+    # answers): [{"pid", "rank" (global; None: no round's), "why"}], a few
+    # (lazarus.agent.workers.Workers.set_aside). The daemon cordons the node and replaces it.
+    unkillable: list[dict] = field(default_factory=list)
+    # What is known of a script that reports no steps (level 0, lazarus.trainer.collwatch):
+    # the collectives every rank of the node has issued in the round (the least of its
+    # ranks': each collective is issued by every rank, so a sum would count it once per rank
+    # and change with the world size; -1: none reported), and the wall time of the newest
+    # report of one. Carried by the writes made anyway (docs/architecture.md, "Write
+    # budget"); the daemon derives the rate from two successive statuses.
+    collectives: int = -1
+    collective_at: float = 0.0
 
     def __post_init__(self):
         if self.workers not in WORKER_STATES:

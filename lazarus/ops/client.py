@@ -10,8 +10,10 @@ answers. A command goes to the daemon that says it leads (GetRunHealth's served_
 else to the first that answers: any daemon takes one (it is an etcd write the leader acts
 on), the leader first so that the daemon that checks it (the node exists, the run's state
 fits) is the one that acts on it. That costs a GetRunHealth per daemon asked, and only with
-several addresses. The token is the admin one or the daemon's read-only one; with the latter
-a command is refused with exit code 4. Tables by default, --json for scripts (events: one
+several addresses. The token is the admin one, the daemon's submit one (a user's: jobs, no
+operator commands) or its read-only one; a command the token may not call is refused with
+exit code 4. `lazarus run` and `lazarus submit` reach the API through daemon_args and target
+too (lazarus.ops.apirun). Tables by default, --json for scripts (events: one
 JSON object per line).
 
 Exit codes: 0 done; 1 the daemon refused (no such node, not in this run state, ...);
@@ -75,11 +77,17 @@ class Target:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    daemon_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def daemon_args(p: argparse.ArgumentParser) -> None:
+    """How to reach the daemons' API, as every command on it takes it (`target(args)`)."""
     g = p.add_argument_group("daemon")
     g.add_argument("--address", help="daemon API HOST:PORT, or several HOST:PORT,HOST:PORT "
                    "tried in turn, commands to the leader first (default: $LAZARUS_ADDRESS, "
                    "else the endpoint file left by `lazarus daemon` / `lazarus up`)")
-    g.add_argument("--token", help="bearer token, admin or read-only (default: "
+    g.add_argument("--token", help="bearer token, admin, submit or read-only (default: "
                    "$LAZARUS_TOKEN or the endpoint file); prefer --token-file, which does not "
                    "show in `ps`")
     g.add_argument("--token-file", help="file holding the bearer token")
@@ -88,7 +96,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client key (PEM) for mutual TLS")
     g.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def address_known(args: argparse.Namespace) -> bool:
+    """Whether daemon_args' flags, the environment or an endpoint file name a daemon."""
+    return bool(args.address or os.environ.get(settings.ADDRESS_ENV)
+                or endpoint_file.default_path().exists())
+
+
+def target(args: argparse.Namespace) -> Target:
+    """The daemons daemon_args' flags name (else the environment, the endpoint file); Failed
+    when none is known."""
+    return _target(args)
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -344,7 +363,8 @@ def render_status(h: pb.RunHealth, now: float, address: str = "") -> None:
                          f"restarts {h.restarts}")
         total = f"/{h.total_steps}" if h.total_steps else ""
         _add(t, "step", f"{h.step}{total}  loss {h.loss:.4f}  {h.tokens_per_s:,.0f} tok/s  "
-                        f"{h.step_time_s:.3f} s/step")
+                        f"{h.step_time_s:.3f} s/step" if not h.steps_unknown else
+                        script_progress(h))
         _add(t, "goodput", "-" if h.goodput < 0 else
                 f"{h.goodput:.1%} ({h.productive_time_s:.0f} s of {h.wall_time_s:.0f} s)")
     _add(t, "nodes", ", ".join(f"{k} {v}" for k, v in sorted(h.nodes_by_state.items())) or "none")
@@ -369,6 +389,18 @@ def render_status(h: pb.RunHealth, now: float, address: str = "") -> None:
     who = f"{'leader' if h.served_by_leader else 'standby'} {h.served_by}"
     _add(t, "answered", f"{address} ({who})" if address else who)
     _console().print(t)
+
+
+def script_progress(h: pb.RunHealth) -> str:
+    """The step line of a script that reports no steps (level 0): what is known of it, not
+    zeros that would read as a run stuck at step 0."""
+    issued = ("no collective reported yet" if h.collectives < 0 else
+              f"{h.collectives:,} collectives"
+              + (f"  {h.collectives_per_s:,.1f}/s" if h.collectives_per_s > 0 else "")
+              + (f"  last {_ago(h.last_collective_age_s)} ago"
+                 if h.last_collective_age_s >= 0 else ""))
+    return (f"unknown (the script does not report steps)  round {h.round}  "
+            f"{h.ranks_joined}/{h.world_size} ranks joined  {issued}")
 
 
 def render_nodes(nodes: list[pb.Node]) -> None:

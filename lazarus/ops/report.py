@@ -390,7 +390,7 @@ def summary(story: Story) -> list[tuple[str, str]]:
 # Events where a monitor spoke up and the run went on (or was swapped at a checkpoint):
 # no incident, but part of the story.
 ALERT_KINDS = ("straggler", "gpu_degraded", "host_failed", "host_alert", "host_alert_cleared",
-               "checkpoint_failed", "drained")
+               "checkpoint_failed", "drained", "unkillable_rank")
 
 
 def alerts_table(story: Story) -> str:

@@ -1,9 +1,16 @@
 """`lazarus run [OPTIONS] -- COMMAND ARGS...`: run your own training script under Lazarus, as
-torchrun would run it, on the nodes whose agents watch an etcd (docs/adopting.md).
+torchrun would run it, on the cluster's nodes (docs/adopting.md).
 
 Submits a job whose ranks run COMMAND in torchrun's environment, follows it -- the run's events
-as they come -- and exits with its outcome: 0 only when it SUCCEEDED, 1 when it FAILED or was
-CANCELLED. Stopping this command (Ctrl-C) leaves the run going (`lazarus cancel` ends it).
+as they come -- and exits with its outcome: 0 only when it SUCCEEDED, 1 when it FAILED, was
+CANCELLED or rejected. Stopping this command (Ctrl-C) leaves the run going (`lazarus cancel`
+ends it).
+
+Two ways in. Users go through the daemons' API with a submit token (--address, --token-file,
+as `lazarus status` takes them; lazarus.ops.apirun): the default whenever a daemon is known
+(--address, $LAZARUS_ADDRESS or the endpoint file). With --etcd (or, no daemon known,
+$LAZARUS_ETCD) the job is written into etcd directly and followed there, which needs the
+daemons' etcd credentials: for operators and a local cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 
 from lazarus.core import etcd as E
 from lazarus.core import jobcommand, jobspec, settings
+from lazarus.ops import apirun, client
 from lazarus.core.consoletext import printable
 from lazarus.core.contract import METRICS_ENV
 from lazarus.core.errors import UserError
@@ -147,11 +155,44 @@ def follow(etcd: E.Etcd, keys: Keys, job: jobspec.JobSpec, *, since_ns: int,
     return "TIMEOUT"
 
 
+WAYS_IN = ("Through the daemons' API (the default whenever a daemon is known: --address, "
+           "$LAZARUS_ADDRESS or the endpoint file), with a submit token (--token-file); "
+           "--etcd writes the job into etcd directly instead, with the daemons' etcd "
+           "credentials (operators, a local cluster).")
+
+
+def add_ways_in(p: argparse.ArgumentParser) -> None:
+    """The daemon's API flags and etcd's, --etcd without a default: given, it picks etcd."""
+    client.daemon_args(p)
+    settings.add_etcd_args(p, etcd_help="write the job into this etcd (HOST:PORT, several "
+                           "HOST:PORT,HOST:PORT) instead of going through the API; needs the "
+                           f"daemons' etcd credentials (default: ${settings.ETCD_ENV} when no "
+                           "daemon is known)")
+    p.set_defaults(etcd=None)
+
+
+def by_etcd(args: argparse.Namespace) -> bool:
+    """Whether the job goes into etcd directly (see WAYS_IN); fills args.etcd when it does.
+    UserError when both ways are named, or neither is known."""
+    if args.etcd is not None:
+        if args.address:
+            raise UserError("give --address (the daemons' API) or --etcd, not both")
+        return True
+    if client.address_known(args):
+        return False
+    if os.environ.get(settings.ETCD_ENV):
+        args.etcd = os.environ[settings.ETCD_ENV]
+        return True
+    raise UserError("no daemon known: give --address HOST:PORT and --token-file FILE (the "
+                    "daemons' API, with the submit token your operator gave you), or --etcd "
+                    "HOST:PORT with the daemons' etcd credentials")
+
+
 def main(argv: list[str]) -> int:
     options, command = split_command(argv)
     p = argparse.ArgumentParser(prog="lazarus run", usage="lazarus run [OPTIONS] -- COMMAND [ARGS...]",
-                                description=__doc__.split("\n\n")[0])
-    settings.add_etcd_args(p)
+                                description=__doc__.split("\n\n")[0] + " " + WAYS_IN)
+    add_ways_in(p)
     job_options(p, nodes=1)
     p.add_argument("--no-local-check", action="store_true",
                    help="do not check that COMMAND can start on this machine (the agents "
@@ -162,6 +203,8 @@ def main(argv: list[str]) -> int:
                         "here, for `lazarus report` (sets $LAZARUS_METRICS)")
     args = p.parse_args(options)
     job = build_job(args, command, check=not args.no_local_check)
+    if not by_etcd(args):
+        return _through_api(args, job, command)
     keys = Keys(args.root)
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     try:
@@ -192,4 +235,27 @@ def main(argv: list[str]) -> int:
     finally:
         etcd.close()
     print(f"{state}: job {job.name!r} ({job.id})")
+    return 0 if state == SUCCEEDED else 1
+
+
+def _through_api(args: argparse.Namespace, job: jobspec.JobSpec, command: list[str]) -> int:
+    try:
+        target = client.target(args)
+        reply = apirun.submit(target, apirun.job_toml(job))
+        print(f"lazarus run: job {job.name!r} ({reply.job_id}): {job.nodes} node(s) x "
+              f"{job.nproc_per_node} rank(s), min {job.min_nodes}: {' '.join(command)}",
+              flush=True)
+        if args.detach:
+            return 0
+        try:
+            state = apirun.follow(target, reply.job_id, after_revision=reply.revision,
+                                  say=lambda line: print(line, flush=True))
+        except KeyboardInterrupt:
+            print("lazarus run: stopped following; the run goes on (`lazarus cancel` ends it)",
+                  file=sys.stderr)
+            return 130
+    except client.Failed as e:
+        print(printable(f"lazarus run: error: {e}"), file=sys.stderr)
+        return e.code
+    print(f"{state}: job {job.name!r} ({reply.job_id})")
     return 0 if state == SUCCEEDED else 1

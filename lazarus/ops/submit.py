@@ -1,21 +1,27 @@
-"""`lazarus submit JOB.toml`: validate a job file and hand it to the daemon through etcd."""
+"""`lazarus submit JOB.toml`: validate a job file and hand it to the daemon, through its API
+with a submit token (the default whenever a daemon is known) or, with --etcd, through etcd."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lazarus.core import etcd as E
-from lazarus.core import settings
 from lazarus.core import jobcommand, jobspec
+from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.core.records import Keys
+from lazarus.core import settings
+from lazarus.ops import apirun, client
+from lazarus.ops.run import WAYS_IN, add_ways_in, by_etcd
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lazarus submit", description=__doc__)
+    p = argparse.ArgumentParser(prog="lazarus submit", description=f"{__doc__.splitlines()[0]} "
+                                f"{WAYS_IN}")
     p.add_argument("job", help="job file (TOML with [job] and [train])")
-    settings.add_etcd_args(p)
+    add_ways_in(p)
     p.add_argument("--no-local-check", action="store_true",
                    help="do not check that [job] command can start on this machine (the "
                         "agents check it on theirs)")
@@ -26,6 +32,16 @@ def main(argv: list[str]) -> int:
             jobcommand.check_runnable(spec.command, cwd=spec.cwd)
         except UserError as e:
             raise UserError(f"{e} (--no-local-check when this is not an agents' machine)")
+    if not by_etcd(args):
+        try:
+            # The file as written: the daemon checks it again, and names its fields as the
+            # user wrote them.
+            reply = apirun.submit(client.target(args), Path(args.job).read_text())
+        except client.Failed as e:
+            print(printable(f"lazarus submit: error: {e}"), file=sys.stderr)
+            return e.code
+        print(printable(reply.message))
+        return 0
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
     try:
         etcd.put(Keys(args.root).job, spec.to_json())

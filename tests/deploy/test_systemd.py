@@ -132,10 +132,13 @@ def _credentials(unit: Path, security, dest: Path) -> Path:
     (dest / "token").chmod(0o400)  # as LoadCredential= hands it over
     files["replica-key"] = dest / "replica-key.source"
     files["replica-key"].write_text("0123456789abcdef" * 4 + "\n")
+    files["submit-token"] = dest / "submit-token.source"  # the users': not the admin token
+    files["submit-token"].write_text("deploy-test-submit-token\n")
     loaded = re.findall(r"^LoadCredential=([\w-]+):", unit.read_text(), re.M)
     for name in loaded:
         if name != "token":
             (dest / name).write_bytes(files[name].read_bytes())
+            (dest / name).chmod(0o400)  # as LoadCredential= hands it over
     return dest
 
 
@@ -204,6 +207,9 @@ def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
                     log.close()
                 nodes = _wait_for_nodes(api, tmp_path / "credentials-lazarus-daemon", procs,
                                         tmp_path)
+                # the users' token the unit loads is the daemon's submit token: it reads
+                as_user = _wait_for_nodes(api, tmp_path / "credentials-lazarus-daemon", procs,
+                                          tmp_path, token="submit-token")
                 zygote = _wait_for_zygote(procs[1].pid, tmp_path)
                 agent_status, zygote_status = _status(procs[1].pid), _status(zygote)
             finally:
@@ -214,6 +220,7 @@ def test_the_units_commands_run_a_daemon_and_an_agent(tmp_path):
     finally:
         shutil.rmtree(base, ignore_errors=True)
     assert [(n["node"], n["role"], n["state"]) for n in nodes] == [("localhost", "spare", "spare")]
+    assert [n["node"] for n in as_user] == ["localhost"]
     # Both stopped cleanly on SIGTERM, as TimeoutStopSec expects.
     assert [proc.returncode for proc in procs] == [0, 0]
     assert int(agent_status["Uid"].split()[0]) == agent_uid
@@ -234,16 +241,19 @@ def _wait_for_zygote(agent: int, logs: Path) -> int:
     pytest.fail(f"the agent started no zygote; logs in {logs}")
 
 
-def _wait_for_nodes(api: str, creds: Path, procs: list[subprocess.Popen], logs: Path) -> list:
-    """`lazarus nodes --json` once the agent has registered (a hang guard, not a timing)."""
+def _wait_for_nodes(api: str, creds: Path, procs: list[subprocess.Popen], logs: Path,
+                    token: str = "token") -> list:
+    """`lazarus nodes --json` with the credential `token` once the agent has registered (a
+    hang guard, not a timing); a token the daemon refuses fails at once."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         for proc in procs:
             assert proc.poll() is None, f"{proc.args[1]} exited; logs in {logs}"
         out = subprocess.run([str(Path(sys.prefix) / "bin" / "lazarus"), "nodes", "--address",
-                              api, "--token-file", str(creds / "token"), "--tls-ca",
+                              api, "--token-file", str(creds / token), "--tls-ca",
                               str(creds / "etcd-ca"), "--json"],
                              capture_output=True, text=True, timeout=60)
+        assert out.returncode != 4, out.stderr  # the token refused
         if out.returncode == 0:
             nodes = json.loads(out.stdout).get("nodes", [])
             if nodes:

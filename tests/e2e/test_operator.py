@@ -57,10 +57,11 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         assert lazarus(cluster, "resume") == "resuming the run from its last checkpoint\n"
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
                  and st.status.round > 2, timeout=120, what="the resumed round")
-        # n1, drained, may take work again: the run has its two nodes, so n1 waits as a spare
+        # n1, drained, may take work again: the run has its two nodes, so n1 waits, idle (an
+        # active node, not a spare: those are the spare-role ones)
         assert lazarus(cluster, "uncordon", "n1") == "uncordoned n1\n"
         nodes = {n["node"]: n for n in json.loads(lazarus(cluster, "nodes", "--json"))["nodes"]}
-        assert (nodes["n1"]["state"], nodes["n1"].get("cordoned", False)) == ("spare", False)
+        assert (nodes["n1"]["state"], nodes["n1"].get("cordoned", False)) == ("idle", False)
         assert etcd.get(keys.cordon_key("n1")) is None
         final = wait_for(cluster, lambda st: st.status and st.status.state in
                          ("SUCCEEDED", "FAILED") and st.status, timeout=240,

@@ -1,7 +1,8 @@
 """A rank stuck in the kernel on a mount that never answers (tests/integration/stuckfs.py: a
 real FUSE filesystem whose reads are never answered) is named for what it is: its main
 thread in D, where it sleeps and on which file -- even though another of its threads answers
-the stack dump. One that SIGKILL cannot end says so."""
+the stack dump. One that SIGKILL cannot end says so, and its node is cordoned with that
+reason and replaced by a spare (a daemon, agents and ranks started by hand)."""
 
 from __future__ import annotations
 
@@ -181,12 +182,118 @@ def test_the_agent_sets_aside_a_rank_sigkill_cannot_end_and_goes_on(stuckfs, tmp
     w = workers_mod.Workers(nproc=1, env={}, log_dir=tmp_path / "logs", notes_dir=tmp_path,
                             park=False)
     done = threading.Event()
-    t = threading.Thread(target=lambda: (w._kill([_Rank(opener)]), done.set()), daemon=True)
+    t = threading.Thread(target=lambda: (w._kill([_Rank(opener)], ranks={opener: 3}),
+                                         done.set()), daemon=True)
     t.start()
     t.join(timeout=30)  # a hang guard, not a timing
     assert done.is_set(), "the agent still waits for a process SIGKILL cannot end"
     assert "SIGKILL cannot end it" in w.unkillable[opener][1], w.unkillable
+    # what its node status says, for the daemon to cordon the node
+    assert w.set_aside() == [{"pid": opener, "rank": 3, "why": w.unkillable[opener][1]}]
     # the mount goes away, the wait ends: the next poll reaps it
     stuckfs.proc.stdin.close()
     stuckfs.proc.wait()
     _until(lambda: (w.poll() or True) and opener not in w.unkillable, "the set-aside rank reaped")
+    assert w.set_aside() == []
+
+
+# A rank of the job's own: rank 1 of the first round opens the file on the mount that never
+# answers, once a read of it is pending -- a wait no signal ends, as on an NFS hard mount --
+# and the others wait for their round's end.
+STUCK_RANK = """
+import os, sys, time
+if os.environ["LAZARUS_ROUND"] == "1" and os.environ["RANK"] == "1":
+    open(sys.argv[1], "rb")
+time.sleep(600)
+"""
+
+
+def test_the_daemon_cordons_and_replaces_a_node_whose_rank_sigkill_cannot_end(stuckfs,
+                                                                             tmp_path, capsys):
+    """A cluster started by hand (a daemon, two nodes and a spare): rank 1 sits in the kernel
+    on the mount; its peer crashes, and the next round's kill cannot end it. The daemon
+    cordons its node with that reason, in one event, and the spare takes its place;
+    `lazarus nodes` says why and what to do."""
+    # the cluster and the CLI: only this test of the module runs them
+    from lazarus.core import jobspec
+    from lazarus.core.records import load_json
+    from lazarus.ops import client
+    from lazarus.sim.localcluster import LocalCluster
+
+    reader = stuckfs.start("read")
+    _in_d(reader)  # a read pending: the page of `data` stays locked
+    # the mount lives in the helper's mount namespace; its root reaches it from outside
+    data = f"/proc/{stuckfs.proc.pid}/root{stuckfs.mnt}/data"
+    script = tmp_path / "rank.py"
+    script.write_text(STUCK_RANK)
+    with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
+        try:
+            # nothing here needs warm workers, preflight or monitors: fewer processes on a
+            # busy machine; and no allowance runs out before the peer's crash ends the round
+            # (ranks that never join their process group: a rendezvous timeout, a hang)
+            cluster.agent_args = ["--no-park", "--preflight", "off", "--monitors", "off",
+                                  "--first-step-timeout", "900"]
+            cluster.start_etcd()
+            cluster.start_daemon()
+            for name, role in (("n0", "active"), ("n1", "active"), ("n2", "spare")):
+                cluster.start_agent(name, nproc=1, role=role)
+            cluster.submit(jobspec.from_dict(
+                {"job": {"name": "stuck", "nodes": 2, "min_nodes": 1, "nproc_per_node": 1,
+                         "rendezvous_timeout_s": 900, "command": ["python", str(script), data]}},
+                source="test"))
+
+            def stuck_rank():
+                st = cluster.state()
+                if st.status is None:
+                    return None
+                for node, ns in st.node_status.items():
+                    if ns.round == 1 and ns.pids and frozen.sample(ns.pids[0]).state == "D":
+                        others = [n for n in st.status.members if n != node]
+                        peer = st.node_status.get(others[0]) if others else None
+                        if peer is not None and peer.round == 1 and peer.pids:
+                            return node, ns.pids[0], others[0], peer.pids[0]
+                return None
+
+            node, pid, other, peer_pid = _until(stuck_rank, "rank 1 in D and its peer up",
+                                                timeout_s=240)
+            os.kill(peer_pid, signal.SIGKILL)  # the peer crashes: the round ends
+
+            def cordoned():
+                kv = cluster.etcd.get(cluster.keys.cordon_key(node))
+                return kv and load_json(kv.value, "cordon")
+            cordon = _until(cordoned, f"{node} cordoned", timeout_s=180)
+            said = (f"rank 1 (pid {pid}) stuck in the kernel (wchan ", f", opening {data}); "
+                    "SIGKILL cannot end it")
+            assert cordon["reason"].startswith(said[0]), cordon
+            assert cordon["reason"].endswith(
+                f"{said[1]}; reboot the node, then `lazarus uncordon {node}`"), cordon
+            # the process is still there, in the kernel, with its SIGKILL pending
+            assert "SIGKILL cannot end it" in (frozen.unkillable(pid) or ""), pid
+
+            def replaced():
+                st = cluster.state()
+                return (st.status is not None and st.status.round >= 3
+                        and st.status.state != "RECOVERING" and st.status)
+            st = _until(replaced, "the round after the cordon", timeout_s=180)
+            assert sorted(st.members) == sorted([other, "n2"]), st
+            events = [e for e in cluster.new_events() if e.kind == "unkillable_rank" or (
+                e.kind == "fault_detected" and e.fields.get("kind") == "unkillable_rank")]
+            assert [(e.kind, e.fields["culprit"]) for e in events] == [
+                ("fault_detected", node)], events
+            assert events[0].message.startswith(f"{node} cannot serve: {said[0]}")
+            assert events[0].message.endswith(
+                f"{said[1]}; cordoned (reboot the node, then `lazarus uncordon {node}`), "
+                "replaced")
+
+            # `lazarus nodes`, in this process: an interpreter less to start
+            rc = client.nodes_main(["--address", cluster.api_addresses[0], "--token-file",
+                                    str(cluster.token_file)])
+            out, err = capsys.readouterr()
+            assert rc == 0, err
+            line = " ".join(out.split())
+            assert f"{node} cordoned: {said[0]}" in line and (
+                f"{said[1]}; reboot the node, then `lazarus uncordon {node}`") in line, out
+        finally:
+            # the mount goes: the set-aside rank's wait ends and it dies
+            stuckfs.proc.stdin.close()
+            stuckfs.proc.wait()

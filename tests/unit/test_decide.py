@@ -229,8 +229,9 @@ def test_the_recovered_event_counts_the_ranks_that_went_on_in_place():
     ev = only(decide(NOW, v).actions, Emit)
     assert ev.fields["in_place_ranks"] == 2 and ev.fields["path"] == "in_place"
     assert ev.fields["anew"] == {"failed first": 1, "exited with the round": 1}
-    assert ev.message.endswith("3.0 s after the fault; 2 of 4 rank(s) in place, anew: rank 2 "
-                               "exited with the round, rank 3 failed first"), ev.message
+    assert ev.message.endswith("3.0 s after the fault; 2 of 4 rank(s) in place; rank 2 started "
+                               "anew (exited with the round); rank 3 started anew (failed "
+                               "first)"), ev.message
 
 
 def test_the_recovered_event_says_why_ranks_started_anew_within_a_bound():
@@ -248,8 +249,8 @@ def test_the_recovered_event_says_why_ranks_started_anew_within_a_bound():
     assert ev.fields["path"] == "restart" and ev.fields["in_place_ranks"] == 0
     assert ev.fields["anew"] == {"exited on a lost peer": 15, "stopped with the round": 1}
     assert ev.fields["anew_ranks"]["exited on a lost peer"] == list(range(8))
-    assert ev.message.endswith("after the fault; anew: rank 8 stopped with the round, "
-                               "15 ranks exited on a lost peer"), ev.message
+    assert ev.message.endswith("after the fault; rank 8 started anew (stopped with the round); "
+                               "15 ranks started anew (exited on a lost peer)"), ev.message
 
 
 def test_all_members_succeeded_ends_the_run():
@@ -652,3 +653,124 @@ def test_without_spares_ok_the_first_round_keeps_the_spares_for_faults():
     rec = only(decide(NOW, view(status=st, nodes=("a",), spares=("s",), j=j,
                                 submitted=j)).actions, StartRound).record
     assert rec.members == ["a"]
+
+
+# What an agent says of a rank SIGKILL could not end (lazarus.agent.workers.Workers.set_aside).
+STUCK_WHY = ("stuck in the kernel (wchan folio_wait_bit_common, opening /mnt/nfs/shard-3.bin); "
+             "SIGKILL cannot end it")
+STUCK_SAID = f"rank 1 (pid 4242) {STUCK_WHY}"
+STUCK_CORDON = f"{STUCK_SAID}; reboot the node, then `lazarus uncordon b`"
+
+
+def _stuck(name="b", *, round=2, **kw) -> NodeStatus:
+    return ns(name, "starting", round=round,
+              unkillable=[{"pid": 4242, "rank": 1, "why": STUCK_WHY}], **kw)
+
+
+@pytest.mark.parametrize("state", [RENDEZVOUS, RUNNING])
+def test_a_member_holding_a_rank_sigkill_cannot_end_is_cordoned_and_replaced(state):
+    """The new round's agent on b killed the last round's ranks and one stayed, in the kernel:
+    b is cordoned with that reason and the run recovers, in one event; the next round takes
+    the spare in its place."""
+    from lazarus.daemon.actions import Cordon
+    v = view(status=status(state, round=2), spares=("s",),
+             node_status=[ns("a", "starting", round=2), _stuck()])
+    d = decide(NOW, v)
+    assert kinds(d.actions) == ["Cordon", "SetStatus", "Emit:fault_detected"]
+    assert d.actions[0] == Cordon("b", reason=STUCK_CORDON)
+    st = d.actions[1].status
+    assert st.state == RECOVERING and st.incident["kind"] == "unkillable_rank"
+    assert st.incident["culprit"] == "b"
+    event = d.actions[2]
+    assert event.message == (f"b cannot serve: {STUCK_SAID}; cordoned (reboot the node, then "
+                             "`lazarus uncordon b`), replaced") == st.reason
+    assert event.fields["processes"] == {"b": [{"pid": 4242, "rank": 1, "why": STUCK_WHY}]}
+    # the next pass: the spare takes b's place
+    rec = only(decide(NOW, view(status=st, spares=("s",), cordoned=("b",))).actions,
+               StartRound).record
+    assert rec.members == ["a", "s"]
+
+
+def test_with_no_spare_the_run_shrinks_without_the_stuck_node():
+    v = view(status=status(RUNNING, round=2), node_status=[ns("a", "running", round=2,
+                                                               step=3), _stuck()])
+    st = only(decide(NOW, v).actions, SetStatus).status
+    rec = only(decide(NOW, view(status=st, cordoned=("b",))).actions, StartRound).record
+    assert rec.members == ["a"] and rec.train["data"]["global_batch"] == 8
+
+
+def test_a_member_already_cordoned_is_replaced_without_a_second_cordon():
+    v = view(status=status(RUNNING, round=2), spares=("s",), cordoned=("b",),
+             node_status=[ns("a", "running", round=2, step=3), _stuck()])
+    assert kinds(decide(NOW, v).actions) == ["SetStatus", "Emit:fault_detected"]
+
+
+@pytest.mark.parametrize("st", [
+    None,                                                      # no run
+    status(SUCCEEDED, members=("a", "b")),                     # the run is over
+    status(RUNNING, members=("a",)),                           # b is no member
+    status(PENDING, members=()),
+])
+def test_any_other_node_holding_one_is_cordoned_with_one_event(st):
+    from lazarus.daemon.actions import Cordon
+    v = view(status=st, nodes=("a", "b"), node_status=[_stuck()])
+    if st is not None and st.state == RUNNING:
+        v.node_status["a"] = ns("a", "running", round=2, step=3)
+        v.status = dataclasses.replace(st, round=2)
+    d = decide(NOW, v)
+    assert d.actions[:2] == [
+        Cordon("b", reason=STUCK_CORDON),
+        Emit("unkillable_rank", f"b cannot serve: {STUCK_SAID}; cordoned (reboot the node, "
+                                "then `lazarus uncordon b`)",
+             {"node": "b", "culprit": "b",
+              "processes": [{"pid": 4242, "rank": 1, "why": STUCK_WHY}]})]
+    assert not [a for a in d.actions[2:] if isinstance(a, Cordon)]
+    # cordoned, it is left alone: no second event on the next pass
+    v.cordoned = {"b"}
+    assert not [a for a in decide(NOW, v).actions if isinstance(a, Emit)
+                and a.kind == "unkillable_rank"]
+
+
+def test_a_recovery_that_meets_one_chooses_the_round_without_it():
+    """Cordoned in the same pass that starts the next round: that round does not take it."""
+    st = dataclasses.replace(status(RUNNING, round=2), state=RECOVERING)
+    v = view(status=st, spares=("s",), node_status=[_stuck()])
+    d = decide(NOW, v)
+    assert kinds(d.actions)[:2] == ["Cordon", "Emit:unkillable_rank"]
+    assert only(d.actions, StartRound).record.members == ["a", "s"]
+
+
+def test_the_cordon_stays_when_the_process_ends_and_an_operator_lifts_it():
+    """Only an operator's uncordon lifts it (after a reboot): the leader never does."""
+    v = view(status=status(RUNNING, round=2), cordoned=("b",), spares=("s",),
+             node_status=[ns("a", "running", round=2, step=3)])
+    v.cordon_reason = {"b": STUCK_CORDON}
+    assert decide(NOW, v).actions == []
+
+
+@pytest.mark.parametrize("entries", [
+    [{"pid": "4242", "rank": 1, "why": "x"}],     # a pid that is no number
+    [{"pid": 4242, "rank": True, "why": "x"}],    # nor a rank
+    [{"pid": -1, "rank": 1}],
+    [{}],
+])
+def test_garbage_unkillable_entries_are_no_evidence(entries):
+    v = view(status=status(RUNNING, round=2),
+             node_status=[ns("a", "running", round=2, step=3),
+                          ns("b", "running", round=2, step=3, unkillable=entries)])
+    assert decide(NOW, v).actions == []
+
+
+def test_a_long_reason_is_clipped_but_keeps_the_advice():
+    from lazarus.daemon.actions import Cordon
+    from lazarus.daemon.view import MAX_CORDON_REASON
+    many = [{"pid": 4242 + i, "rank": i, "why": "stuck in the kernel (" + "x" * 500 + ")"}
+            for i in range(50)]
+    v = view(status=None, node_status=[ns("b", "idle", unkillable=many)])
+    d = decide(NOW, v)
+    reason = only(d.actions, Cordon).reason
+    assert len(reason) <= MAX_CORDON_REASON
+    assert reason.startswith("rank 0 (pid 4242) stuck in the kernel (xxx")
+    assert reason.endswith("...; 7 more; reboot the node, then `lazarus uncordon b`")
+    event = next(a for a in d.actions if isinstance(a, Emit) and a.kind == "unkillable_rank")
+    assert len(event.fields["processes"]) == 8
