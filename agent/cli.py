@@ -123,6 +123,7 @@ def main(argv: list[str]) -> int:
         jobuser.check_agent_may_switch()
     host_limits = _host_limits(args)
     etcd = E.Etcd(args.etcd, auth=settings.etcd_auth(args))
+    _check_credentials(etcd, Keys(args.root))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -155,6 +156,16 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _check_credentials(etcd: E.Etcd, keys: Keys) -> None:
+    """One read before the node's workers start: a wrong password is said at once (EtcdAuthFailed,
+    a UserError), not after the seconds a zygote takes to import torch. An etcd that is away
+    or refuses for now is waited out by the agent's loop, as at any other time."""
+    try:
+        etcd.get(keys.job)
+    except E.EtcdUnavailable:
+        pass
 
 
 def _host_limits(args: argparse.Namespace) -> dict:

@@ -145,6 +145,27 @@ def test_refused_clients_are_told_why_in_one_line(server, daemon, tmp_path, caps
     daemon.put(KEYS.job, JOB)
 
 
+def test_an_agent_with_a_wrong_password_says_so_before_it_starts_workers(server, tmp_path):
+    """The refusal comes from the agent's first read, before its zygote imports torch and its
+    workers park: no worker log is made and nothing is left running."""
+    security = server.security
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password")
+    wrong.chmod(0o600)
+    workdir = tmp_path / "work"
+    agent = subprocess.run(
+        [sys.executable, "-m", "lazarus.cli", "agent", "--etcd", server.endpoint,
+         "--etcd-ca", str(security.ca.ca_file), "--etcd-cert", str(security.client.cert),
+         "--etcd-key", str(security.client.key), "--etcd-user", AGENT_USER,
+         "--etcd-password-file", str(wrong), "--node", "n9", "--workdir", str(workdir),
+         "--gpu-backend", "sim"],
+        capture_output=True, text=True, timeout=120)
+    err = agent.stderr.strip().splitlines()
+    assert agent.returncode != 0 and "Traceback" not in agent.stderr, agent.stderr
+    assert err and f"refused user '{AGENT_USER}': wrong user name or password" in err[-1], err
+    assert not (workdir / "logs").exists(), sorted(p.name for p in workdir.rglob("*"))
+
+
 def test_a_client_whose_token_etcd_forgot_authenticates_again(server, daemon):
     """etcd forgets tokens when they idle past --auth-token-ttl or their user's password is
     set (here: to the same one); calls and watches then go on with a new token."""
