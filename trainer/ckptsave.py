@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
@@ -39,6 +39,8 @@ from lazarus.trainer.ckptfiles import (FORMAT_VERSION, MANIFEST, STEP_DIR, check
                                        file_entry, fsync_dir, rng_file, write_durable)
 from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint
 from lazarus.trainer.ckptrefusal import storage_problem
+from lazarus.trainer.dcpread import read_dcp_metadata
+from lazarus.trainer.glooinit import made_on_use
 from lazarus.trainer.rngstate import rng_state
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ def _shard_files(directory: Path, metadata: dcp_metadata.Metadata | None) -> set
     without its storage layout (seen on CUDA); the .metadata file it wrote has it."""
     storage = getattr(metadata, "storage_data", None)
     if storage is None:
-        storage = FileSystemReader(directory).read_metadata().storage_data
+        # the file is on shared storage others can write: never unpickle it unrestricted
+        storage = read_dcp_metadata(directory).storage_data
     return {s.relative_path for s in storage.values()}
 
 
@@ -96,7 +99,10 @@ class Checkpointer:
         self.keep_last = keep_last
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed and process_group is None:
-            process_group = dist.new_group(backend="gloo")
+            # Made on use: its saves' gathers and broadcasts connect a few pairs a rank,
+            # where made eagerly it was a second full mesh of the world (docs/scale.md).
+            with made_on_use():
+                process_group = dist.new_group(backend="gloo")
         self._pg = process_group
         self._rank = dist.get_rank() if self._distributed else 0
         self._world = dist.get_world_size() if self._distributed else 1

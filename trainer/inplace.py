@@ -30,7 +30,7 @@ from lazarus.core.contract import AGENT_GRACE_ENV, IN_PLACE_ENV, WorkerAssignmen
 from lazarus.core.errors import UserError
 from lazarus.trainer.peerloss import is_peer_failure
 from lazarus.trainer.rankprocess import this_process
-from lazarus.trainer.rankrun import enter
+from lazarus.trainer.rankrun import drop_agent_store, enter
 from lazarus.trainer.session import _assignment, connect, script_sessions
 
 T = TypeVar("T")
@@ -183,6 +183,7 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
 
     nccl = uses_nccl()  # asked before the groups go
     t0 = time.perf_counter()
+    drop_agent_store()  # the round's: the next round connects anew
     if not release_groups():
         print(f"rank {a.rank} round {a.round}: aborting the process groups did not return "
               f"within {ABORT_S:.0f} s; exiting", file=sys.stderr, flush=True)

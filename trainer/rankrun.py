@@ -41,13 +41,42 @@ from lazarus.trainer.rankprocess import this_process
 PORT_WAIT = timedelta(seconds=120)
 
 
-def round_port(a: WorkerAssignment) -> int:
-    """The port of the round's own store, as its hosting agent published it."""
+# The built-in trainer's one connection of a round to the store of the agent the round
+# names: rankrun reads the round's port through it and the trainer makes its groups through
+# it (one connect a round where there were two: each is an accept and a reverse name lookup
+# on the store's one loop thread, docs/scale.md). Not kept past the round: a thread the old
+# round left blocked in a store call would hold it. (host, port, store)
+_kept: tuple[str, int, object] | None = None
+
+
+def agent_store(host: str, port: int, timeout: timedelta):
+    """This round's connection to the store at host:port (made on first use)."""
+    import torch.distributed as dist
+
+    global _kept
+    if _kept is not None and _kept[:2] == (host, port):
+        _kept[2].set_timeout(timeout)
+        return _kept[2]
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    _kept = (host, port, store)
+    return store
+
+
+def drop_agent_store() -> None:
+    """The round is over for this process: the next one connects anew."""
+    global _kept
+    _kept = None
+
+
+def round_port(a: WorkerAssignment, *, keep: bool = False) -> int:
+    """The port of the round's own store, as its hosting agent published it. `keep`: through
+    the connection the built-in trainer goes on with (`agent_store`)."""
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore(a.store_host, a.store_port, is_master=False, timeout=PORT_WAIT,
-                              wait_for_workers=False)
+        store = (agent_store(a.store_host, a.store_port, PORT_WAIT) if keep else
+                 dist.TCPStore(a.store_host, a.store_port, is_master=False, timeout=PORT_WAIT,
+                               wait_for_workers=False))
         return int(store.get(round_port_key(a.round)).decode())
     except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
         raise ConnectionError(f"round {a.round}: the store of {a.store_host}:{a.store_port} "
@@ -103,7 +132,8 @@ def enter(a: WorkerAssignment) -> dict[str, str]:
     try:
         if a.log_path:  # a directory the rank's user cannot write ends it here, said why
             _redirect_output(a.log_path)
-        env = environment(a, round_port(a))
+        # the built-in trainer's rank talks to the same store next (lazarus.trainer.worker)
+        env = environment(a, round_port(a, keep=jobcommand.is_builtin(a.command)))
         if a.cwd:
             os.chdir(a.cwd)
         jobcommand.check_runnable(a.command, cwd=a.cwd, path=env.get("PATH"))

@@ -24,9 +24,11 @@ from lazarus.core.contract import (ASSIGNMENT_ENV, CORRUPT, PG_TIMEOUT_ENV, STAC
                                    WorkerAssignment)
 from lazarus.core.errors import CheckpointError, JobRefused, RestoreFailed, UserError
 from lazarus.core.trainconfig import TrainConfig
-from lazarus.trainer import exitnote, inplace
+from lazarus.trainer import exitnote, glooinit, inplace
 from lazarus.trainer import hooks as phase_hooks
 from lazarus.trainer.rankprocess import RankProcess, this_process
+from lazarus.trainer.rankrun import agent_store
+from lazarus.trainer.startcost import StartCost
 
 # A hand-over longer than this is a clock stepped between the agent and the rank, not a wait.
 HANDOVER_MAX_S = 600.0
@@ -63,11 +65,12 @@ class Survived:
 
 
 def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
-        in_place: bool = False) -> int | Survived:
+        in_place: bool = False, cost: StartCost | None = None) -> int | Survived:
     """Run the rank's round: its exit code, or Survived when it survived a lost peer and
     stays for the next round in this process (lazarus.trainer.inplace). `process`: what the
     process carries from round to round (default: this process's); `in_place`: this process
-    ran an earlier round already."""
+    ran an earlier round already; `cost`: what this start costs the process, counted from
+    when the assignment came (default: from here)."""
     import torch
     import torch.distributed as dist
 
@@ -98,6 +101,8 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
         raise UserError(f"mesh dp {dp} x tp {tp} = {dp * tp} ranks, but the "
                         f"assignment's world size is {a.world_size}")
     hooks = phase_hooks.from_env()
+    cost = cost or StartCost(a.store_port, a.round)
+    hooks.add(cost.hook)
     if cfg.deterministic:
         # Read by cuBLAS when this process makes its handle: before any CUDA work.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -110,10 +115,14 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
     # Connected before the rendezvous: from here on a rank whose agent is gone for good stops
     # itself (lazarus.trainer.session), even while it waits for peers that never come.
     session = connect(rank=a.rank, round=a.round, socket_path=a.report_socket)
-    # The store is needed until the process groups exist (train() makes them all before its
-    # first step): a rank outlives a restart of the agent that hosts the store.
-    store = dist.TCPStore(a.store_host, a.store_port, world_size=a.world_size, is_master=False,
-                          timeout=STORE_TIMEOUT, wait_for_workers=False)
+    # The store is needed until the groups' pairs connect, at their first collectives (made
+    # on use, below): a group of a store whose agent restarted before then fails as a lost
+    # peer would. The connection is the one rankrun.enter read the round's port through.
+    store = agent_store(a.store_host, a.store_port, STORE_TIMEOUT)
+    # Every gloo group of the round connects the pairs its collectives use, not a full mesh
+    # each: what a survivor's rendezvous connects and reads stops growing with the world
+    # (docs/scale.md).
+    glooinit.on_use()
     dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
                             rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
     try:
@@ -232,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = run(assignment, process=process)
         while isinstance(code, Survived):  # the next round, in this process
+            # the recovery's cost to this process, from the assignment in hand
+            cost = StartCost(code.next.store_port, code.next.round)
             inplace.enter_next(code.next)
-            code = run(code.next, process=process, in_place=True)
+            code = run(code.next, process=process, in_place=True, cost=cost)
     except BaseException as e:
         exitnote.record(2 if isinstance(e, UserError) else 1)  # as lazarus.cli exits
         raise

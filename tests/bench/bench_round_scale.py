@@ -8,9 +8,12 @@ Two parts, each on one clock from the fault's injection:
    checkpoint every 10) on W ranks -- 2 ranks a node, 2 to W/2 nodes -- and one rank
    SIGKILLed at step 20. For each W: the fault -> detection -> the next round committed ->
    each survivor's start (handover, rendezvous, build, restore, setup: lazarus.trainer.train
-   .StartTimes) -> the first step; and what does not depend on this machine's speed: the
-   TCP connections every rank holds once training again (gloo's full meshes), the ranks that
-   restarted in place.
+   .StartTimes) -> the first step; and what does not depend on this machine's speed or load
+   (other work shares its cores): per survivor, the CPU-seconds its process spent, the TCP
+   connections it opened and the requests it sent to the store, to its setup's end and
+   through its first step (lazarus.trainer.startcost, from its rank log); the TCP
+   connections the ranks held at most; the ranks that restarted in place. A world listed
+   twice (BENCH_WORLDS=2,8,8) is run twice: the spread.
 2. **The round's store under N simulated ranks** (tests/bench/storeload.py: a rank's
    rendezvous operations, N client connections from 8 processes), in a network namespace of
    its own when this process may make one: the store resolves every connection's peer name
@@ -50,6 +53,11 @@ START = re.compile(r"round (\d+) from (.+?) at step (\d+)( in place)?.*?: first 
                    r"([\d.]+) s after the assignment \(handover ([\d.]+) s, rendezvous ([\d.]+) "
                    r"s, build ([\d.]+) s, restore ([\d.]+) s, setup ([\d.]+) s, first step "
                    r"([\d.]+) s\)")
+# lazarus.trainer.startcost: what the start cost the rank's process, to setup (a survivor's
+# part) and through the first step
+_COUNTS = r"([\d.]+) CPU-s, (\d+) TCP connections opened, (\d+) store requests"
+COST = re.compile(rf"rank (\d+) round (\d+): the start cost this process {_COUNTS} to setup; "
+                  rf"{_COUNTS} through the first step")
 
 
 def _ranks() -> list[psutil.Process]:
@@ -91,14 +99,25 @@ def _starts(workdir: Path, round_: int) -> list[dict]:
     rows = []
     # a survivor goes on writing the log of the round it started in
     for log in (workdir / "nodes" / "logs").glob("*/round-*/rank-*.log"):
+        row = None
         for line in log.read_text(errors="replace").splitlines():
             m = START.search(line)
             if m and int(m[1]) == round_:
-                rows.append({"rank": int(log.stem.split("-")[1]), "in_place": bool(m[4]),
-                             "total": float(m[5]),
-                             **dict(zip(("handover", "rendezvous", "build", "restore", "setup",
-                                         "first_step"), map(float, m.groups()[5:])))})
+                row = {"rank": int(log.stem.split("-")[1]), "in_place": bool(m[4]),
+                       "total": float(m[5]),
+                       **dict(zip(("handover", "rendezvous", "build", "restore", "setup",
+                                   "first_step"), map(float, m.groups()[5:])))}
+                rows.append(row)
+            m = COST.search(line)
+            if m and int(m[2]) == round_ and row is not None:  # the same process's, after
+                row.update({"cpu_s": float(m[3]), "connections": int(m[4]),
+                            "store_requests": int(m[5]), "cpu_s_1st": float(m[6]),
+                            "connections_1st": int(m[7]), "store_requests_1st": int(m[8])})
     return rows
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _recovery(tmp: Path, world: int) -> dict:
@@ -138,10 +157,20 @@ def _recovery(tmp: Path, world: int) -> dict:
         # first step waits on the restarted rank, whose start is the crash's own cost
         "survivors_s": max((sum(s[p] for p in own) for s in survivors), default=float("nan")),
         "survivor_rendezvous_s": max((s["rendezvous"] for s in survivors), default=float("nan")),
+        # where their wall time went: with a few hundredths of a CPU-second each, waiting
+        "survivor_phases_s": {p: max((s[p] for s in survivors), default=float("nan"))
+                              for p in own},
         "new_rank_s": max((s["total"] for s in starts if not s["in_place"]), default=float("nan")),
         "first_step_s": max((s["first_step"] for s in starts), default=float("nan")),
         "recovered_s": rec["recovered_after_s"],
         "in_place": len(survivors), "ranks_started": len(starts),
+        # per survivor, what does not depend on this machine's speed or load
+        **{f"survivor_{k}": _mean([s[k] for s in survivors if k in s])
+           for k in ("cpu_s", "connections", "store_requests", "cpu_s_1st", "connections_1st",
+                     "store_requests_1st")},
+        "survivor_cpu_s_max": max((s["cpu_s"] for s in survivors if "cpu_s" in s),
+                                  default=float("nan")),
+        "load": os.getloadavg(),
         "connections": sampler.most[0], "ranks_connected": sampler.most[1],
     }
 
@@ -167,8 +196,8 @@ def _may_unshare() -> bool:
 @pytest.mark.timeout(7200)
 def test_recovery_cost_against_world_size(tmp_path):
     rows = []
-    for w in WORLDS:
-        row = _recovery(tmp_path / f"w{w}", w)
+    for i, w in enumerate(WORLDS):  # a world may be listed twice: its spread
+        row = _recovery(tmp_path / f"w{w}-{i}", w)
         rows.append(row)
         print(f"\nworld {w:>3} ({row['nodes']} nodes): detect {row['detect_s']:.2f} s, decide "
               f"{row['decide_s']:.2f} s, survivors {row['survivors_s']:.2f} s (rendezvous "
@@ -177,6 +206,13 @@ def test_recovery_cost_against_world_size(tmp_path):
               f"{row['in_place']} of {row['ranks_started']} ranks in place; "
               f"{row['connections']} TCP connections across {row['ranks_connected']} ranks",
               flush=True)
+        print(f"  per survivor, to setup: {row['survivor_cpu_s']:.3f} CPU-s (max "
+              f"{row['survivor_cpu_s_max']:.3f}), {row['survivor_connections']:.1f} connections "
+              f"opened, {row['survivor_store_requests']:.1f} store requests; through the first "
+              f"step: {row['survivor_cpu_s_1st']:.3f} CPU-s, "
+              f"{row['survivor_connections_1st']:.1f} connections, "
+              f"{row['survivor_store_requests_1st']:.1f} store requests; load average "
+              f"{row['load'][0]:.2f} on {os.cpu_count()} cores", flush=True)
     netns = _may_unshare()
     stores = []
     for n in STORE_RANKS:
@@ -197,6 +233,12 @@ def test_recovery_cost_against_world_size(tmp_path):
     print(scalemodel.table(fit))
     print(f"survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
                                              for r in rows))
+    first = rows[0]
+    print(f"per survivor at {biggest['world']} ranks against {first['world']}, to setup: "
+          + ", ".join(f"{k} x{biggest['survivor_' + k] / first['survivor_' + k]:.2f}"
+                      for k in ("cpu_s", "connections", "store_requests")
+                      if first.get("survivor_" + k)) + f"; wall x{biggest['survivors_s'] / base:.2f}"
+          f" with load average {biggest['load'][0]:.1f} on {os.cpu_count()} cores")
     print(f"scale: ranks={biggest['world']} survivors_x={biggest['survivors_s'] / base:.2f} "
           f"store_16k_s={store_16k:.2f} predicted_16384x8_crash_s={crash.total:.1f} "
           f"predicted_16384x8_node_s={node.total:.1f}")

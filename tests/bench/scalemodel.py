@@ -45,8 +45,11 @@ NCCL_FLOOR_S = 2.0
 # The 265 s is the job's NCCL initialization, its communicators together: counted once per
 # round, though a round of the built-in trainer makes the world's, the mesh's dp and tp
 # (trainer/parallelize.py build_mesh; split from the world's where NCCL can) and the
-# checkpointer's gloo group (trainer/ckptsave.py, a full mesh on the host: N - 1 TCP
-# connections a rank, fd limits bind it near 20,000 ranks).
+# checkpointer's gloo group (trainer/ckptsave.py; made on use since 2026-11-29: it connects
+# the pairs its saves use, where made eagerly it was a full mesh on the host, N - 1 TCP
+# connections a rank, which fd limits bind near 20,000 ranks). A rank of the built-in
+# trainer connects to the store once a round, not twice (trainer/rankrun.py agent_store);
+# the store's requests are still every rank's (the law below).
 GROUPS = 1
 
 
