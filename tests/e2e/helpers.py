@@ -105,6 +105,16 @@ def wait_for(cluster: LocalCluster, predicate, *, timeout: float, what: str):
                          f"logs in {cluster.workdir}")
 
 
+def lazarus(cluster: LocalCluster, *argv: str) -> str:
+    """`lazarus COMMAND ...` against the cluster's daemons, as an operator types it; its
+    output, once it succeeded."""
+    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", *argv, "--address",
+                           cluster.api_addresses[0], "--token-file", str(cluster.token_file)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def paused_and_stopped(view) -> bool:
     """The run is PAUSED and its members' ranks have stopped: PAUSED comes with the pause's
     commit, the ranks stop after it (and may commit one more checkpoint meanwhile)."""

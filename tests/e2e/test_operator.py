@@ -12,17 +12,9 @@ import time
 
 
 from lazarus.sim.localcluster import LocalCluster
-from tests.e2e.helpers import last_step, losses, paused_and_stopped, reference, train_table, wait_for
+from tests.e2e.helpers import (last_step, lazarus, losses, paused_and_stopped, reference,
+                               train_table, wait_for)
 from tests.e2e.test_recovery import _start
-
-
-def lazarus(cluster: LocalCluster, *argv: str) -> str:
-    """`lazarus COMMAND ...` against the cluster's daemons; its output, once it succeeded."""
-    proc = subprocess.run([sys.executable, "-m", "lazarus.cli", *argv, "--address",
-                           cluster.api_addresses[0], "--token-file", str(cluster.token_file)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
 
 
 def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
@@ -35,7 +27,7 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
                  and last_step(metrics) >= 5, timeout=180, what="step 5")
         assert lazarus(cluster, "drain", "n1").startswith("draining n1")
         st = wait_for(cluster, lambda st: st.status and st.status.round == 2
-                      and st.status.state == "RUNNING" and st.status, timeout=120,
+                      and st.status.state == "RUNNING" and st.status, timeout=300,
                       what="the drain's new round")
         assert st.members == ["n0", "n2"] and st.restarts == 0
         assert etcd.get(keys.cordon_key("n1")) is not None
@@ -56,7 +48,7 @@ def test_drain_swaps_in_the_spare_and_pause_resume_keeps_the_curve(tmp_path):
         assert last_step(metrics) == paused_at  # nothing trains while paused
         assert lazarus(cluster, "resume") == "resuming the run from its last checkpoint\n"
         wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and st.status.round > 2, timeout=120, what="the resumed round")
+                 and st.status.round > 2, timeout=300, what="the resumed round")
         # n1, drained, may take work again: the run has its two nodes, so n1 waits, idle (an
         # active node, not a spare: those are the spare-role ones)
         assert lazarus(cluster, "uncordon", "n1") == "uncordoned n1\n"

@@ -18,7 +18,8 @@ from lazarus.core import jobspec
 from lazarus.sim.localcluster import LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE
 from lazarus.sim import up
-from tests.e2e.helpers import last_step, losses, reference, train_table, wait_for
+from tests.e2e.helpers import (last_step, lazarus, losses, paused_and_stopped, reference,
+                               train_table, wait_for)
 
 
 def reference_36(tmp_path_factory) -> dict[int, float]:
@@ -80,12 +81,15 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
     # last snapshot, which it loaded from its own host buffers, not from a file. (The kill is
     # sent once up has seen step 9: the ranks may finish step 10 first, and snapshot it; then
     # the survivor's buffers hold 10 and a round restoring 8 loads its file.)
-    assert starts[1]["from"] == "memory" and starts[1]["step"] >= crash["fault_step"] - 2, (
-        starts[1])
+    # On a loaded machine the survivor may wait in the very step the round restores, its
+    # objects holding it: "kept", nothing read at all (docs/inplace.md). Either way no file.
+    assert starts[1]["from"] in ("memory", "kept") and starts[1]["step"] >= (
+        crash["fault_step"] - 2), starts[1]
     logs = tmp_path / "up" / "nodes" / "logs" / "n0"
     done = [int(m) for m in re.findall(r"^step +(\d+)/", (logs / "round-1" / "rank-0.log")
                                        .read_text(), re.M)]
-    if max(done) // 2 * 2 == starts[1]["step"]:  # its last snapshot (every 2) is the step
+    if starts[1]["from"] == "memory" and max(done) // 2 * 2 == starts[1]["step"]:
+        # its last snapshot (every 2) is the step
         assert f"resumed from its own snapshot of step {starts[1]['step']}, in memory" in "".join(
             p.read_text() for p in (logs / "round-2").glob("*"))
     assert len({s["pid"] for s in starts}) == 1, starts
@@ -96,32 +100,47 @@ def test_worker_crash_and_node_loss_restore_from_memory_bit_exact(tmp_path, tmp_
 
 def test_node_loss_without_spare_shrinks_then_the_node_rejoins(tmp_path, tmp_path_factory):
     steps = 36
-    # The node comes back as soon as the shrunk round runs (a revival waits behind the
-    # recovery), and every rank pauses 4 s at each of three steps after it: a revived agent
-    # needs its start and a preflight with n0 (5-10 s on a loaded CI box) before the next
-    # checkpoint can take it in, and the run must not end first. One node alone runs the
-    # tiny model's steps in 0.08 s: the 25 steps left were 6 s with one pause, and CI ended
-    # the run before the preflight twice (reviving at step 16, then at 11 with one pause).
-    summary, got = run_up(tmp_path, "--nodes", "2", "--spares", "0", "--min-nodes", "1",
-                          "--steps", str(steps),
-                          "--chaos", "kill-node@10:n1,revive-node@11:n1,"
-                                     "slow-step@13,slow-step@17,slow-step@21")
-    assert summary["final_state"] == "SUCCEEDED", summary
-    (lost,) = [r for r in summary["recoveries"] if r["kind"] != "slow-step"]
-    assert lost["detected_as"] == "node_lost"
-    log = (tmp_path / "up" / "daemon-0.log").read_text() + (
-        tmp_path / "up" / "daemon-1.log").read_text()
-    assert "shrink to 1 of 2" in log
-    assert "grow to 2 node(s) at checkpoint step" in log and "(n1 joins)" in log
+    metrics = tmp_path / "metrics.jsonl"
+    with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
+        _start(cluster, nodes=2, spares=0, steps=steps, metrics=metrics)
+        wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
+                 and last_step(metrics) >= 6, timeout=180, what="step 6")
+        cluster.kill_node("n1")
+        shrunk = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
+                          and st.status.members == ["n0"] and st.status, timeout=120,
+                          what="the shrunk round")
+        # The node comes back while the run is paused: a revived agent needs its start and a
+        # preflight with n0 (seconds; a minute on a loaded machine) before it may take work,
+        # and one node alone ends the run's 25 steps left in a few seconds. Waiting on those
+        # events, not on the machine's speed (CI ended the run before the preflight thrice).
+        assert lazarus(cluster, "pause", "--reason", "n1 comes back").startswith("pausing run")
+        wait_for(cluster, paused_and_stopped, timeout=120, what="PAUSED, its ranks stopped")
+        cluster.revive_node("n1")
+        wait_for(cluster, lambda st: "n1" in st.nodes and st.node_status.get("n1") is not None
+                 and st.node_status["n1"].preflight.get("state") == "passed", timeout=300,
+                 what="n1 registered and its preflight passed")
+        lazarus(cluster, "resume")
+        grown = wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
+                         and st.status.round > shrunk.round
+                         and sorted(st.status.members) == ["n0", "n1"] and st.status,
+                         timeout=120, what="the round that takes n1 back")
+        final = wait_for(cluster, lambda st: st.status and st.status.state in
+                         ("SUCCEEDED", "FAILED") and st.status, timeout=240,
+                         what="the run to finish")
+        assert final.state == "SUCCEEDED", final.reason
+        messages = [e.message for e in cluster.new_events()]
+    assert any("node(s) n1 lost" in m for m in messages), messages
+    assert any("shrink to 1 of 2" in m for m in messages), messages
+    got = losses(metrics)
     ref = reference_36(tmp_path_factory)
     assert sorted(got) == list(range(1, steps + 1))
-    resumed = lost["resumed_at_step"]
-    for step in range(1, resumed):
-        assert got[step] == ref[step]
+    for step in range(1, shrunk.restore_step + 1):
+        assert got[step] == ref[step], step
     # dp 2 -> dp 1 with twice the accumulation, then back to dp 2: the same global batch,
     # another summation order for a while
-    for step in range(resumed, steps + 1):
+    for step in range(shrunk.restore_step + 1, steps + 1):
         assert got[step] == pytest.approx(ref[step], abs=2e-3), step
+    assert grown.restore_step >= shrunk.restore_step
 
 
 def _start(cluster: LocalCluster, *, nodes: int, spares: int, steps: int, metrics,
