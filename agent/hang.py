@@ -160,6 +160,10 @@ class HangDetector:
         oldest = min(st.step_start for st in self._ranks.values())
         self._long_spans = [(a, b) for a, b in self._long_spans if b > oldest]
 
+    def latest(self) -> list[Progress]:
+        """Each watched rank's latest progress report (the node status's level-0 counts)."""
+        return [st.progress for st in self._ranks.values()]
+
     def long_phase_since(self) -> float | None:
         """When the earliest rank now in a checkpoint or an eval entered it; None if none is.
         Published by the agent: ranks on other nodes wait for such a rank in a collective,

@@ -103,7 +103,7 @@ def collectives(agent: Agent) -> tuple[int, float]:
     """(the collectives every local rank has issued this round, wall time of the newest
     report of one); (-1, 0.0) before any. Read from the hang detector, which holds each
     rank's latest progress (lazarus.trainer.collwatch for a level-0 script); lock held."""
-    latest = [st.progress for st in agent.hangs._ranks.values()]  # its only store of them
+    latest = agent.hangs.latest()
     if not latest:
         return -1, 0.0
     newest = max(p.since for p in latest)

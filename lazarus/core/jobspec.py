@@ -238,13 +238,20 @@ def validate_sizes(spec: JobSpec, *, source: str) -> None:
 
 
 def load(path: str | Path) -> JobSpec:
+    return read(path)[0]
+
+
+def read(path: str | Path) -> tuple[JobSpec, str]:
+    """The job of a job file, and the file's text it was read from (what a submission through
+    the API sends: the text checked here, read once)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"job file {str(p)!r} does not exist")
     try:
-        doc = tomllib.loads(p.read_text())
+        text = p.read_text()
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"job file {str(p)!r} is not valid TOML: {e}")
     except UnicodeDecodeError:
         raise UserError(f"job file {str(p)!r} is not UTF-8 text")
-    return from_dict(doc, source=f"job file {str(p)!r}")
+    return from_dict(doc, source=f"job file {str(p)!r}"), text

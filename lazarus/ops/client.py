@@ -107,10 +107,6 @@ def address_known(args: argparse.Namespace) -> bool:
 def target(args: argparse.Namespace) -> Target:
     """The daemons daemon_args' flags name (else the environment, the endpoint file); Failed
     when none is known."""
-    return _target(args)
-
-
-def _target(args: argparse.Namespace) -> Target:
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
     token = args.token or (endpoint_file.load_token(args.token_file) if args.token_file
@@ -457,7 +453,7 @@ def _run(prog: str, argv: list[str], add_args: Callable[[argparse.ArgumentParser
     _common(p)
     args = p.parse_args(argv)
     try:
-        return body(args, _target(args))
+        return body(args, target(args))
     except Failed as e:
         print(printable(f"{prog}: error: {e}"), file=sys.stderr)
         return e.code

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from lazarus.core import etcd as E
 from lazarus.core import jobcommand, jobspec
@@ -26,7 +25,7 @@ def main(argv: list[str]) -> int:
                    help="do not check that [job] command can start on this machine (the "
                         "agents check it on theirs)")
     args = p.parse_args(argv)
-    spec = jobspec.load(args.job)  # every check before anything is written
+    spec, text = jobspec.read(args.job)  # every check before anything is written
     if not args.no_local_check:
         try:
             jobcommand.check_runnable(spec.command, cwd=spec.cwd)
@@ -36,7 +35,7 @@ def main(argv: list[str]) -> int:
         try:
             # The file as written: the daemon checks it again, and names its fields as the
             # user wrote them.
-            reply = apirun.submit(client.target(args), Path(args.job).read_text())
+            reply = apirun.submit(client.target(args), text)
         except client.Failed as e:
             print(printable(f"lazarus submit: error: {e}"), file=sys.stderr)
             return e.code

@@ -116,7 +116,7 @@ class StatusPoller:
                                   tls_ca=None, tls_cert=None, tls_key=None, timeout=10.0)
         while not self._stop.wait(POLL_S):
             try:
-                target = client._target(args)   # the endpoint file `lazarus up` leaves
+                target = client.target(args)   # the endpoint file `lazarus up` leaves
             except client.Failed:
                 continue                        # no daemon published yet
             began = time.perf_counter()

@@ -75,16 +75,16 @@ def test_an_endpoint_file_with_a_bad_address_is_named(capsys):
 def test_the_list_from_the_flag_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv("LAZARUS_ADDRESS", "env:1")
     args = _args(["--address", "a:1,b:2"])
-    target = client._target(args)
+    target = client.target(args)
     assert target.addresses == ["a:1", "b:2"] and target.source == "--address"
-    target = client._target(_args([]))
+    target = client.target(_args([]))
     assert target.addresses == ["env:1"] and target.source == "$LAZARUS_ADDRESS"
 
 
 def test_the_endpoint_files_addresses_are_tried_in_its_order():
     endpoint_file.write(endpoint_file.default_path(), endpoint_file.Endpoint(
         addresses=["d1:7070", "d2:7070"], token="t"))
-    assert client._target(_args([])).addresses == ["d1:7070", "d2:7070"]
+    assert client.target(_args([])).addresses == ["d1:7070", "d2:7070"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
