@@ -112,11 +112,24 @@ def test_a_rank_reading_a_mount_that_never_answers_is_stuck_in_the_kernel(stuckf
     _until(lambda: frozen.sample(pid).state in ("", "Z"), "the killed rank ends")
 
 
+def _opener_in_d(stuckfs: StuckFs, tries: int = 5) -> int:
+    """A process whose open of `data` sleeps in D on the page the pending read locks. The
+    reader shows D a moment before the page is locked (its lookup, its readahead's start):
+    an open in that moment finds no page to wait on, succeeds and exits. Another is
+    started then; one that stays in a wait other than D fails as before."""
+    for _ in range(tries):
+        opener = stuckfs.start("open")
+        got = _until(lambda: frozen.sample(opener).state in ("D", "", "Z"), f"pid {opener} "
+                     "in D or gone")
+        if got and frozen.sample(opener).state == "D":
+            return opener
+    raise AssertionError(f"no open of {stuckfs.mnt / 'data'} waited in D in {tries} tries")
+
+
 def test_a_process_that_sigkill_cannot_end_is_named_so(stuckfs):
     reader = stuckfs.start("read")
     _in_d(reader)  # its read is pending: the file's page stays locked
-    opener = stuckfs.start("open")
-    _in_d(opener)
+    opener = _opener_in_d(stuckfs)
     assert frozen.unkillable(opener) is None  # nobody asked it to end yet
     os.kill(opener, signal.SIGKILL)
     # the SIGKILL is pending at once, and the wait it cannot end holds the process in D
