@@ -30,13 +30,13 @@ from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
-from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
+from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL, W_RUNNING
 from lazarus.core.stall import is_step
 from lazarus.trainer.data import ensure_corpus
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
 # `lazarus up -- COMMAND`: a script of the user's own may report no steps, so its faults are
-# timed from when the run first ran.
+# timed in seconds of its running (chaos.RunClock).
 DEMO_OWN_CHAOS = "kill-worker@15s,kill-node@35s"
 
 
@@ -286,6 +286,14 @@ def _unanswered(schedule: list[chaos.Fault], events: list) -> bool:
                for f in schedule)
 
 
+def _all_joined(st) -> bool:
+    """Whether the run is RUNNING with every member's ranks joined to its current round."""
+    run = st.status
+    return (run is not None and run.state == "RUNNING" and bool(run.members)
+            and all((ns := st.node_status.get(n)) is not None and ns.round == run.round
+                    and ns.workers == W_RUNNING for n in run.members))
+
+
 def _inject(cluster: LocalCluster, fault: chaos.Fault, node: str | None, step: int) -> None:
     fault.fired_at, fault.fired_step = time.time(), step
     if fault.kind == "kill-worker":
@@ -495,7 +503,7 @@ def run(args: argparse.Namespace) -> dict:
         last_print = 0.0
         leader = None
         state = None
-        running_since = None  # when the run first ran: the clock of timed chaos items
+        clock = chaos.RunClock()  # the clock of timed chaos items
         waiting: dict[int, tuple[float, str]] = {}  # id(item) waiting for its target -> since, why
         reported = 0          # the furthest step a script of the user's own reported
         while time.time() - started < args.timeout:
@@ -503,8 +511,6 @@ def run(args: argparse.Namespace) -> dict:
             cluster.keep_disk_full()
             tail.poll()
             st = cluster.state()
-            if st.status is not None and st.status.state == "RUNNING" and running_since is None:
-                running_since = time.time()
             reported = max([reported] + [ns.step for n, ns in st.node_status.items()
                                          if st.status and n in st.status.members])
             if st.leader_pid and st.leader_pid != leader:
@@ -524,7 +530,7 @@ def run(args: argparse.Namespace) -> dict:
                     fault.fired_at, fault.fired_step = time.time(), step
                     fault.hit = "all ranks" if fault.kind.startswith("slow-") else "data"
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
-            running_s = time.time() - running_since if running_since is not None else None
+            running_s = clock.advance(time.time(), _all_joined(st))
             due = next((f for f in pending if f.due(step, running_s)), None)
             if (due is not None and state == "RUNNING" and st.status.incident is None
                     and not _unanswered(schedule, events)):

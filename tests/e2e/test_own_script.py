@@ -47,8 +47,9 @@ def test_lazarus_up_recovers_an_unmodified_hf_trainer_script(tmp_path):
     summary = tmp_path / "summary.json"
     out = tmp_path / "out"
     proc = _lazarus("up", "--workdir", str(tmp_path / "up"), "--summary", str(summary),
-                    # each strikes once the round that answered the one before runs
-                    "--chaos", "kill-worker@4s,stop-worker@5s,kill-node@6s",
+                    # seconds with every rank joined, each once the round that answered
+                    # the one before runs
+                    "--chaos", "kill-worker@2s,stop-worker@3s,kill-node@4s",
                     "--first-step-timeout", "8", "--quiet", "--timeout", "400",
                     "--", "python", str(HF_SCRIPT), "--output-dir", str(out),
                     "--max-steps", "100", "--save-steps", "10", "--step-time", "0.05",

@@ -151,3 +151,19 @@ def test_an_endpoint_file_whose_workdir_is_garbage_is_no_cluster(tmp_path, monke
         assert default_workdir() == Path("/tmp/lazarus")
     path.write_text("{not json")
     assert default_workdir() == Path("/tmp/lazarus")  # `lazarus status` names that file's fault
+
+
+def test_the_clock_of_timed_items_runs_only_while_every_rank_is_joined():
+    """A loaded machine's ranks that import their framework for 20 s, a recovery's restart:
+    neither counts, so `kill-worker@6s` meets a script that has run 6 s."""
+    clock = chaos.RunClock()
+    assert clock.advance(100.0, False) is None          # the ranks still start
+    assert clock.advance(120.0, True) == 0.0            # all joined: the clock starts
+    assert clock.advance(124.0, True) == 4.0
+    fault = chaos.parse_schedule("kill-worker@6s")[0]
+    assert not fault.due(0, clock.advance(125.0, True))
+    assert clock.advance(127.0, False) == 7.0           # struck at 6 s; a new round starts
+    assert clock.advance(160.0, False) == 7.0           # its ranks import: stopped
+    assert clock.advance(161.0, True) == 7.0
+    assert clock.advance(163.5, True) == 9.5
+    assert fault.due(0, clock.advance(163.5, True))
