@@ -72,6 +72,13 @@ class Left:
     checkpoint_dir: str | None
     agent_pid: int
     ranks: list[LeftRank] = field(default_factory=list)
+    # the round the ranks were launched in, when a replica round carried them on into
+    # `round` (docs/replicas.md); None in a record from before it: the same as `round`
+    rank_round: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank_round is None:
+            self.rank_round = self.round
 
     def save(self, path: Path) -> None:
         """Write and rename: a reader sees the old record or the new one, never half."""

@@ -9,7 +9,8 @@ A pass observes in two steps, and decides after each:
 - then, when a reconcile is due, its assignment as read from etcd (run/status and the round
   record) -> `converge`: stop the ranks of a round that is over (less the survivors of a lost
   peer, kept for the next round: docs/inplace.md), tell tier 0 the current round, start this
-  node's ranks of it.
+  node's ranks of it -- or, in a replica job, carry the ranks of a replica the new round
+  leaves untouched on into it (docs/replicas.md).
 `status_due` is the node status's write rule (docs/architecture.md, "Write budget").
 
 Level-triggered like the daemon: each pass looks at the whole assignment, and the agent
@@ -34,6 +35,13 @@ class Local:
     kept: bool = False        # survivors of a stopped round wait for this node's next launch
     waiting: bool = False     # some ranks alive have not survived (yet): they run, or hang
     over_s: float = 0.0       # how long the agent has seen their round over
+    # the round they were launched in, when a replica round carried them on into `round`
+    # (docs/replicas.md); None: the same as `round`
+    rank_round: int | None = None
+
+    @property
+    def launched(self) -> int | None:
+        return self.round if self.rank_round is None else self.rank_round
 
 
 # How long the ranks of a fault's victim node may take to notice that they lost a peer, once
@@ -77,6 +85,14 @@ class SeeRound:
 @dataclass(frozen=True, slots=True)
 class Launch:
     """Start this node's ranks of the round."""
+    record: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class CarryOn:
+    """This node's ranks belong to a replica the round leaves untouched: they go on, in the
+    world of the round they were launched in, and are the round's from now on (its node
+    status says so). Nothing is stopped or started."""
     record: RoundRecord
 
 
@@ -134,6 +150,17 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
     # takes it or lets it go.
     going_on = live or (status is not None and status.state == RECOVERING)
     useful = going_on and (current is None or node in current.members)
+    if live and current is not None and _carried(node, current, local):
+        # Before the stop and release below: the round that ends is the ranks' own, but
+        # their replica's world is not (the fault was another replica's).
+        return [SeeRound(current)] + ([CarryOn(current)] if local.round != current.round
+                                      else []) + [Refill()]
+    if (live and current is None and rec is not None and rec.replicas > 1 and local.alive
+            and status.round > rec.round):
+        # The status of a newer round is read, its record not yet (one transaction wrote
+        # both): whether it carries these ranks on is in the record. Stopped or told their
+        # peer is gone meanwhile, a carried replica's ranks would be lost for nothing.
+        return [Refill()]
     actions: list = []
     running = local.round
     kept = local.kept
@@ -170,6 +197,15 @@ def cut_off(local: Local, away_s: float, lease_ttl_s: float) -> list:
         return [DropKept(f"etcd away {away_s:.0f} s, past the lease TTL: this node is "
                          "lost to the run")]
     return []
+
+
+def _carried(node: str, rec: RoundRecord, local: Local) -> bool:
+    """Whether this node's ranks are alive in a replica that `rec` carries on from the round
+    they were launched in (docs/replicas.md): no other ranks of that replica are started."""
+    if rec.replicas <= 1 or node not in rec.members or not local.alive:
+        return False
+    r = rec.replica_of(node)
+    return rec.carried(r) and local.launched == rec.replica_rounds[r]
 
 
 def _victim(node: str, status: RunStatus | None, round_: int) -> bool:

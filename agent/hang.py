@@ -30,6 +30,8 @@ at the same position name none here: the culprit is on another node, and the dae
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import statistics
 from collections import deque
@@ -121,6 +123,13 @@ class HangDetector:
         self._ranks.clear()
         self._step_times.clear()
         self._long_spans.clear()
+
+    def rearm(self, now: float) -> None:
+        """Time every rank's stall from `now` (time.monotonic()), keeping what it measured: a
+        replica carried into a new round (docs/replicas.md) waited for the replica that round
+        restarts, and a wait that lasts is a new hang after a whole allowance."""
+        for st in self._ranks.values():
+            st.progress = dataclasses.replace(st.progress, since=max(st.progress.since, now))
 
     def forget(self, rank: int) -> None:
         self._ranks.pop(rank, None)

@@ -4,7 +4,9 @@ does with their messages: step and progress reports into the node status and the
 detector, commits fenced on the round and claimed for the daemon, failures reported.
 
 A message of a round other than the one the node's ranks run is dropped: a stale worker's
-report must not count in the current round. Checkpoint commits are fenced in etcd itself.
+report must not count in the current round. That round is the one they were launched in,
+which a replica round that carries them on (docs/replicas.md) does not change. Checkpoint
+commits are fenced in etcd itself.
 The ranks run the job's code: every field is bounded and every kind of message that becomes
 an etcd write has a budget per round (lazarus.agent.msglimits).
 The agent owns the state; the handlers run on the channel's threads, under its lock where
@@ -74,8 +76,9 @@ def admits(agent: Agent, pid: int) -> bool:
 
 
 def _group_round(agent: Agent) -> int | None:
+    """The round the group's ranks were launched in: the one their messages carry."""
     g = agent.workers.group
-    return g.round if g is not None else None
+    return g.rank_round if g is not None else None
 
 
 def _local_ranks(agent: Agent) -> list[int]:
@@ -289,7 +292,7 @@ def _survivor(agent: Agent, msg: dict) -> None:
     process (lazarus.trainer.inplace): the round's end keeps it (lazarus.agent.decide)."""
     with agent._lock:
         g = agent.workers.group
-        if g is None or msg.get("round") != g.round:
+        if g is None or msg.get("round") != g.rank_round:
             return
         for local_rank, proc in g.procs.items():
             if proc.pid == msg.get("pid") and g.ranks[local_rank] == msg.get("rank"):

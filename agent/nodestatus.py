@@ -135,7 +135,8 @@ def _output_tail(agent: Agent, g: Group | None) -> str:
     report = agent.report
     if report.tail is None:
         rank = g.ranks[g.first_failure]
-        report.tail = tail(rank_log(agent.workers.log_dir, g.round, rank), OUTPUT_TAIL_BYTES)
+        report.tail = tail(rank_log(agent.workers.log_dir, g.rank_round, rank),
+                           OUTPUT_TAIL_BYTES)
     return report.tail
 
 

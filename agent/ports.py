@@ -168,7 +168,9 @@ class NodePorts:
         entries) and publishes its port in this agent's store, where every rank looks."""
         import torch.distributed as dist  # imported already by store(); kept local with it
 
-        self._round_stores = {r: s for r, s in self._round_stores.items() if r >= rec.round}
+        # A carried replica's ranks (docs/replicas.md) still use the store of their round.
+        oldest = min(rec.replica_rounds, default=rec.round)
+        self._round_stores = {r: s for r, s in self._round_stores.items() if r >= oldest}
         if rec.members[0] != self.config.node or rec.round in self._round_stores:
             return
         own = dist.TCPStore(self.config.host, 0, is_master=True, wait_for_workers=False)

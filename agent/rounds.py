@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from lazarus.agent import jobfence
 from lazarus.agent.adopt import Left, LeftRank, adopt, start_time
-from lazarus.agent.decide import DropKept, Launch, Refill, ReleaseVictims, SeeRound, StopRound
+from lazarus.agent.decide import (CarryOn, DropKept, Launch, Refill, ReleaseVictims, SeeRound,
+                                  StopRound)
 from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.workers import rank_log
 from lazarus.core.contract import WorkerAssignment
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lazarus.agent")
 
 
-def act(agent: Agent,
-        action: StopRound | DropKept | SeeRound | Launch | ReleaseVictims | Refill) -> None:
+def act(agent: Agent, action: StopRound | DropKept | SeeRound | Launch | CarryOn
+        | ReleaseVictims | Refill) -> None:
     if isinstance(action, StopRound):
         log.info("stopping round %d workers (%s)%s", action.round, action.why,
                  f"; keeping the survivors of local ranks {sorted(action.keep)} for the next "
@@ -52,10 +53,15 @@ def act(agent: Agent,
             agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.world_size)
     elif isinstance(action, Launch):
         launch(agent, action.record)
+    elif isinstance(action, CarryOn):
+        carry_on(agent, action.record)
     elif isinstance(action, ReleaseVictims):
         # Every pass of the victims' window: a rank that heard it once ignores the rest, and
-        # one connected late (a slow start) still hears it.
-        agent.channel.broadcast({"type": "abort_groups", "round": action.round})
+        # one connected late (a slow start) still hears it. The ranks know the round they
+        # were launched in, which a carried group's label is not.
+        g = agent.workers.group
+        round_ = g.rank_round if g is not None and g.round == action.round else action.round
+        agent.channel.broadcast({"type": "abort_groups", "round": round_})
     elif isinstance(action, Refill):
         agent.workers.refill()
     else:
@@ -91,7 +97,8 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
                                 group_world_size=len(rec.members),
                                 local_world_size=rec.nproc_per_node,
                                 restart_count=rec.restarts,
-                                max_restarts=rec.max_restarts, issued_at=time.time())
+                                max_restarts=rec.max_restarts, issued_at=time.time(),
+                                replicas=rec.replicas, replica_epoch=rec.replica_epoch)
         for local, rank in enumerate(ranks)}
     with agent._lock:
         agent.report = RoundReport(job_id=rec.job_id, world_size=rec.world_size,
@@ -107,6 +114,26 @@ def launch(agent: Agent, rec: RoundRecord) -> None:
              if rec.restore or rec.tier0 else "",
              f"; in place: ranks {sorted(g.ranks[lr] for lr in g.kept)} in their processes "
              f"{sorted(g.procs[lr].pid for lr in g.kept)}" if g.kept else "")
+
+
+def carry_on(agent: Agent, rec: RoundRecord) -> None:
+    """This node's ranks go on into `rec` untouched (docs/replicas.md): the group is relabelled
+    (its node status reports `rec.round` at once: the round is part of the status's state)
+    and written down so; what the ranks reported (step, loss) stays theirs."""
+    with agent._lock:
+        g = agent.workers.carry_on(rec.round)
+        # A hang these ranks reported was the last round's: the round that answered it
+        # restarted the replica they waited for. One that lasts is reported afresh, after a
+        # whole allowance; kept, it would end every round the moment it starts.
+        agent.report.hang = None
+        agent.hangs.rearm(time.monotonic())
+    # The first member hosts the round's store, which the restarted replica's ranks look up
+    # (rankrun.enter), whether or not its own ranks start in it.
+    agent.ports.host_round_store(rec, agent.store)
+    save_left(agent)
+    log.info("round %d: ranks %s go on untouched from round %d (replica %d of %d carried)",
+             rec.round, sorted(g.ranks.values()), g.rank_round,
+             rec.replica_of(agent.cfg.node), rec.replicas)
 
 
 def job_seen(agent: Agent, job_id: str) -> None:
@@ -137,13 +164,14 @@ def save_left(agent: Agent) -> None:
     agent.ports.save_left(Left(node=agent.cfg.node, round=g.round, job_id=report.job_id, world_size=report.world_size,
          lease=agent.session.lease, channel=agent.channel.path,
          checkpoint_dir=report.checkpoint_dir, agent_pid=os.getpid(),
-         ranks=ranks))
+         ranks=ranks, rank_round=g.rank_round))
 
 
 def take_over(agent: Agent, left: Left) -> None:
     """Adopt the ranks a previous agent of this node left running, as this agent's round."""
     procs = adopt(left, agent.cfg.stacks_dir)
-    agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks})
+    agent.workers.adopt(left.round, procs, {r.local_rank: r.rank for r in left.ranks},
+                        rank_round=left.rank_round)
     agent.workers.job = left.job_id  # its ranks are not another job's leftovers
     with agent._lock:
         agent.report = RoundReport(job_id=left.job_id, world_size=left.world_size,

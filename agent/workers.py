@@ -35,10 +35,11 @@ from lazarus.core.jobuser import JobUser
 log = logging.getLogger(__name__)
 
 PARK_CMD = [sys.executable, "-m", "lazarus.cli", "worker", "--park"]
-# A rank's output goes to LOG_DIR/round-<round>/rank-<rank>.log (lazarus.trainer.rankrun). A
-# file past the bound is copied to <file>.1 and emptied (what the rank writes meanwhile may be
-# lost: it keeps its file open), so a rank keeps at most twice the bound on the node; the
-# directories of the newest KEEP_ROUNDS rounds are kept.
+# A rank's output goes to LOG_DIR/round-<round>/rank-<rank>.log (lazarus.trainer.rankrun), the
+# round it was launched in (Group.rank_round). A file past the bound is copied to <file>.1 and
+# emptied (what the rank writes meanwhile may be lost: it keeps its file open), so a rank keeps
+# at most twice the bound on the node; the directories of the newest KEEP_ROUNDS rounds are
+# kept.
 RANK_LOG_BYTES = 64 << 20
 # A SIGKILLed process is gone within milliseconds unless it sleeps where no signal reaches it
 # (state D): past this it is set aside rather than waited for (Workers._kill).
@@ -101,6 +102,14 @@ class Group:
     # local ranks that run a program of the job's own (jobcommand.PROGRAM): no Lazarus code
     # in their process says whether their exit was a lost peer; their output does
     programs: set[int] = field(default_factory=set)
+    # The round the ranks were launched in: `round` until a replica round carries them on
+    # (lazarus.agent.rounds.carry_on), which relabels `round` alone. Their assignments, and so
+    # their messages, their logs and their replica's world, keep this one.
+    rank_round: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank_round is None:
+            self.rank_round = self.round
 
     @property
     def alive(self) -> bool:
@@ -316,6 +325,16 @@ class Workers:
                            programs=programs)
         return self.group
 
+    def carry_on(self, round_: int) -> Group:
+        """The running group goes on as round `round_`'s, untouched (a replica round that
+        leaves its replica be: docs/replicas.md). No rank of it started anew, nor in place,
+        in that round."""
+        g = self.group
+        assert g is not None and g.alive, "only running ranks are carried on"
+        g.round = round_
+        g.anew, g.kept = {}, set()
+        return g
+
     def drop_kept(self) -> None:
         """Let the survivors go, kept or still in the current group: no round of this node
         takes them."""
@@ -332,7 +351,7 @@ class Workers:
         if g is None:
             return
         for rank in g.ranks.values():
-            path = rank_log(self.log_dir, g.round, rank)
+            path = rank_log(self.log_dir, g.rank_round, rank)
             try:
                 if rankfiles.size(path) <= self.log_bytes:
                     continue
@@ -376,10 +395,13 @@ class Workers:
                         " ".join(map(str, killed[:20])))
         return True
 
-    def adopt(self, round_: int, procs: dict[int, AdoptedRank], ranks: dict[int, int]) -> Group:
-        """Take over the ranks a previous agent of this node left running."""
+    def adopt(self, round_: int, procs: dict[int, AdoptedRank], ranks: dict[int, int], *,
+              rank_round: int | None = None) -> Group:
+        """Take over the ranks a previous agent of this node left running (launched in
+        `rank_round`, the same as `round_` unless a replica round carried them on)."""
         assert self.group is None, "adopt before launching anything"
-        self.group = Group(round=round_, procs=dict(procs), ranks=dict(ranks))
+        self.group = Group(round=round_, procs=dict(procs), ranks=dict(ranks),
+                           rank_round=rank_round)
         return self.group
 
     def poll(self) -> bool:
@@ -392,7 +414,7 @@ class Workers:
         changed = False
         for local_rank, proc in g.procs.items():
             if local_rank not in g.exit_codes and (code := proc.poll()) is not None:
-                output = tail(rank_log(self.log_dir, g.round, g.ranks[local_rank]), 8192)
+                output = tail(rank_log(self.log_dir, g.rank_round, g.ranks[local_rank]), 8192)
                 if exitcodes.watchdog_abort(code, output):
                     log.warning("round %d rank %d (pid %d): NCCL's watchdog aborted it; "
                                 "counted as a lost peer", g.round, g.ranks[local_rank], proc.pid)

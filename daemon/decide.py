@@ -36,8 +36,8 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import (FAILED, H_DEGRADED, H_FAILED, H_HEALTHY, PAUSED, PENDING, RECOVERING, RENDEZVOUS, RUNNING,
                              ROLE_ACTIVE, SUCCEEDED, TERMINAL,
                              W_FAILED, W_RUNNING, W_SUCCEEDED, RunStatus)
-from lazarus.daemon import (ckptcheck, commands, hostalert, preflight, restorefail, spikes,
-                            stragglers, tier0, unkillable)
+from lazarus.daemon import (ckptcheck, commands, hostalert, preflight, replicaround,
+                            restorefail, spikes, stragglers, tier0, unkillable)
 from lazarus.daemon.actions import (AcceptJob, Cordon, Decision, Emit, MarkCheckpoint, RejectJob,
                                     RequestDrain,
                                     SetStatus)
@@ -296,6 +296,16 @@ def _wall_time(value, now: float) -> float | None:
     return float(value) if 0 < value <= now + 60 else None
 
 
+def _fault(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    """A fault of the live round, answered: in a replica job, a fault inside some of its
+    replicas restarts only those in the same pass (lazarus.daemon.replicaround)."""
+    fault = _check_faults(now, view, st)
+    if fault is None:
+        return None
+    return replicaround.respond(now, view, job, st, fault,
+                                early_limit=min(EARLY_FAILURES, job.max_restarts + 1)) or fault
+
+
 def _check_faults(now: float, view: ClusterView, st: RunStatus) -> Decision | None:
     lost = _lost(view, st)
     if lost:
@@ -457,7 +467,10 @@ def _pending(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
 
 
 def _rendezvous(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
-    fault = _check_faults(now, view, st)
+    done = replicaround.finished(now, view, job, st)
+    if done is not None:
+        return done
+    fault = _fault(now, view, job, st)
     if fault is not None:
         return fault
     missing = [n for n in st.members if (s := view.node_status.get(n)) is None
@@ -493,7 +506,10 @@ def _anew_said(anew: dict[str, list[int]]) -> str:
 
 
 def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision:
-    fault = _check_faults(now, view, st)
+    done = replicaround.finished(now, view, job, st)
+    if done is not None:
+        return done
+    fault = _fault(now, view, job, st)
     if fault is not None:
         return fault
     statuses = [view.node_status.get(n) for n in st.members]
@@ -503,14 +519,23 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                                      reason=f"all ranks finished in round {st.round}")
         return Decision([SetStatus(status), Emit("succeeded", status.reason)], status.reason)
     if st.incident is not None:
+        # A replica round is back when every replica it restarted has stepped: the carried
+        # ones' steps say nothing about them (lazarus.daemon.replicaround).
+        healed = replicaround.healing(st, job.replicas)
+        watched = statuses if healed is None else [
+            view.node_status.get(n) for nodes in healed.values() for n in nodes]
         # A script that reports no steps (level 0) is back once its ranks joined their
-        # process groups: the round runs.
-        progressed = [s for s in statuses if s is not None and s.round == st.round
-                      and (s.step > st.restore_step or s.step == 0 and s.workers == W_RUNNING)]
-        if progressed:
+        # process groups: the round runs. (A replica job's ranks, the built-in trainer's,
+        # report steps: joined, a restarted replica has not healed yet.)
+        progressed = [s for s in watched if s is not None and s.round == st.round
+                      and (s.step > st.restore_step or s.step == 0 and s.workers == W_RUNNING
+                           and healed is None)]
+        stepped = {r: [s.step for s in progressed if s.node in nodes]
+                   for r, nodes in (healed or {}).items()}
+        if progressed and all(stepped.values()):
             inc = st.incident
             step = max(s.step for s in progressed)
-            mine = [s for s in statuses if s is not None and s.round == st.round]
+            mine = [s for s in watched if s is not None and s.round == st.round]
             kept, ranks = sum(len(s.in_place) for s in mine), sum(len(s.pids) for s in mine)
             anew: dict[str, list[int]] = {}
             for s in mine:
@@ -537,7 +562,10 @@ def _running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Deci
                    + (f"; {kept} of {ranks} rank(s) in place" if kept else "")
                    + (f"; {_anew_said(anew)}" if anew else ""))
             status = dataclasses.replace(st, incident=None, reason=msg)
-            return Decision([SetStatus(status), Emit("recovered", msg, fields)], msg)
+            joined = [Emit("replica_joined", f"replica {r} ({', '.join(healed[r])}) healed "
+                                             f"from a live peer: step {max(steps)} done",
+                           {"replica": r, "step": max(steps)}) for r, steps in stepped.items()]
+            return Decision([SetStatus(status), Emit("recovered", msg, fields), *joined], msg)
     alert = hostalert.respond(st, {n: health_of(view, n, "host") for n in st.members})
     if alert is not None:
         return alert

@@ -160,6 +160,7 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
             first = next((ns for ns in current if ns.node == st.members[0]), current[0])
             h.loss, h.tokens_per_s, h.step_time_s = first.loss, first.tokens_per_s, first.step_time_s
         _script_progress(h, view, current, now)
+        _replicas(h, view)
         if st.incident is not None:
             inc = st.incident  # its keys typed (records.Incident)
             h.incident.CopyFrom(pb.Incident(
@@ -181,6 +182,20 @@ def run_health(view: ClusterView, *, now: float, served_by: str,
         state = node_state(node, view, members)
         h.nodes_by_state[state] = h.nodes_by_state[state] + 1
     return h
+
+
+def _replicas(h: pb.RunHealth, view: ClusterView) -> None:
+    """The current round's replica groups (docs/replicas.md): a replica restarted by the open
+    incident heals until that incident closes, when its ranks step again."""
+    rnd, st = view.round, view.status
+    if rnd is None or st is None or rnd.round != st.round or rnd.replicas < 2:
+        return
+    healing = st.incident.get("replicas") if isinstance(st.incident, dict) else None
+    healing = healing if isinstance(healing, list) else []  # an agent's garbage: none heals
+    for r in range(rnd.replicas):
+        h.replicas.add(replica=r, members=rnd.replica_members(r),
+                       since_round=rnd.replica_rounds[r],
+                       state="healing" if r in healing else "training")
 
 
 def _script_progress(h: pb.RunHealth, view: ClusterView, current: list, now: float) -> None:

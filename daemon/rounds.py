@@ -80,6 +80,13 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                             "delete the round records that are not the run's")
     first = view.nodes[members[0]]
     world = job.world_size(len(members))
+    # A replica job (docs/replicas.md): every round of it that starts the whole world starts
+    # each replica anew, and its trainer config is one replica's. It has no copy to restore
+    # in this slice (jobspec refuses its checkpoint dir; its ranks take no tier-0 copies), so
+    # no holder is waited for.
+    replicas = job.replicas if job.failure_unit == "replica" else 1
+    if replicas > 1:
+        restore = None
     refused: list[Emit] = []
     if restore is _LATEST:
         ckpt, refused = checked_restore_point(view, job)
@@ -98,15 +105,17 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                 job_id=job.id, world_size=world, members=members, nproc=job.nproc_per_node),
             tier1_step=ckpt.step if ckpt else None, tier0_failed=tier0.failed_before(st.incident))
     step = memory.step if memory else ckpt.step if ckpt else 0
-    train = round_train_config(job, st, len(members), step)
+    train = round_train_config(job, st, len(members) // replicas, step)
     record = RoundRecord(
         round=n, job_id=job.id, members=members, nproc_per_node=job.nproc_per_node,
-        world_size=world, dp=job.dp_for(len(members)), tp=job.tp,
+        world_size=world, dp=job.dp_for(len(members) // replicas), tp=job.tp,
         store_host=first.host, store_port=first.store_port,
         restore=ckpt.path if ckpt and not memory else None, restore_step=step,
         train=train, tier0=memory.to_record() if memory else None,
         command=list(job.command), env=dict(job.env), cwd=job.cwd, restarts=restarts,
-        max_restarts=job.max_restarts)
+        max_restarts=job.max_restarts, replicas=replicas,
+        replica_rounds=[n] * replicas if replicas > 1 else [],
+        replica_epoch=n if replicas > 1 else 0)
     status = dataclasses.replace(st, state=RENDEZVOUS, round=n, members=members, since=now,
                                  reason=reason, restarts=restarts,
                                  restore=memory.label if memory else record.restore,
@@ -114,7 +123,8 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     where = ("from memory (tier 0)" if memory else "from storage (tier 1)") if step else ""
     # A script of the user's own: its parallelism is its own business, and with no copy
     # the daemon knows of, it resumes from its own checkpoints (or starts, the first time).
-    shape = f" (dp {record.dp} x tp {record.tp})" if job.builtin else ""
+    shape = (f" ({replicas} replicas x dp {record.dp} x tp {record.tp})" if replicas > 1
+             else f" (dp {record.dp} x tp {record.tp})" if job.builtin else "")
     start = ("from scratch" if job.builtin
              else "the script resumes from its own checkpoints, if any")
     msg = (f"round {n}: {len(members)} node(s) {', '.join(members)}, world {record.world_size}"

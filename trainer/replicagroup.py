@@ -19,6 +19,8 @@ import io
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -28,19 +30,44 @@ from torch.distributed.tensor import DTensor
 from lazarus.trainer.replicapolicy import Quorum, Silence, decide
 
 
+# How long a retry of a step waits for the members of the failed try before it goes on
+# without them (docs/replicas.md).
+RETRY_GRACE_S = 0.5
+
+
 class LeftOut(RuntimeError):
     """This replica is not in the quorum of the step (it came too late, or broke): it must be
     restarted to heal."""
 
 
+# How long a rank that leaves tries to tell the quorum so (mark_left): it is on its way out.
+LEAVE_S = 5.0
+
+
+def quorum_prefix(job_id: str, epoch: int) -> str:
+    """The quorum's namespace in the store of members[0]'s agent: one per whole-world start
+    of a job's replicas (the replica epoch), so a new epoch never reads an old one's keys."""
+    return f"lazarus/replicas/{job_id}/{epoch}/"
+
+
+def quorum_store(host: str, port: int, job_id: str, epoch: int,
+                 timeout: timedelta = timedelta(seconds=300)) -> dist.Store:
+    """A connection of its own to the quorum's store."""
+    return dist.PrefixStore(quorum_prefix(job_id, epoch),
+                            dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                          timeout=timeout))
+
+
 class ReplicaGroup:
-    def __init__(self, host: str, port: int, *, replica: int, replicas: int,
+    def __init__(self, store: Callable[[], dist.Store], *, replica: int, replicas: int,
                  min_replicas: int = 1, wait_s: float = 3.0, start_wait_s: float = 120.0,
-                 timeout_s: float = 60.0):
-        """`host`:`port`: the quorum's store, shared by every replica's ranks. `wait_s`: how
-        long a replica's leader may stay silent before a quorum goes on without it;
-        `timeout_s`: a cross-replica collective's (and a heal's) limit."""
-        self.store = _connect(host, port)
+                 timeout_s: float = 60.0, joining: bool | None = None):
+        """`store()`: a new connection to the quorum's store, shared by every replica's ranks
+        (two on the leader: its heartbeat thread has its own). `wait_s`: how long a replica's
+        leader may stay silent before a quorum goes on without it; `timeout_s`: a
+        cross-replica collective's (and a heal's) limit. `joining`: whether this start of the
+        replica heals from a live one first (None: any start after its first does)."""
+        self.store = store()
         self.replica, self.replicas = replica, replicas
         self.min_replicas = min_replicas
         self.wait_s, self.start_wait_s = wait_s, start_wait_s
@@ -54,11 +81,12 @@ class ReplicaGroup:
         incarnation = torch.tensor([self.store.add(f"incarnation/{replica}", 1)
                                     if self.local_rank == 0 else 0])
         dist.broadcast(incarnation, src=0)
-        self.joining = int(incarnation) > 1
+        self.incarnation = int(incarnation)
+        self.joining = self.incarnation > 1 if joining is None else joining
         self._silence = Silence(wait_s, start_wait_s)
         if self.local_rank == 0:
             # A connection of its own: the main thread's may be held for a whole rendezvous.
-            beat_store = _connect(host, port)
+            beat_store = store()
             threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
                              name="replica-heartbeat").start()
 
@@ -115,9 +143,15 @@ class ReplicaGroup:
             # answer can never reach a later start of the same replica
             joiners = {r: nonce for r in range(self.replicas)
                        if (nonce := _peek(self.store, f"join/{r}")) is not None}
+            gone = self._gone(expected - arrived, started)
+            if attempt > 0 and time.monotonic() - started > RETRY_GRACE_S:
+                # A collective of this step failed, and every live member saw it fail and asks
+                # again at once: one that has not is the one that broke it (a node lost with
+                # its ranks: nobody is left to mark it, and its heartbeat's silence would take
+                # wait_s). A live one dropped so heals like any restart.
+                gone |= expected - arrived
             q = decide(step=step, attempt=attempt, expected=expected, arrived=arrived,
-                       joiners=set(joiners), gone=self._gone(expected - arrived, started),
-                       min_replicas=self.min_replicas)
+                       joiners=set(joiners), gone=gone, min_replicas=self.min_replicas)
             if q is not None:
                 # The first proposal stored is the quorum, whoever made it.
                 decided = Quorum.from_json(self.store.compare_set(key, "", q.to_json()))
@@ -198,8 +232,13 @@ class ReplicaGroup:
             size = torch.tensor([payload.numel()], dtype=torch.int64)
             for r in q.healing:
                 dst = q.members.index(r)
-                self.group.send([size], dst, 0).wait()
-                self.group.send([payload], dst, 1).wait()
+                try:
+                    self.group.send([size], dst, 0).wait()
+                    self.group.send([payload], dst, 1).wait()
+                except RuntimeError:
+                    # The joiner is gone: this replica's average fails next, and the same
+                    # step's next try is without it. A source never dies of a joiner.
+                    self._broken = True
             return None
         size = torch.zeros(1, dtype=torch.int64)
         self.group.recv([size], src, 0).wait()
@@ -210,13 +249,44 @@ class ReplicaGroup:
         return state["extra"]
 
 
-def mark_left(store: dist.Store, replica: int) -> None:
-    """Tell the quorum that `replica`, as it is now, is lost: for its supervisor (an agent
-    that saw one of its ranks die), so that the others go on at once rather than after
-    wait_s of its silence. Its next start is a new incarnation, which this does not touch.
-    `store`: the quorum's store, as ReplicaGroup's host and port reach it."""
-    store = dist.PrefixStore("replicas/", store)
-    store.set(f"left/{replica}/{_peek(store, f'incarnation/{replica}')}", "1")
+def mark_left(store: dist.Store, replica: int, incarnation: int | None = None) -> None:
+    """Tell the quorum that `replica`, as it is now (or its start `incarnation`), is lost: for
+    a rank of it on its way out, or its supervisor (an agent that saw one of its ranks die),
+    so that the others go on at once rather than after wait_s of its silence. Its next start
+    is a new incarnation, which this does not touch. `store`: the quorum's store, as
+    ReplicaGroup's factory makes it."""
+    if incarnation is None:
+        incarnation = _peek(store, f"incarnation/{replica}")
+    store.set(f"left/{replica}/{incarnation}", "1")
+
+
+@dataclass(kw_only=True)
+class ReplicaPlace:
+    """A rank's place in a job of replica groups, as its worker sets it up for the trainer:
+    which replica, of how many, the quorum's store, and whether this start heals from a live
+    replica (its ranks were launched after the replicas' whole-world start)."""
+    replica: int
+    replicas: int
+    store: Callable[[], dist.Store]   # a new connection to the quorum's store
+    joining: bool
+    group: ReplicaGroup | None = None  # once the trainer made it
+
+    def leave(self, timeout_s: float = LEAVE_S) -> bool:
+        """Best effort, within `timeout_s`: mark this replica left in the quorum (this start of
+        it, once the group counted it), so the other replicas go on without waiting out its
+        silence. Whether that was said."""
+        done = threading.Event()
+
+        def mark() -> None:
+            try:
+                mark_left(self.store(), self.replica,
+                          self.group.incarnation if self.group is not None else None)
+                done.set()
+            except Exception:  # noqa: BLE001 -- the store is gone too: silence says it later
+                pass
+
+        threading.Thread(target=mark, daemon=True, name="replica-leave").start()
+        return done.wait(timeout_s)
 
 
 _ABSENT = "\x00absent"
@@ -227,11 +297,6 @@ def _peek(store: dist.Store, key: str) -> str | None:
     compare_set that cannot match never writes."""
     value = store.compare_set(key, _ABSENT, _ABSENT).decode()
     return None if value == _ABSENT else value
-
-
-def _connect(host: str, port: int) -> dist.Store:
-    return dist.PrefixStore("replicas/", dist.TCPStore(host, port, is_master=False,
-                                                       wait_for_workers=False))
 
 
 def _local(t):

@@ -47,8 +47,11 @@ def decide(*, step: int, attempt: int, expected: set[int], arrived: set[int],
     replicas whose leader stopped beating. Every expected replica is waited for, however
     slow, unless it is gone: a slow replica is not a lost one. Then the quorum is whoever
     arrived, if they are at least `min_replicas`. Joiners come in only beside a replica that
-    holds the current state, and never count toward `min_replicas`.
+    holds the current state, and never count toward `min_replicas`. An expected replica that
+    waits to join is a new start of it: its last one is gone, whatever its heartbeat (which
+    the new start beats), and nobody else may say so (a lost node's ranks say nothing).
     """
+    gone = gone | (joiners - arrived)
     if not arrived or not expected <= arrived | gone or len(arrived) < min_replicas:
         return None
     healing = sorted(joiners - arrived)

@@ -2,14 +2,16 @@
 joiner -> micro-steps inside the replica -> gradient average across the quorum's replicas
 (retried without a replica that broke it) -> clip -> optimizer step.
 
-The built-in trainer's loop (trainer/train.py) does not call it yet: it is the step that loop
-takes with `failure_unit = "replica"`, kept apart so that the default path stays as it is.
+`average_over_quorum` is the part the built-in trainer's replica step shares
+(lazarus.trainer.train, ReplicaRound); `replica_step` is the whole step on its own, around it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+from lazarus.trainer.replicapolicy import Quorum
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,12 +47,7 @@ def replica_step(rg: ReplicaGroup, model: torch.nn.Module, optimizer: torch.opti
         loss.backward()
         loss_sum += loss.item()
     params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    while not rg.average(grads, divisor(shares(q.members, rg.replicas, policy))):
-        # The same step's next try: the gradients are kept, the group is the survivors'. A
-        # joiner let in now heals from a source that has not stepped yet.
-        q = rg.next_quorum(step)
-        rg.heal(model, optimizer)
+    q = average_over_quorum(rg, q, [p.grad for p in params], model, optimizer, policy=policy)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
@@ -59,3 +56,19 @@ def replica_step(rg: ReplicaGroup, model: torch.nn.Module, optimizer: torch.opti
     optimizer.zero_grad()
     return ReplicaStep(step=step, members=q.members, attempt=q.attempt, loss=loss_sum,
                        grad_norm=grad_norm.item(), healed=healed)
+
+
+def average_over_quorum(rg: ReplicaGroup, q: Quorum, grads: list[torch.Tensor],
+                        model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                        policy: str = "drop", extra: dict | None = None) -> Quorum:
+    """Average `grads` (plain tensors or DTensors: their local shards) over the quorum's
+    replicas, in place; after a failed try, over the next try's quorum, until one holds. The
+    quorum that did it. `extra`: what a joiner let in at a retry gets besides the model and
+    optimizer (the state of the step before, as at the step's start)."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    while not rg.average(local, divisor(shares(q.members, rg.replicas, policy))):
+        # The same step's next try: the gradients are kept, the group is the survivors'. A
+        # joiner let in now heals from a source that has not stepped yet.
+        q = rg.next_quorum(q.step)
+        rg.heal(model, optimizer, extra)
+    return q

@@ -51,6 +51,7 @@ from lazarus.trainer.device import device_type
 from lazarus.trainer.parallelize import (activation_budget, build_mesh, build_model,
                                          gradient_sync_for)
 from lazarus.trainer.rankprocess import RankProcess, this_process
+from lazarus.trainer.replicagroup import ReplicaPlace
 from lazarus.trainer.rngstate import rng_state, set_rng_state
 from lazarus.trainer.session import Session
 from lazarus.trainer.steptime import ComputeClock
@@ -92,6 +93,13 @@ def forward_backward(model: Transformer, micro_batches: list[tuple[torch.Tensor,
     The loss is averaged over the data-parallel group, so every rank holds the loss of the
     whole global batch; the norm is that of the whole model's gradient.
     """
+    loss = accumulate(model, micro_batches, device=device, loss_group=loss_group)
+    return loss, total_grad_norm(model)
+
+
+def accumulate(model: Transformer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+               device: torch.device, loss_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's micro-batches' gradients, accumulated; the loss averaged over `loss_group`."""
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
         # Reduce-scatter gradients after the last micro-batch only, or after each on GPUs
@@ -105,11 +113,16 @@ def forward_backward(model: Transformer, micro_batches: list[tuple[torch.Tensor,
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum, group=loss_group)  # gloo has no AVG
     loss_sum /= dist.get_world_size(loss_group)
+    return loss_sum
+
+
+def total_grad_norm(model: Transformer) -> torch.Tensor:
+    """The norm of the whole model's gradient, on every rank of its mesh."""
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
                                               foreach=True)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
-    return loss_sum, grad_norm
+    return grad_norm
 
 
 def finish_step(model: Transformer, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, *,
@@ -183,7 +196,8 @@ def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = N
           restore: str | None = None, hooks: PhaseHooks | None = None, job_id: str = "",
           snapshot: str | None = None, snapshot_dir: str | None = None, round_: int = 0,
           allowed_roots: list[str] | tuple[str, ...] = (), began: float | None = None,
-          handed: float | None = None, in_place: bool = False, restore_step: int = 0) -> None:
+          handed: float | None = None, in_place: bool = False, restore_step: int = 0,
+          replica: ReplicaPlace | None = None) -> None:
     """Train to cfg.steps. `restore` is a committed checkpoint to continue from, `snapshot` a
     tier-0 snapshot file of this rank to continue from instead; `hooks` are called at every
     phase boundary (lazarus.trainer.hooks); `job_id` owns the checkpoints this run writes
@@ -203,9 +217,17 @@ def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = N
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
                                 "data.dir": corpus}, allowed_roots):
         raise JobRefused(why)
-    rnd = RankRound(cfg, session=session, process=process or this_process(),
-                    hooks=hooks or PhaseHooks(), job_id=job_id, round_=round_, start=start,
-                    in_place=in_place)
+    # A job of replica groups steps its own way (ReplicaRound), chosen once here: the
+    # default path's loop has nothing of it.
+    if replica is None:
+        kind, more = RankRound, {}
+    else:
+        # here: it subclasses RankRound, defined below
+        from lazarus.trainer.replicaloop import ReplicaRound
+        kind, more = ReplicaRound, {"place": replica}
+    rnd = kind(cfg, session=session, process=process or this_process(),
+               hooks=hooks or PhaseHooks(), job_id=job_id, round_=round_, start=start,
+               in_place=in_place, **more)
     rnd.build(restoring=restore is not None or snapshot is not None)
     rnd.restore(restore_step=restore_step, snapshot=snapshot, checkpoint=restore)
     rnd.run(snapshot_dir)
@@ -221,6 +243,7 @@ class RankRound:
         self.cfg, self.session, self.process, self.hooks = cfg, session, process, hooks
         self.job_id, self.round, self.start, self.in_place = job_id, round_, start, in_place
         self.rank = dist.get_rank()
+        self.job_rank = self.rank  # the rank in the whole job: its 0 writes the metrics
         kind = device_type()
         self.device = (torch.device(kind, torch.cuda.current_device()) if kind == "cuda"
                        else torch.device("cpu"))
@@ -261,15 +284,16 @@ class RankRound:
                                              weight_decay=cfg.optimizer.weight_decay)
             held = kept.Held(shape, self.model, self.optimizer)
         self.held = self.process.held = held
+        dp_rank, dp_size = self._data_place(mesh)
         # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
-        plan = plan_batches(data.global_batch, par.dp, data.micro_batch,
+        plan = plan_batches(data.global_batch, dp_size, data.micro_batch,
                             memory=activation_budget(self.model, par, seq_len=data.seq_len))
         if plan.warning and rank == 0:
             print(f"warning: {plan.warning}", flush=True)
         dataset = TokenDataset(ensure_corpus(Path(data.dir) if data.dir else None), data.seq_len)
         check_model_vocab(dataset, self.model_cfg.vocab_size, cfg.model.name)
         self.loader = SequenceLoader(dataset, seed=cfg.seed, global_batch=data.global_batch,
-                                     dp_rank=mesh["dp"].get_local_rank(), dp_size=par.dp,
+                                     dp_rank=dp_rank, dp_size=dp_size,
                                      micro_batch=plan.micro_batch)
         opt = cfg.optimizer
         self.schedule = ScheduleConfig(schedule=opt.schedule, lr=opt.lr, min_lr=opt.min_lr,
@@ -277,6 +301,10 @@ class RankRound:
                                        decay_fraction=opt.wsd_decay_fraction)
         self.guard = Guard(cfg.guard)
         self.start.mark("build")
+
+    def _data_place(self, mesh) -> tuple[int, int]:
+        """(this rank's share, shares) of each global batch."""
+        return mesh["dp"].get_local_rank(), self.cfg.parallelism.dp
 
     def restore(self, *, restore_step: int, snapshot: str | None,
                 checkpoint: str | None) -> None:
@@ -372,7 +400,7 @@ class RankRound:
         try:
             self._open_savers(snapshot_dir)
             self.metrics = (open(cfg.metrics, "a", encoding="utf-8")
-                            if self.rank == 0 and cfg.metrics else None)
+                            if self.job_rank == 0 and cfg.metrics else None)
             self.dp_group = self.mesh["dp"].get_group()
             self.clock = ComputeClock(self.device)
             self.stats = DeviceStats(self.device, self.model_cfg, seq_len=cfg.data.seq_len,
@@ -401,7 +429,7 @@ class RankRound:
         self.hooks(phase, self.ctx)
 
     def _one_step(self) -> None:
-        cfg, rank, ctx = self.cfg, self.rank, self.ctx
+        cfg, ctx = self.cfg, self.ctx
         opt, data = cfg.optimizer, cfg.data
         self.step += 1
         step = self.step
@@ -410,14 +438,7 @@ class RankRound:
         ctx.step, ctx.window, ctx.batch = step, None, None
 
         self._enter("data")
-        window, left_out = self.windows.next_window()
-        if rank == 0:
-            for w in left_out:
-                print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
-        lr = lr_at(step, self.schedule)
-        if self.lr_scaled is not None and self.lr_scaled[0] <= step <= self.lr_scaled[1]:
-            lr *= opt.lr_scale
-        set_lr(self.optimizer, lr)
+        window, lr = self._window_and_lr(step)
         ctx.window, ctx.batch = window, self.loader.next_step()
         self._enter("forward")
         loss_t, norm_t = forward_backward(self.model, ctx.batch, device=self.device,
@@ -435,23 +456,39 @@ class RankRound:
         self._report(result, reason, window, compute_s=self.clock.stop())
         self.judged = step
 
-        # What a restore needs besides the tensors, once per step: every saver takes
-        # this one (none changes it).
-        lr_scaled = self.lr_scaled
-        resumable = {"step": step, "loader": self.loader.state_dict(),
-                     "schedule": _fields(self.schedule), "global_batch": data.global_batch,
-                     "guard": self.guard.state_dict(),
-                     **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
-                                      "last": lr_scaled[1]}} if lr_scaled else {})}
+        resumable = self._resumable(step)
 
         # This rank's part of the step is done: a survivor of a later failure may go on
         # from here in its own objects (lazarus.trainer.kept).
         self.held.mark(step, resumable, rng_state())
         self._save(step, result, resumable)
 
+    def _window_and_lr(self, step: int) -> tuple[dict, float]:
+        """The data window `step` reads (past those left out) and its lr, set."""
+        window, left_out = self.windows.next_window()
+        if self.rank == 0:
+            for w in left_out:
+                print(f"data window [{w['first']}, {w['last']}] left out (skip_windows)", flush=True)
+        lr = lr_at(step, self.schedule)
+        if self.lr_scaled is not None and self.lr_scaled[0] <= step <= self.lr_scaled[1]:
+            lr *= self.cfg.optimizer.lr_scale
+        set_lr(self.optimizer, lr)
+        return window, lr
+
+    def _resumable(self, step: int) -> dict:
+        """What a restore needs besides the tensors, once per step: every saver takes this
+        one (none changes it)."""
+        opt, lr_scaled = self.cfg.optimizer, self.lr_scaled
+        return {"step": step, "loader": self.loader.state_dict(),
+                "schedule": _fields(self.schedule), "global_batch": self.cfg.data.global_batch,
+                "guard": self.guard.state_dict(),
+                **({"lr_scale": {"scale": opt.lr_scale, "first": lr_scaled[0],
+                                 "last": lr_scaled[1]}} if lr_scaled else {})}
+
     def _report(self, result: StepResult, reason: str | None, window: dict, *,
-                compute_s: float) -> None:
-        """The step's start line (the round's first), metrics line and report."""
+                compute_s: float, more: dict | None = None, suffix: str = "") -> None:
+        """The step's start line (the round's first), metrics line and report; `more`: fields
+        of the mode the step ran in, `suffix`: its words on the step line."""
         rank, session, metrics, cfg = self.rank, self.session, self.metrics, self.cfg
         cost = self.stats.fields(tokens=result.tokens, step_time_s=result.step_time_s)
         if not self.start.done:
@@ -460,21 +497,23 @@ class RankRound:
                                  in_place=self.in_place, warm=self.warm, kept=self.reused)
             print(self.start.line(row), flush=True)
             _log(metrics, row)
+        more = more or {}
         if reason is None:
             session.report(**_fields(result), skipped=False, compute_s=compute_s,
-                           window=[window["first"], window["last"]])
-            _log(metrics, {**_fields(result), **cost})
+                           window=[window["first"], window["last"]], **more)
+            _log(metrics, {**_fields(result), **cost, **more})
             if rank == 0:
-                print(result.line(cfg.steps) + DeviceStats.line(cost), flush=True)
+                print(result.line(cfg.steps) + DeviceStats.line(cost) + suffix, flush=True)
         else:
             self.skipped_steps.append(result.step)
             spike = {"reason": reason, "loss": result.loss, "grad_norm": result.grad_norm,
                      "window": [window["first"], window["last"]]}
-            session.report(**_fields(result), skipped=True, spike=spike, compute_s=compute_s)
-            _log(metrics, {**_fields(result), "skipped": True, "spike": spike})
+            session.report(**_fields(result), skipped=True, spike=spike, compute_s=compute_s,
+                           **more)
+            _log(metrics, {**_fields(result), "skipped": True, "spike": spike, **more})
             if rank == 0:
-                print(f"{result.line(cfg.steps)} | skipped: {reason}, data window {spike['window']}",
-                      flush=True)
+                print(f"{result.line(cfg.steps)}{suffix} | skipped: {reason}, data window "
+                      f"{spike['window']}", flush=True)
 
     def _save(self, step: int, result: StepResult, resumable: dict) -> None:
         """The step's tier-0 snapshot and checkpoint, each when due. A checkpoint step is

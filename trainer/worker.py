@@ -97,7 +97,14 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
         serve_flight_record(os.environ[STACKS_ENV])
     cfg = TrainConfig.from_dict(a.train)
     dp, tp = cfg.parallelism.dp, cfg.parallelism.tp
-    if dp * tp != a.world_size:
+    if a.replicas < 1 or a.world_size % a.replicas:
+        raise UserError(f"a world of {a.world_size} ranks cannot hold {a.replicas} equal "
+                        f"replicas")
+    replica, local, per = a.replica_place
+    if a.replicas > 1 and dp * tp != per:
+        raise UserError(f"mesh dp {dp} x tp {tp} = {dp * tp} ranks, but each of the "
+                        f"{a.replicas} replicas of a world of {a.world_size} has {per}")
+    if a.replicas == 1 and dp * tp != a.world_size:
         raise UserError(f"mesh dp {dp} x tp {tp} = {dp * tp} ranks, but the "
                         f"assignment's world size is {a.world_size}")
     hooks = phase_hooks.from_env()
@@ -123,14 +130,29 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
     # each: what a survivor's rendezvous connects and reads stops growing with the world
     # (docs/scale.md).
     glooinit.on_use()
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
-                            rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
+    place = _replica_place(a) if a.replicas > 1 else None
+    if place is None:
+        dist.init_process_group(backend_for(device),
+                                store=dist.PrefixStore(f"lazarus/round/{a.round}", store),
+                                rank=a.rank, world_size=a.world_size, timeout=_pg_timeout())
+    else:
+        # The replica's own world: an error in another replica's collectives never reaches it.
+        dist.init_process_group(
+            backend_for(device),
+            store=dist.PrefixStore(f"lazarus/round/{a.round}/replica/{replica}", store),
+            rank=local, world_size=per, timeout=_pg_timeout())
     try:
-        train(cfg, session=session, process=process, restore=a.restore, hooks=hooks,
-              job_id=a.job_id,
-              snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
-              allowed_roots=a.allowed_roots, began=began, handed=handed,
-              in_place=in_place, restore_step=a.restore_step)
+        try:
+            train(cfg, session=session, process=process, restore=a.restore, hooks=hooks,
+                  job_id=a.job_id,
+                  snapshot=a.snapshot, snapshot_dir=a.snapshot_dir, round_=a.round,
+                  allowed_roots=a.allowed_roots, began=began, handed=handed,
+                  in_place=in_place, restore_step=a.restore_step, replica=place)
+        except BaseException:
+            if place is not None:
+                # The other replicas go on at once, not after this one's silence.
+                place.leave()
+            raise
     except JobRefused as e:
         print(f"rank {a.rank} round {a.round}: {e}", file=sys.stderr, flush=True)
         session.refused(str(e))
@@ -150,7 +172,8 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
         # Not this rank's fault: say so in the exit code, so the daemon names the real culprit.
         # os._exit: tearing down a process group whose peer is gone can block.
         why = inplace.peer_gone(a, e)
-        if inplace.enabled(a):
+        # A replica's rank never survives in place: its replica restarts and heals whole.
+        if place is None and inplace.enabled(a):
             # The round's model and optimizer are referenced from train()'s frame through the
             # traceback: let them go, so that the survivor frees them while it waits.
             traceback.clear_frames(e.__traceback__)
@@ -162,6 +185,22 @@ def run(assignment: WorkerAssignment, *, process: RankProcess | None = None,
         session.close()
     dist.destroy_process_group()
     return 0
+
+
+def _replica_place(a: WorkerAssignment):
+    """This rank's place in a job of replica groups (docs/replicas.md): its quorum's store is
+    on the store of the agent that hosts the round (members[0]'s, which every round of the
+    replicas' epoch shares), under the epoch's namespace."""
+    # here, as torch: the zygote runs this module before it imports torch (import_for_fork)
+    from lazarus.trainer.replicagroup import ReplicaPlace, quorum_store
+
+    replica = a.replica_place[0]
+    return ReplicaPlace(
+        replica=replica, replicas=a.replicas,
+        store=lambda: quorum_store(a.store_host, a.store_port, a.job_id, a.replica_epoch),
+        # launched after the epoch's whole-world start: a restart of this replica, which
+        # heals from a live one at its first quorum
+        joining=a.round > a.replica_epoch)
 
 
 def _warm_up() -> None:

@@ -128,6 +128,17 @@ class WorkerAssignment:
     restart_count: int = 0       # recoveries of the run before this round
     max_restarts: int = 0
     issued_at: float = 0.0       # wall-clock time the agent handed it over (0: not said)
+    # Replica groups (docs/replicas.md): the job's replicas and the round that names their
+    # quorum's store namespace. The rank's replica is rank // (world_size // replicas), and
+    # its own world is that replica's ranks.
+    replicas: int = 1
+    replica_epoch: int = 0
+
+    @property
+    def replica_place(self) -> tuple[int, int, int]:
+        """(replica, rank in it, ranks per replica)."""
+        per = self.world_size // self.replicas
+        return self.rank // per, self.rank % per, per
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

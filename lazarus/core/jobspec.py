@@ -215,13 +215,10 @@ def _check_tp(train: dict, source: str) -> None:
 def validate_sizes(spec: JobSpec, *, source: str) -> None:
     """Every node count from min_nodes to nodes must give a valid trainer config (the
     built-in trainer's; a command of the user's own has its own configuration). A job in
-    replica mode is refused here, where the daemon accepts jobs: its trainer-side core is
-    built, its per-replica rounds are not (docs/replicas.md), and running it as one world
-    would be a silent change of what the user asked for."""
+    replica mode gets its own checks (_check_replica_mode): each of its rounds trains one
+    replica's world with dp for one replica."""
     if spec.failure_unit == "replica":
-        raise UserError(f'{source}: [job] failure_unit = "replica" is not run by this daemon '
-                        "yet (docs/replicas.md: the trainer's core is built, per-replica rounds are "
-                        "not); leave it out for the whole-world recovery")
+        _check_replica_mode(spec, source)
     if not spec.builtin:
         return
     if "dp" in spec.train.get("parallelism", {}):
@@ -230,11 +227,51 @@ def validate_sizes(spec: JobSpec, *, source: str) -> None:
     if spec.nproc_per_node % tp:
         raise UserError(f"{source}: tp={tp} must divide nproc_per_node={spec.nproc_per_node} "
                         "(tensor parallelism stays inside a node)")
+    if spec.failure_unit == "replica":
+        _check_replica_batch(spec, source)
     for n in range(spec.min_nodes, spec.nodes + 1):
         try:
             TrainConfig.from_dict(spec.train_config_for(n))
         except UserError as e:
             raise UserError(f"{source}: with {n} node(s) (dp={spec.dp_for(n)}): {e}")
+
+
+def _check_replica_mode(spec: JobSpec, source: str) -> None:
+    """What replica mode runs in this slice (docs/replicas.md): the built-in trainer (the
+    quorum and the healing are its), no checkpoints (a restarted replica heals from a live
+    peer; saves by one replica are not built), no shrink (a replica does not shrink inside
+    itself, and a job that drops whole replicas is not built)."""
+    mode = '[job] failure_unit = "replica"'
+    if not spec.builtin:
+        raise UserError(f"{source}: {mode} runs the built-in trainer only: a command of your "
+                        "own has no replica quorum to heal a restarted replica from; leave "
+                        "failure_unit out for the whole-world recovery")
+    ckpt = spec.train.get("checkpoint", {})
+    if isinstance(ckpt, dict) and ckpt.get("dir"):
+        raise UserError(f"{source}: {mode} with a [train.checkpoint] dir is not built in replica "
+                        "mode yet (a restarted replica heals from a live peer; checkpoints by one "
+                        "replica are not built): remove the dir, or failure_unit")
+    if spec.replicas < 2 or spec.nodes % spec.replicas:
+        raise UserError(f"{source}: {mode} needs replicas >= 2 that divide nodes = "
+                        f"{spec.nodes}, got replicas = {spec.replicas}")
+    if spec.min_nodes != spec.nodes:
+        raise UserError(f"{source}: {mode} needs min_nodes = nodes ({spec.nodes}), got "
+                        f"min_nodes = {spec.min_nodes}: a replica job does not shrink yet")
+
+
+def _check_replica_batch(spec: JobSpec, source: str) -> None:
+    """The global batch is the job's, over all replicas: each of the replicas x dp ranks
+    takes an equal share of it, and one replica's config must be a valid one."""
+    per = spec.nodes // spec.replicas
+    try:
+        cfg = TrainConfig.from_dict(spec.train_config_for(per))
+    except UserError as e:
+        raise UserError(f"{source}: with {per} node(s) per replica (dp={spec.dp_for(per)}): {e}")
+    dp, batch = cfg.parallelism.dp, cfg.data.global_batch
+    if batch % (spec.replicas * dp):
+        raise UserError(f"{source}: data.global_batch = {batch} must be divisible by replicas x "
+                        f"dp = {spec.replicas} x {dp} = {spec.replicas * dp} (each replica's "
+                        f"{dp} data-parallel rank(s) take equal shares of it)")
 
 
 def load(path: str | Path) -> JobSpec:

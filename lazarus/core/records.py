@@ -393,10 +393,29 @@ class RoundRecord(_Record):
     cwd: str | None = None
     restarts: int = 0
     max_restarts: int = 0
+    # Replica groups (docs/replicas.md): `replicas` consecutive equal blocks of `members`;
+    # `replica_rounds[r]`: the round replica r's ranks were launched in (its world's store),
+    # this round for a replica that starts now, an earlier one for a replica whose ranks go
+    # on untouched ("carried"); `replica_epoch`: the round of the last whole-world start,
+    # which names the quorum's store namespace. [] and 0 with one replica.
+    replicas: int = 1
+    replica_rounds: list[int] = field(default_factory=list)
+    replica_epoch: int = 0
 
     def ranks_of(self, node: str) -> list[int]:
         i = self.members.index(node)
         return list(range(i * self.nproc_per_node, (i + 1) * self.nproc_per_node))
+
+    def replica_of(self, node: str) -> int:
+        return self.members.index(node) // (len(self.members) // self.replicas)
+
+    def replica_members(self, replica: int) -> list[str]:
+        k = len(self.members) // self.replicas
+        return self.members[replica * k:(replica + 1) * k]
+
+    def carried(self, replica: int) -> bool:
+        """Replica `replica`'s ranks go on from an earlier round, untouched."""
+        return self.replicas > 1 and self.replica_rounds[replica] < self.round
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -409,6 +428,14 @@ class RoundRecord(_Record):
         if not 1 <= self.nproc_per_node <= MAX_RANKS_PER_NODE:
             raise RecordError(f"nproc_per_node must be 1..{MAX_RANKS_PER_NODE}, got "
                               f"{self.nproc_per_node}")
+        if self.replicas < 1 or self.replicas > 1 and (
+                len(self.members) % self.replicas or len(self.replica_rounds) != self.replicas
+                or not all(isinstance(r, int) and 0 < r <= self.round for r in self.replica_rounds)
+                or not 0 < self.replica_epoch <= min(self.replica_rounds)):
+            raise RecordError(f"round {self.round}: replicas {self.replicas} of "
+                              f"{len(self.members)} member(s), replica_rounds "
+                              f"{_short(self.replica_rounds)}, replica_epoch "
+                              f"{self.replica_epoch} do not fit (docs/replicas.md)")
         # The trainer checks the rest of [train]; the agent reads this before any trainer runs.
         table = self.train.get("checkpoint", {})
         if not isinstance(table, dict) or not isinstance(table.get("dir"), (str, type(None))):

@@ -357,6 +357,10 @@ def render_status(h: pb.RunHealth, now: float, address: str = "") -> None:
         _add(t, "reason", h.reason or "-")
         _add(t, "round", f"{h.round}  members {', '.join(h.members) or '-'}  "
                          f"restarts {h.restarts}")
+        if h.replicas:
+            _add(t, "replicas", "; ".join(
+                f"{r.replica}: {', '.join(r.members)} {r.state} since round {r.since_round}"
+                for r in h.replicas))
         total = f"/{h.total_steps}" if h.total_steps else ""
         _add(t, "step", f"{h.step}{total}  loss {h.loss:.4f}  {h.tokens_per_s:,.0f} tok/s  "
                         f"{h.step_time_s:.3f} s/step" if not h.steps_unknown else

@@ -387,10 +387,12 @@ def summary(story: Story) -> list[tuple[str, str]]:
     return out
 
 
-# Events where a monitor spoke up and the run went on (or was swapped at a checkpoint):
-# no incident, but part of the story.
+# Events where a monitor spoke up and the run went on (or was swapped at a checkpoint), and
+# a replica job's replicas leaving and healing while the others trained on (its incident is
+# in the incidents table): part of the story.
 ALERT_KINDS = ("straggler", "gpu_degraded", "host_failed", "host_alert", "host_alert_cleared",
-               "checkpoint_failed", "drained", "unkillable_rank")
+               "checkpoint_failed", "drained", "unkillable_rank",
+               "replica_left", "replica_healing", "replica_joined")
 
 
 def alerts_table(story: Story) -> str:
@@ -487,7 +489,7 @@ th {{ background: #f3f3f3; }}
 <h2 style="font-size:16px;margin:18px 0 0">Checkpoint stall (blocked: the training loop waited;
 durable: until committed)</h2>
 {stall_table(story)}
-<h2 style="font-size:16px;margin:18px 0 0">Alerts (stragglers, degraded GPUs, disks, planned swaps)</h2>
+<h2 style="font-size:16px;margin:18px 0 0">Alerts (stragglers, degraded GPUs, disks, planned swaps, replicas)</h2>
 {alerts_table(story)}
 </body></html>
 """

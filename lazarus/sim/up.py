@@ -98,6 +98,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--spares", type=int, default=1, help="warm spare nodes (default %(default)s)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides nproc)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replica groups of the built-in trainer (divides nodes): a failure "
+                        "stops only its replica, which heals from a live one while the others "
+                        "train on (docs/replicas.md); 1: whole-world recoveries (default)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree; must equal nodes x nproc / tp (derived if omitted)")
     p.add_argument("--model", default="tiny")
@@ -174,7 +178,13 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
     if args.dp is not None and args.dp * args.tp != world:
         raise UserError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but "
                         f"{args.nodes} node(s) x {args.nproc_per_node} = {world} ranks")
-    min_nodes = args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1)
+    if args.replicas < 1:
+        raise UserError(f"--replicas must be at least 1, got {args.replicas}")
+    replicas = args.replicas > 1
+    # A replica job shrinks by whole replicas only; and its replicas heal from each other,
+    # with no checkpoints in this mode yet (docs/replicas.md).
+    min_nodes = (args.nodes if replicas else
+                 args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1))
     doc = {"job": {"name": "lazarus-up", "nodes": args.nodes, "min_nodes": min_nodes,
                    "nproc_per_node": args.nproc_per_node,
                    "rendezvous_timeout_s": args.rdzv_timeout},
@@ -185,6 +195,9 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                      "data": {"global_batch": args.global_batch, "seq_len": args.seq_len},
                      "checkpoint": {"dir": str(workdir / "checkpoints"), "every": args.ckpt_every,
                                     "memory_every": args.memory_every}}}
+    if replicas:
+        doc["job"].update(failure_unit="replica", replicas=args.replicas)
+        del doc["train"]["checkpoint"]
     if args.policy:
         doc["policy"] = _policy_args(args.policy)
     return jobspec.from_dict(doc, source="lazarus up")
@@ -455,6 +468,12 @@ def run(args: argparse.Namespace) -> dict:
     if own and any(f.kind in chaos.DISK_KINDS for f in schedule):
         raise UserError("--chaos disk-full/disk-free fill the built-in trainer's checkpoint dir; "
                         "a script of your own keeps its checkpoints where it likes")
+    if own and args.replicas != 1:
+        raise UserError("--replicas runs the built-in trainer's replica groups; a script of "
+                        "your own runs as one world (docs/replicas.md)")
+    if args.replicas > 1 and any(f.kind in chaos.DISK_KINDS for f in schedule):
+        raise UserError("--chaos disk-full/disk-free fill the checkpoint dir, and a run of "
+                        "--replicas takes no checkpoints: its replicas heal from each other")
     job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
     if run_as is not None and own and job.cwd and not run_as.can_pass(Path(job.cwd)):
         raise UserError(f"--run-as {run_as.name}: that user cannot reach this directory "
@@ -469,7 +488,9 @@ def run(args: argparse.Namespace) -> dict:
             f"rank(s) of `{' '.join(args.command)}`; workdir {workdir}")
     else:
         say(f"lazarus up: {args.nodes} node(s) + {args.spares} spare(s) x {args.nproc_per_node} "
-            f"rank(s), model {args.model}, {args.steps} steps; workdir {workdir}")
+            f"rank(s), model {args.model}, {args.steps} steps"
+            + (f", {args.replicas} replicas of {args.nodes // args.replicas} node(s)"
+               if args.replicas > 1 else "") + f"; workdir {workdir}")
     if schedule:
         say("chaos: " + ", ".join(f.label for f in schedule))
     if not own:

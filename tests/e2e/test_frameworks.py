@@ -44,9 +44,10 @@ def _up(tmp_path: Path, *command: str) -> dict:
          "--nodes", "2", "--min-nodes", "2",
          "--summary", str(summary), "--rdzv-timeout", RDZV_TIMEOUT_S,
          # seconds of running with every rank joined (a loaded machine's imports do not
-         # count), each once the round that answered the one before runs: ~100 of the 300
-         # steps, saved every 10, before each fault at its fastest
-         "--chaos", "kill-worker@2s,kill-node@4s", "--quiet", "--timeout", "500",
+         # count; the framework's setup after joining does, up to ~2 s at a load of 12),
+         # each once the round that answered the one before runs: at most ~150 of the 300
+         # steps, saved every 10, before each fault
+         "--chaos", "kill-worker@3s,kill-node@6s", "--quiet", "--timeout", "500",
          "--", *command], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "steps and loss unknown: the script reports none" in proc.stdout, proc.stdout

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from lazarus.trainer.data import SequenceLoader, TokenDataset, ensure_corpus
 from lazarus.trainer.models import get_model_config
 from lazarus.trainer.optim import build_optimizer
-from lazarus.trainer.replicagroup import mark_left
+from lazarus.trainer.replicagroup import mark_left, quorum_prefix
 from tests.forkedranks import _entry, _ranks_context
 
 SEED, LR, SEQ, GLOBAL_BATCH = 3, 3e-3, 32, 8
 REPLICAS, RANKS = 2, 2
 WAIT_S = 3.0  # a replica's leader silent this long is gone
+JOB = "replicas"  # the quorum's namespace: the job's and its replicas' epoch's
 MAX_STEPS = 400  # a bound for a run the test lost control of; the test sets the real end
 
 
@@ -34,7 +35,7 @@ def _rank_main(ident: int, replica: int, local_rank: int, incarnation: int, port
     from torch.distributed.tensor import DTensor
 
     from lazarus.trainer.parallelize import ParallelConfig, build_mesh, build_model
-    from lazarus.trainer.replicagroup import ReplicaGroup
+    from lazarus.trainer.replicagroup import ReplicaGroup, quorum_store
     from lazarus.trainer.replicastep import replica_step
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -56,8 +57,8 @@ def _rank_main(ident: int, replica: int, local_rank: int, incarnation: int, port
         read[0] = step + 1
         return loader.next_step()
 
-    rg = ReplicaGroup("127.0.0.1", port, replica=replica, replicas=REPLICAS, wait_s=WAIT_S,
-                      timeout_s=60.0)
+    rg = ReplicaGroup(lambda: quorum_store("127.0.0.1", port, JOB, 1), replica=replica,
+                      replicas=REPLICAS, wait_s=WAIT_S, timeout_s=60.0)
     log = open(Path(out, f"steps-{replica}-{local_rank}.jsonl"), "a")
     log.write(json.dumps({"started": time.time(), "incarnation": incarnation}) + "\n")
     step = 0
@@ -114,7 +115,7 @@ def test_a_replica_trains_on_while_the_other_heals_from_it(tmp_path):
         victim.kill()
         killed, killed_at = time.time(), len(a_steps())
         # What B's agent does on seeing its rank die: A need not wait out B's silence.
-        mark_left(store, 1)
+        mark_left(dist.PrefixStore(quorum_prefix(JOB, 1), store), 1)
         # A goes on alone: its steps continue with replica B out of the quorum.
         _wait("replica A to step alone", lambda: sum(x["members"] == [0] for x in a_steps()) >= 2)
         # The rest of the broken replica is stopped, as its agent would stop it.

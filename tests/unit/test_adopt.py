@@ -41,3 +41,15 @@ def test_an_exit_note_counts_only_for_the_process_that_left_it(tmp_path, monkeyp
     # an earlier process that had this pid
     assert read_note(tmp_path, me, started - 30) is None
     assert read_note(tmp_path, me + 1, started) is None
+
+
+def test_a_record_keeps_the_launch_round_of_carried_ranks_and_old_ones_still_load(tmp_path):
+    path = record_path(tmp_path, "n3")
+    carried = Left(node="n3", round=9, rank_round=7, job_id="J", world_size=16, lease=1,
+                   channel="x", checkpoint_dir=None, agent_pid=1)
+    carried.save(path)
+    assert Left.load(path) == carried and Left.load(path).rank_round == 7
+    # written by an agent from before replica rounds: no rank_round, launched in `round`
+    path.write_text('{"node": "n3", "round": 7, "job_id": "J", "world_size": 16, "lease": 1, '
+                    '"channel": "x", "checkpoint_dir": null, "agent_pid": 1, "ranks": []}')
+    assert Left.load(path).rank_round == 7

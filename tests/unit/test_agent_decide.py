@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lazarus.agent.decide import (RELEASE_S, DropKept, Launch, Local, Refill, ReleaseVictims,
-                                  ReportHang, SeeRound, StopRound, WithdrawHang, converge,
-                                  cut_off, hang, status_due)
+from lazarus.agent.decide import (RELEASE_S, CarryOn, DropKept, Launch, Local, Refill,
+                                  ReleaseVictims, ReportHang, SeeRound, StopRound, WithdrawHang,
+                                  converge, cut_off, hang, status_due)
 from lazarus.core.contract import HangVerdict
 from lazarus.core.records import (CANCELLED, FAILED, PAUSED, PENDING, RECOVERING, RENDEZVOUS,
                                   RUNNING, SUCCEEDED, RoundRecord, RunStatus)
@@ -131,6 +131,73 @@ def test_converge(situation):
     assert converge(NODE, st, rec, local) == expected
 
 
+# Replica groups (docs/replicas.md): two replicas, (a, b) and (c, d), started whole in round 3.
+# Round 5 restarts replica 1 after a fault of c's; replica 0's ranks go on from round 3.
+FOUR = ("a", "b", "c", "d")
+
+
+def replica_record(round_: int, replica_rounds: list[int]) -> RoundRecord:
+    return RoundRecord(round=round_, job_id="J", members=list(FOUR), nproc_per_node=2,
+                       world_size=8, dp=2, tp=1, store_host="127.0.0.1", store_port=1,
+                       replicas=2, replica_rounds=replica_rounds, replica_epoch=3)
+
+
+def replica_status(state: str = RENDEZVOUS, round_: int = 5, culprit: str = "c",
+                   kind: str = "worker_crash") -> RunStatus:
+    return RunStatus(job_id="J", state=state, round=round_, members=list(FOUR), since=1.0,
+                     incident={"kind": kind, "culprit": culprit, "fault_at": 1.0,
+                               "detected_at": 1.0, "round": 3, "replicas": [1]})
+
+
+CARRY_0 = replica_record(5, [3, 5])   # replica 0 (this node's) carried from round 3
+BREAK_0 = replica_record(5, [5, 3])   # replica 0 restarted, replica 1 carried
+CARRY_0_AGAIN = replica_record(6, [3, 6])  # replica 1 restarted once more
+# ranks alive in the round they were launched in, which is over: as the agent sees victims
+LAUNCHED3 = Local(3, alive=True, waiting=True, over_s=1.0)
+
+REPLICA_CONVERGE = {
+    "carried: the ranks go on, no stop, no launch": (
+        replica_status(), CARRY_0, LAUNCHED3, [SeeRound(CARRY_0), CarryOn(CARRY_0), Refill()]),
+    "carried, the run already RUNNING when the record is read": (
+        replica_status(RUNNING), CARRY_0, LAUNCHED3,
+        [SeeRound(CARRY_0), CarryOn(CARRY_0), Refill()]),
+    "carried: the culprit's peers elsewhere are not released, not held": (
+        replica_status(culprit="b,c"), CARRY_0, LAUNCHED3,
+        [SeeRound(CARRY_0), CarryOn(CARRY_0), Refill()]),
+    "carried once already, carried again": (
+        replica_status(round_=6), CARRY_0_AGAIN, Local(5, alive=True, waiting=True,
+                                                       rank_round=3),
+        [SeeRound(CARRY_0_AGAIN), CarryOn(CARRY_0_AGAIN), Refill()]),
+    "carried and relabelled: left alone": (
+        replica_status(RUNNING), CARRY_0, Local(5, alive=True, waiting=True, rank_round=3),
+        [SeeRound(CARRY_0), Refill()]),
+    "this node's replica restarted: stopped and launched": (
+        replica_status(culprit="a"), BREAK_0, LAUNCHED3,
+        [StopRound(3, "round 5 is current"), SeeRound(BREAK_0), Launch(BREAK_0), Refill()]),
+    "carried replica, this node's ranks dead: stopped and launched as in world mode": (
+        replica_status(), CARRY_0, Local(3, alive=False),
+        [StopRound(3, "round 5 is current"), SeeRound(CARRY_0), Launch(CARRY_0), Refill()]),
+    "carried replica, ranks of another round than the replica's: stopped": (
+        replica_status(), CARRY_0, Local(4, alive=True),
+        [StopRound(4, "round 5 is current"), SeeRound(CARRY_0), Launch(CARRY_0), Refill()]),
+    "a whole-world recovery after a carry: stopped as in world mode": (
+        replica_status(RECOVERING, culprit="c", kind="node_lost"), CARRY_0,
+        Local(5, alive=True, waiting=True, rank_round=3),
+        [StopRound(5, "run is RECOVERING"), SeeRound(CARRY_0), Refill()]),
+    "a crash elsewhere after a carry: released under the round's label": (
+        RunStatus(job_id="J", state=RECOVERING, round=5, members=list(FOUR), since=1.0,
+                  incident={"kind": "worker_crash", "culprit": "c", "round": 5}),
+        CARRY_0, Local(5, alive=True, waiting=True, over_s=1.0, rank_round=3),
+        [ReleaseVictims(5), Refill()]),
+}
+
+
+@pytest.mark.parametrize("situation", list(REPLICA_CONVERGE))
+def test_converge_replicas(situation):
+    st, rec, local, expected = REPLICA_CONVERGE[situation]
+    assert converge(NODE, st, rec, local) == expected
+
+
 VERDICT = HangVerdict(culprits=(1,), reason="hang: rank 1 made no progress", stalled_s=30.0,
                       timeout_s=20.0)
 
@@ -190,3 +257,17 @@ CUT_OFF = {
 def test_cut_off(situation):
     local, away, ttl, expected = CUT_OFF[situation]
     assert cut_off(local, away, ttl) == expected
+
+
+def test_a_replica_node_waits_for_the_record_of_a_newer_round_before_stopping_anything():
+    """One transaction wrote the round record and the status; the agent read the status
+    first. Whether the round carries its ranks on is in the record: nothing is stopped, and
+    no peer is said to be gone, until it is read."""
+    old = RoundRecord(round=2, job_id="J", members=["a", "b"], nproc_per_node=1, world_size=2,
+                      dp=1, tp=1, store_host="h", store_port=1, replicas=2,
+                      replica_rounds=[1, 2], replica_epoch=1)
+    st = RunStatus(job_id="J", state="RENDEZVOUS", round=3, members=["a", "b"],
+                   incident={"kind": "worker_crash", "culprit": "b", "fault_at": 1.0,
+                             "detected_at": 1.0, "round": 2})
+    local = Local(round=2, alive=True, waiting=True, rank_round=1)
+    assert [type(a).__name__ for a in converge("a", st, old, local)] == ["Refill"]

@@ -9,14 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from lazarus.agent import nodestatus, rounds
+from lazarus.agent.adopt import Left, LeftRank
 from lazarus.agent.agentconfig import AgentConfig
+from lazarus.agent.decide import CarryOn, ReleaseVictims
 from lazarus.agent.messages import MAX_SPIKES, on_message, pass_on_checkpoint_request
 from lazarus.agent.roundreport import RoundReport
 from lazarus.agent.service import Agent
 from lazarus.agent.workers import Group
 from lazarus.core import etcd as E
 from lazarus.core.contract import ABSENT, CORRUPT
-from lazarus.core.records import Keys
+from lazarus.core.records import W_RUNNING, Keys, RoundRecord
 from tests.agentports import BarePorts
 
 
@@ -195,3 +198,47 @@ def test_a_survivor_is_recorded_only_for_its_own_process_rank_and_round(agent):
     assert agent.workers.group.survivors == set()
     on_message(agent, {"type": "survivor", "rank": 5, "round": 2, "pid": 101, "step": 9})
     assert agent.workers.group.survivors == {1}
+
+
+class Running:
+    """A rank's process that has not exited (carry_on takes running ranks only)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_carried_group_hears_its_ranks_launch_round_and_reports_the_new_one(agent):
+    """A replica round leaves this node's replica be (docs/replicas.md): the ranks, launched
+    in round 2, go on into round 5; they still say round 2, and the node status says 5."""
+    agent.workers.group = Group(round=2, procs={0: Running(100), 1: Running(101)},
+                                ranks={0: 4, 1: 5})
+    on_message(agent, step(4, 7))
+    rec = RoundRecord(round=5, job_id="J", members=["a", "b", "c", "d"], nproc_per_node=2,
+                      world_size=8, dp=2, tp=1, store_host="127.0.0.1", store_port=1,
+                      replicas=2, replica_rounds=[2, 5], replica_epoch=2)
+    rounds.act(agent, CarryOn(rec))
+    g = agent.workers.group
+    assert (g.round, g.rank_round, g.pids()) == (5, 2, [100, 101])
+    on_message(agent, step(4, 8))                 # their launch round: heard
+    on_message(agent, step(4, 99, round_=5))      # no rank of this node was launched in 5
+    assert agent.report.step["step"] == 8          # not reset by the carry either
+    status = nodestatus.build(agent)
+    assert (status.round, status.step, status.workers) == (5, 8, W_RUNNING)
+    assert nodestatus.state(agent)[1] == 5         # the relabel is a write due at once
+    # a later fault elsewhere releases them under the round they know
+    rounds.act(agent, ReleaseVictims(5))
+    assert agent.channel.sent[-1] == {"type": "abort_groups", "round": 2}
+
+
+def test_an_agent_adopting_carried_ranks_keeps_both_rounds(agent):
+    agent.workers.group = None
+    rounds.take_over(agent, Left(node="a", round=5, rank_round=2, job_id="J", world_size=8,
+                                 lease=1, channel="x", checkpoint_dir=None, agent_pid=1,
+                                 ranks=[LeftRank(local_rank=0, rank=4, pid=100, started=1.0)]))
+    g = agent.workers.group
+    assert (g.round, g.rank_round) == (5, 2)
+    on_message(agent, step(4, 3))
+    assert agent.report.step["step"] == 3

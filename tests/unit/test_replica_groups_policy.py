@@ -36,6 +36,13 @@ def test_a_joiner_heals_from_a_member_that_took_part():
     assert (q.members, q.healing, q.source) == ((0, 1), (1,), 0)
 
 
+def test_an_expected_replica_that_waits_to_join_is_a_new_start_healed_not_waited_for():
+    """Its node was lost (nobody marked it left) and its new start beats already: not gone by
+    silence, yet its last start is, and the new one heals."""
+    q = _decide(arrived={0}, joiners={1})
+    assert (q.members, q.healing, q.source) == ((0, 1), (1,), 0)
+
+
 def test_joiners_alone_are_no_quorum():
     assert _decide(expected={0}, arrived=set(), joiners={1}, gone={0}) is None
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&lazarus/proto/lazarus/v1/lazarus.proto\x12\nlazarus.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x15\n\x13GetRunHealthRequest\"k\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x14\n\x0c\x63ommitted_at\x18\x05 \x01(\x01\x12\x0c\n\x04good\x18\x06 \x01(\x08\"o\n\x08Incident\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x02 \x01(\t\x12\x10\n\x08\x66\x61ult_at\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65tected_at\x18\x04 \x01(\x01\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\"<\n\x06Leader\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03\x61pi\x18\x04 \x01(\t\"\xc4\x06\n\tRunHealth\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05since\x18\x05 \x01(\x01\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x0f\n\x07members\x18\x07 \x03(\t\x12\x10\n\x08restarts\x18\x08 \x01(\x03\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x12\x13\n\x0bstep_time_s\x18\r \x01(\x01\x12\x0f\n\x07goodput\x18\x0e \x01(\x01\x12\x13\n\x0bwall_time_s\x18\x0f \x01(\x01\x12\x19\n\x11productive_time_s\x18\x10 \x01(\x01\x12?\n\x0enodes_by_state\x18\x11 \x03(\x0b\x32\'.lazarus.v1.RunHealth.NodesByStateEntry\x12/\n\x0flast_checkpoint\x18\x12 \x01(\x0b\x32\x16.lazarus.v1.Checkpoint\x12\x34\n\x14last_good_checkpoint\x18\x13 \x01(\x0b\x32\x16.lazarus.v1.Checkpoint\x12&\n\x08incident\x18\x14 \x01(\x0b\x32\x14.lazarus.v1.Incident\x12\"\n\x06leader\x18\x15 \x01(\x0b\x32\x12.lazarus.v1.Leader\x12\x11\n\tserved_by\x18\x16 \x01(\t\x12\x18\n\x10served_by_leader\x18\x17 \x01(\x08\x12\x0e\n\x06paused\x18\x18 \x01(\x08\x12\x10\n\x08\x64raining\x18\x19 \x03(\t\x12\x10\n\x08revision\x18\x1a \x01(\x03\x12\x15\n\rsteps_unknown\x18\x1b \x01(\x08\x12\x13\n\x0b\x63ollectives\x18\x1c \x01(\x03\x12\x19\n\x11\x63ollectives_per_s\x18\x1d \x01(\x01\x12\x1d\n\x15last_collective_age_s\x18\x1e \x01(\x01\x12\x14\n\x0cranks_joined\x18\x1f \x01(\x03\x12\x12\n\nworld_size\x18  \x01(\x03\x1a\x33\n\x11NodesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10ListNodesRequest\"\x81\x04\n\x04Node\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x05 \x01(\x08\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\r\n\x05ranks\x18\x07 \x03(\x03\x12\r\n\x05round\x18\x08 \x01(\x03\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x11\n\tstep_rate\x18\n \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x0b \x01(\x01\x12\x0c\n\x04loss\x18\x0c \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\r \x01(\x01\x12\r\n\x05nproc\x18\x0e \x01(\x03\x12\x0e\n\x06parked\x18\x0f \x01(\x03\x12\x0b\n\x03pid\x18\x10 \x01(\x03\x12\x19\n\x11last_report_age_s\x18\x11 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x12 \x01(\x03\x12\x18\n\x10registered_for_s\x18\x13 \x01(\x01\x12\x12\n\nregistered\x18\x14 \x01(\x08\x12*\n\x06health\x18\x15 \x03(\x0b\x32\x1a.lazarus.v1.MonitorVerdict\x12\x13\n\x0bgpu_backend\x18\x16 \x01(\t\x12\x13\n\x0btier0_bytes\x18\x17 \x01(\x03\x12\x19\n\x11tier0_limit_bytes\x18\x18 \x01(\x03\x12\x12\n\ntier0_step\x18\x19 \x01(\x03\x12\x15\n\rcordon_reason\x18\x1a \x01(\t\"A\n\x0eMonitorVerdict\x12\x0f\n\x07monitor\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07reasons\x18\x03 \x03(\t\"F\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.lazarus.v1.Node\x12\x10\n\x08revision\x18\x02 \x01(\x03\"K\n\x12WatchEventsRequest\x12\x16\n\x0estart_revision\x18\x01 \x01(\x03\x12\r\n\x05kinds\x18\x02 \x03(\t\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x8d\x01\n\x05\x45vent\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\x12\'\n\x06\x66ields\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\"\'\n\x16ListCheckpointsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"F\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.lazarus.v1.Checkpoint\"=\n\x0c\x43ommandReply\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\n\n\x02id\x18\x03 \x01(\t\"*\n\x18TriggerCheckpointRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\" \n\x10\x44rainNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"!\n\x11\x43ordonNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"#\n\x13UncordonNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"!\n\x0fPauseRunRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x12\n\x10ResumeRunRequest\"$\n\x10SubmitJobRequest\x12\x10\n\x08job_toml\x18\x01 \x01(\t\"C\n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t2\xfb\x06\n\x07Lazarus\x12\x46\n\x0cGetRunHealth\x12\x1f.lazarus.v1.GetRunHealthRequest\x1a\x15.lazarus.v1.RunHealth\x12H\n\tListNodes\x12\x1c.lazarus.v1.ListNodesRequest\x1a\x1d.lazarus.v1.ListNodesResponse\x12\x42\n\x0bWatchEvents\x12\x1e.lazarus.v1.WatchEventsRequest\x1a\x11.lazarus.v1.Event0\x01\x12Z\n\x0fListCheckpoints\x12\".lazarus.v1.ListCheckpointsRequest\x1a#.lazarus.v1.ListCheckpointsResponse\x12S\n\x11TriggerCheckpoint\x12$.lazarus.v1.TriggerCheckpointRequest\x1a\x18.lazarus.v1.CommandReply\x12\x43\n\tDrainNode\x12\x1c.lazarus.v1.DrainNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12\x45\n\nCordonNode\x12\x1d.lazarus.v1.CordonNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12I\n\x0cUncordonNode\x12\x1f.lazarus.v1.UncordonNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12\x41\n\x08PauseRun\x12\x1b.lazarus.v1.PauseRunRequest\x1a\x18.lazarus.v1.CommandReply\x12\x43\n\tResumeRun\x12\x1c.lazarus.v1.ResumeRunRequest\x1a\x18.lazarus.v1.CommandReply\x12\x45\n\tSubmitJob\x12\x1c.lazarus.v1.SubmitJobRequest\x1a\x1a.lazarus.v1.SubmitJobReply\x12\x43\n\tCancelJob\x12\x1c.lazarus.v1.CancelJobRequest\x1a\x18.lazarus.v1.CommandReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&lazarus/proto/lazarus/v1/lazarus.proto\x12\nlazarus.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x15\n\x13GetRunHealthRequest\"k\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x14\n\x0c\x63ommitted_at\x18\x05 \x01(\x01\x12\x0c\n\x04good\x18\x06 \x01(\x08\"o\n\x08Incident\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x02 \x01(\t\x12\x10\n\x08\x66\x61ult_at\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65tected_at\x18\x04 \x01(\x01\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x0e\n\x06reason\x18\x06 \x01(\t\"<\n\x06Leader\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03\x61pi\x18\x04 \x01(\t\"\xeb\x06\n\tRunHealth\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05since\x18\x05 \x01(\x01\x12\r\n\x05round\x18\x06 \x01(\x03\x12\x0f\n\x07members\x18\x07 \x03(\t\x12\x10\n\x08restarts\x18\x08 \x01(\x03\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x12\x13\n\x0bstep_time_s\x18\r \x01(\x01\x12\x0f\n\x07goodput\x18\x0e \x01(\x01\x12\x13\n\x0bwall_time_s\x18\x0f \x01(\x01\x12\x19\n\x11productive_time_s\x18\x10 \x01(\x01\x12?\n\x0enodes_by_state\x18\x11 \x03(\x0b\x32\'.lazarus.v1.RunHealth.NodesByStateEntry\x12/\n\x0flast_checkpoint\x18\x12 \x01(\x0b\x32\x16.lazarus.v1.Checkpoint\x12\x34\n\x14last_good_checkpoint\x18\x13 \x01(\x0b\x32\x16.lazarus.v1.Checkpoint\x12&\n\x08incident\x18\x14 \x01(\x0b\x32\x14.lazarus.v1.Incident\x12\"\n\x06leader\x18\x15 \x01(\x0b\x32\x12.lazarus.v1.Leader\x12\x11\n\tserved_by\x18\x16 \x01(\t\x12\x18\n\x10served_by_leader\x18\x17 \x01(\x08\x12\x0e\n\x06paused\x18\x18 \x01(\x08\x12\x10\n\x08\x64raining\x18\x19 \x03(\t\x12\x10\n\x08revision\x18\x1a \x01(\x03\x12\x15\n\rsteps_unknown\x18\x1b \x01(\x08\x12\x13\n\x0b\x63ollectives\x18\x1c \x01(\x03\x12\x19\n\x11\x63ollectives_per_s\x18\x1d \x01(\x01\x12\x1d\n\x15last_collective_age_s\x18\x1e \x01(\x01\x12\x14\n\x0cranks_joined\x18\x1f \x01(\x03\x12\x12\n\nworld_size\x18  \x01(\x03\x12%\n\x08replicas\x18! \x03(\x0b\x32\x13.lazarus.v1.Replica\x1a\x33\n\x11NodesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"O\n\x07Replica\x12\x0f\n\x07replica\x18\x01 \x01(\x03\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\x13\n\x0bsince_round\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\"\x12\n\x10ListNodesRequest\"\x81\x04\n\x04Node\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x05 \x01(\x08\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\r\n\x05ranks\x18\x07 \x03(\x03\x12\r\n\x05round\x18\x08 \x01(\x03\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x11\n\tstep_rate\x18\n \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x0b \x01(\x01\x12\x0c\n\x04loss\x18\x0c \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\r \x01(\x01\x12\r\n\x05nproc\x18\x0e \x01(\x03\x12\x0e\n\x06parked\x18\x0f \x01(\x03\x12\x0b\n\x03pid\x18\x10 \x01(\x03\x12\x19\n\x11last_report_age_s\x18\x11 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x12 \x01(\x03\x12\x18\n\x10registered_for_s\x18\x13 \x01(\x01\x12\x12\n\nregistered\x18\x14 \x01(\x08\x12*\n\x06health\x18\x15 \x03(\x0b\x32\x1a.lazarus.v1.MonitorVerdict\x12\x13\n\x0bgpu_backend\x18\x16 \x01(\t\x12\x13\n\x0btier0_bytes\x18\x17 \x01(\x03\x12\x19\n\x11tier0_limit_bytes\x18\x18 \x01(\x03\x12\x12\n\ntier0_step\x18\x19 \x01(\x03\x12\x15\n\rcordon_reason\x18\x1a \x01(\t\"A\n\x0eMonitorVerdict\x12\x0f\n\x07monitor\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07reasons\x18\x03 \x03(\t\"F\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.lazarus.v1.Node\x12\x10\n\x08revision\x18\x02 \x01(\x03\"K\n\x12WatchEventsRequest\x12\x16\n\x0estart_revision\x18\x01 \x01(\x03\x12\r\n\x05kinds\x18\x02 \x03(\t\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x8d\x01\n\x05\x45vent\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\x12\'\n\x06\x66ields\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\"\'\n\x16ListCheckpointsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"F\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.lazarus.v1.Checkpoint\"=\n\x0c\x43ommandReply\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\n\n\x02id\x18\x03 \x01(\t\"*\n\x18TriggerCheckpointRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\" \n\x10\x44rainNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"!\n\x11\x43ordonNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"#\n\x13UncordonNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"!\n\x0fPauseRunRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x12\n\x10ResumeRunRequest\"$\n\x10SubmitJobRequest\x12\x10\n\x08job_toml\x18\x01 \x01(\t\"C\n\x0eSubmitJobReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t2\xfb\x06\n\x07Lazarus\x12\x46\n\x0cGetRunHealth\x12\x1f.lazarus.v1.GetRunHealthRequest\x1a\x15.lazarus.v1.RunHealth\x12H\n\tListNodes\x12\x1c.lazarus.v1.ListNodesRequest\x1a\x1d.lazarus.v1.ListNodesResponse\x12\x42\n\x0bWatchEvents\x12\x1e.lazarus.v1.WatchEventsRequest\x1a\x11.lazarus.v1.Event0\x01\x12Z\n\x0fListCheckpoints\x12\".lazarus.v1.ListCheckpointsRequest\x1a#.lazarus.v1.ListCheckpointsResponse\x12S\n\x11TriggerCheckpoint\x12$.lazarus.v1.TriggerCheckpointRequest\x1a\x18.lazarus.v1.CommandReply\x12\x43\n\tDrainNode\x12\x1c.lazarus.v1.DrainNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12\x45\n\nCordonNode\x12\x1d.lazarus.v1.CordonNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12I\n\x0cUncordonNode\x12\x1f.lazarus.v1.UncordonNodeRequest\x1a\x18.lazarus.v1.CommandReply\x12\x41\n\x08PauseRun\x12\x1b.lazarus.v1.PauseRunRequest\x1a\x18.lazarus.v1.CommandReply\x12\x43\n\tResumeRun\x12\x1c.lazarus.v1.ResumeRunRequest\x1a\x18.lazarus.v1.CommandReply\x12\x45\n\tSubmitJob\x12\x1c.lazarus.v1.SubmitJobRequest\x1a\x1a.lazarus.v1.SubmitJobReply\x12\x43\n\tCancelJob\x12\x1c.lazarus.v1.CancelJobRequest\x1a\x18.lazarus.v1.CommandReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,45 +43,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEADER']._serialized_start=329
   _globals['_LEADER']._serialized_end=389
   _globals['_RUNHEALTH']._serialized_start=392
-  _globals['_RUNHEALTH']._serialized_end=1228
-  _globals['_RUNHEALTH_NODESBYSTATEENTRY']._serialized_start=1177
-  _globals['_RUNHEALTH_NODESBYSTATEENTRY']._serialized_end=1228
-  _globals['_LISTNODESREQUEST']._serialized_start=1230
-  _globals['_LISTNODESREQUEST']._serialized_end=1248
-  _globals['_NODE']._serialized_start=1251
-  _globals['_NODE']._serialized_end=1764
-  _globals['_MONITORVERDICT']._serialized_start=1766
-  _globals['_MONITORVERDICT']._serialized_end=1831
-  _globals['_LISTNODESRESPONSE']._serialized_start=1833
-  _globals['_LISTNODESRESPONSE']._serialized_end=1903
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1905
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1980
-  _globals['_EVENT']._serialized_start=1983
-  _globals['_EVENT']._serialized_end=2124
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=2126
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2165
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2167
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2237
-  _globals['_COMMANDREPLY']._serialized_start=2239
-  _globals['_COMMANDREPLY']._serialized_end=2300
-  _globals['_TRIGGERCHECKPOINTREQUEST']._serialized_start=2302
-  _globals['_TRIGGERCHECKPOINTREQUEST']._serialized_end=2344
-  _globals['_DRAINNODEREQUEST']._serialized_start=2346
-  _globals['_DRAINNODEREQUEST']._serialized_end=2378
-  _globals['_CORDONNODEREQUEST']._serialized_start=2380
-  _globals['_CORDONNODEREQUEST']._serialized_end=2413
-  _globals['_UNCORDONNODEREQUEST']._serialized_start=2415
-  _globals['_UNCORDONNODEREQUEST']._serialized_end=2450
-  _globals['_PAUSERUNREQUEST']._serialized_start=2452
-  _globals['_PAUSERUNREQUEST']._serialized_end=2485
-  _globals['_RESUMERUNREQUEST']._serialized_start=2487
-  _globals['_RESUMERUNREQUEST']._serialized_end=2505
-  _globals['_SUBMITJOBREQUEST']._serialized_start=2507
-  _globals['_SUBMITJOBREQUEST']._serialized_end=2543
-  _globals['_SUBMITJOBREPLY']._serialized_start=2545
-  _globals['_SUBMITJOBREPLY']._serialized_end=2612
-  _globals['_CANCELJOBREQUEST']._serialized_start=2614
-  _globals['_CANCELJOBREQUEST']._serialized_end=2648
-  _globals['_LAZARUS']._serialized_start=2651
-  _globals['_LAZARUS']._serialized_end=3542
+  _globals['_RUNHEALTH']._serialized_end=1267
+  _globals['_RUNHEALTH_NODESBYSTATEENTRY']._serialized_start=1216
+  _globals['_RUNHEALTH_NODESBYSTATEENTRY']._serialized_end=1267
+  _globals['_REPLICA']._serialized_start=1269
+  _globals['_REPLICA']._serialized_end=1348
+  _globals['_LISTNODESREQUEST']._serialized_start=1350
+  _globals['_LISTNODESREQUEST']._serialized_end=1368
+  _globals['_NODE']._serialized_start=1371
+  _globals['_NODE']._serialized_end=1884
+  _globals['_MONITORVERDICT']._serialized_start=1886
+  _globals['_MONITORVERDICT']._serialized_end=1951
+  _globals['_LISTNODESRESPONSE']._serialized_start=1953
+  _globals['_LISTNODESRESPONSE']._serialized_end=2023
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2025
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2100
+  _globals['_EVENT']._serialized_start=2103
+  _globals['_EVENT']._serialized_end=2244
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=2246
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2285
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2287
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2357
+  _globals['_COMMANDREPLY']._serialized_start=2359
+  _globals['_COMMANDREPLY']._serialized_end=2420
+  _globals['_TRIGGERCHECKPOINTREQUEST']._serialized_start=2422
+  _globals['_TRIGGERCHECKPOINTREQUEST']._serialized_end=2464
+  _globals['_DRAINNODEREQUEST']._serialized_start=2466
+  _globals['_DRAINNODEREQUEST']._serialized_end=2498
+  _globals['_CORDONNODEREQUEST']._serialized_start=2500
+  _globals['_CORDONNODEREQUEST']._serialized_end=2533
+  _globals['_UNCORDONNODEREQUEST']._serialized_start=2535
+  _globals['_UNCORDONNODEREQUEST']._serialized_end=2570
+  _globals['_PAUSERUNREQUEST']._serialized_start=2572
+  _globals['_PAUSERUNREQUEST']._serialized_end=2605
+  _globals['_RESUMERUNREQUEST']._serialized_start=2607
+  _globals['_RESUMERUNREQUEST']._serialized_end=2625
+  _globals['_SUBMITJOBREQUEST']._serialized_start=2627
+  _globals['_SUBMITJOBREQUEST']._serialized_end=2663
+  _globals['_SUBMITJOBREPLY']._serialized_start=2665
+  _globals['_SUBMITJOBREPLY']._serialized_end=2732
+  _globals['_CANCELJOBREQUEST']._serialized_start=2734
+  _globals['_CANCELJOBREQUEST']._serialized_end=2768
+  _globals['_LAZARUS']._serialized_start=2771
+  _globals['_LAZARUS']._serialized_end=3662
 # @@protoc_insertion_point(module_scope)

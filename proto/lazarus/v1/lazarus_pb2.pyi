@@ -56,7 +56,7 @@ class Leader(_message.Message):
     def __init__(self, id: _Optional[str] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., api: _Optional[str] = ...) -> None: ...
 
 class RunHealth(_message.Message):
-    __slots__ = ("job_id", "job_name", "state", "reason", "since", "round", "members", "restarts", "step", "total_steps", "loss", "tokens_per_s", "step_time_s", "goodput", "wall_time_s", "productive_time_s", "nodes_by_state", "last_checkpoint", "last_good_checkpoint", "incident", "leader", "served_by", "served_by_leader", "paused", "draining", "revision", "steps_unknown", "collectives", "collectives_per_s", "last_collective_age_s", "ranks_joined", "world_size")
+    __slots__ = ("job_id", "job_name", "state", "reason", "since", "round", "members", "restarts", "step", "total_steps", "loss", "tokens_per_s", "step_time_s", "goodput", "wall_time_s", "productive_time_s", "nodes_by_state", "last_checkpoint", "last_good_checkpoint", "incident", "leader", "served_by", "served_by_leader", "paused", "draining", "revision", "steps_unknown", "collectives", "collectives_per_s", "last_collective_age_s", "ranks_joined", "world_size", "replicas")
     class NodesByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class RunHealth(_message.Message):
     LAST_COLLECTIVE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     RANKS_JOINED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     state: str
@@ -128,7 +129,20 @@ class RunHealth(_message.Message):
     last_collective_age_s: float
     ranks_joined: int
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., productive_time_s: _Optional[float] = ..., nodes_by_state: _Optional[_Mapping[str, int]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., last_good_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., incident: _Optional[_Union[Incident, _Mapping]] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., served_by: _Optional[str] = ..., served_by_leader: _Optional[bool] = ..., paused: _Optional[bool] = ..., draining: _Optional[_Iterable[str]] = ..., revision: _Optional[int] = ..., steps_unknown: _Optional[bool] = ..., collectives: _Optional[int] = ..., collectives_per_s: _Optional[float] = ..., last_collective_age_s: _Optional[float] = ..., ranks_joined: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[float] = ..., wall_time_s: _Optional[float] = ..., productive_time_s: _Optional[float] = ..., nodes_by_state: _Optional[_Mapping[str, int]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., last_good_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., incident: _Optional[_Union[Incident, _Mapping]] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., served_by: _Optional[str] = ..., served_by_leader: _Optional[bool] = ..., paused: _Optional[bool] = ..., draining: _Optional[_Iterable[str]] = ..., revision: _Optional[int] = ..., steps_unknown: _Optional[bool] = ..., collectives: _Optional[int] = ..., collectives_per_s: _Optional[float] = ..., last_collective_age_s: _Optional[float] = ..., ranks_joined: _Optional[int] = ..., world_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica", "members", "since_round", "state")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    since_round: int
+    state: str
+    def __init__(self, replica: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., since_round: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,158 @@
+"""A replica round: a fault in one replica of a replica job restarts only that replica, as pure
+policy (docs/replicas.md).
+
+A job with `[job] failure_unit = "replica"` trains `replicas` replica groups, each a world of
+its own (consecutive equal blocks of the round's members). When a fault's decision would end
+the whole round (decide._check_faults: RECOVERING), `respond` turns it into a new round in the
+same pass in which only the broken replicas' ranks start: the other replicas' ranks go on
+untouched from the round they were launched in (the record's `replica_rounds`, which the
+agents read to carry them on), and the restarted ones heal from them through the quorum. A
+node that is gone is replaced in place by a free spare, so every replica keeps its ranks.
+
+It stays a whole-world recovery (the fault's decision as it is) when every replica is broken
+or still healing from an earlier fault (no live peer to heal from), when the first member is a culprit (its agent hosts the
+store of every replica's world and the quorum's), when a gone node has no spare to take its
+place (a replica does not shrink), and when the restarts are used up (decide._recovering
+then fails the run, as for any fault).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lazarus.core.jobspec import JobSpec
+from lazarus.core.records import (MAX_ROUND, RECOVERING, RENDEZVOUS, SUCCEEDED, W_FAILED,
+                                  W_SUCCEEDED, RoundRecord, RunStatus)
+from lazarus.daemon import unkillable
+from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
+from lazarus.daemon.rounds import free_spares
+from lazarus.daemon.view import ClusterView
+
+# The faults a replica can be restarted for: each names the nodes whose ranks broke.
+KINDS = frozenset({"worker_crash", "node_lost", "peer_lost", "gpu_failed", unkillable.KIND,
+                   "hang"})
+# Of those, the kinds whose culprit nodes cannot serve again (lost, or cordoned in the same
+# pass): a spare takes each one's place.
+GONE = frozenset({"node_lost", "gpu_failed", unkillable.KIND})
+
+
+def respond(now: float, view: ClusterView, job: JobSpec, st: RunStatus, fault: Decision, *,
+            early_limit: int) -> Decision | None:
+    """The replica round that answers `fault` (the decision of a fault in the live round, RUNNING
+    or RENDEZVOUS), or None: the fault's decision stands. `early_limit`: the rounds in a row
+    that crash before they run after which decide._recovering fails the run (a replica that
+    cannot start must not be restarted forever)."""
+    rec = view.round
+    if (job.failure_unit != "replica" or job.replicas < 2 or rec is None
+            or rec.round != st.round or rec.replicas != job.replicas
+            or rec.members != st.members):
+        return None
+    sets = [a for a in fault.actions if isinstance(a, SetStatus)]
+    if len(sets) != 1 or sets[0].status.state != RECOVERING:
+        return None
+    failed = sets[0].status
+    incident = failed.incident if isinstance(failed.incident, dict) else {}
+    kind = incident.get("kind")
+    culprits = str(incident.get("culprit", "")).split(",")
+    if kind not in KINDS or not all(c in rec.members for c in culprits):
+        return None
+    if (rec.members[0] in culprits or st.restarts >= job.max_restarts
+            or failed.early_failures >= early_limit):
+        return None
+    # Every replica whose ranks failed restarts, a culprit's or not: ranks that exited cannot
+    # be carried on.
+    broken_nodes = set(culprits) | {n for n in rec.members if (s := view.node_status.get(n))
+                                    is not None and s.round == st.round and s.workers == W_FAILED}
+    broken = sorted({rec.replica_of(n) for n in broken_nodes})
+    # A replica restarted by an earlier fault that has not stepped yet holds no state to heal
+    # from: only the others are sources, and without one the world starts anew.
+    sources = [r for r in range(rec.replicas)
+               if r not in broken and r not in (healing(st, rec.replicas) or {})]
+    if not sources:
+        return None
+    # A node cordoned meanwhile (by an operator) cannot take its replica's new ranks either.
+    gone = [n for n in rec.members if kind in GONE and n in culprits
+            or rec.replica_of(n) in broken and n in view.cordoned]
+    spares = [n for n in free_spares(view, job, st) if n not in culprits]
+    if len(spares) < len(gone):
+        return None
+    n = max(st.round, view.last_round) + 1
+    if n >= MAX_ROUND:
+        return None
+    swap = dict(zip(gone, spares))
+    members = [swap.get(m, m) for m in rec.members]
+    record = dataclasses.replace(
+        rec, round=n, members=members,
+        replica_rounds=[n if r in broken else rr for r, rr in enumerate(rec.replica_rounds)],
+        restore=None, restore_step=0, tier0=None, restarts=st.restarts + 1,
+        max_restarts=job.max_restarts)
+    return _decision(now, fault, failed, record, rec.members, broken, sources, swap, kind)
+
+
+def _decision(now: float, fault: Decision, failed: RunStatus, record: RoundRecord,
+              old: list[str], broken: list[int], sources: list[int], swap: dict[str, str],
+              kind: str) -> Decision:
+    n, replicas = record.round, record.replicas
+    said = ", ".join(map(str, broken))
+    why = (f"replica recovery {record.restarts}: restart replica(s) {said}, the others go on"
+           + (f", promote {', '.join(swap.values())}" if swap else "")
+           + (f" in place of {', '.join(swap)}" if swap else ""))
+    msg = (f"round {n}: {len(record.members)} node(s) {', '.join(record.members)}, world "
+           f"{record.world_size} ({replicas} replicas x dp {record.dp} x tp {record.tp}), "
+           f"replica(s) {said} anew, healing from replica(s) {', '.join(map(str, sources))}"
+           f" -- {why}")
+    status = dataclasses.replace(
+        failed, state=RENDEZVOUS, round=n, members=list(record.members), since=now,
+        reason=why, restarts=record.restarts, restore=None, restore_step=0,
+        incident={**failed.incident, "replicas": broken})
+    events = []
+    k = len(record.members) // replicas
+    for r in broken:
+        left = old[r * k:(r + 1) * k]
+        events.append(Emit("replica_left", f"replica {r} ({', '.join(left)}) left: {kind}",
+                           {"replica": r, "nodes": left, "reason": kind}))
+    for r in broken:
+        mine = record.replica_members(r)
+        promoted = [m for m in mine if m in swap.values()]
+        events.append(Emit(
+            "replica_healing",
+            f"replica {r} restarts in round {n} on {', '.join(mine)}"
+            + (f" ({', '.join(promoted)} promoted)" if promoted else "")
+            + f", healing from replica(s) {', '.join(map(str, sources))}",
+            {"replica": r, "spares": promoted, "sources": sources}))
+    kept = [a for a in fault.actions if not isinstance(a, SetStatus)]
+    return Decision([*kept, StartRound(record), SetStatus(status), *events,
+                     Emit("round_started", msg, {"members": list(record.members),
+                                                 "restore_step": 0, "replicas": broken})], msg)
+
+
+def healing(st: RunStatus, replicas: int) -> dict[int, list[str]] | None:
+    """The replicas the incident of `st` restarted, each with its nodes (the round's members,
+    `replicas` blocks of them), or None: the incident was no replica round's."""
+    inc = st.incident
+    said = inc.get("replicas") if isinstance(inc, dict) else None
+    if not isinstance(said, list) or replicas < 2 or len(st.members) % replicas:
+        return None
+    k = len(st.members) // replicas
+    return {r: st.members[r * k:(r + 1) * k] for r in said
+            if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < replicas} or None
+
+
+def finished(now: float, view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
+    """The run is done when every replica that was not healing finished its steps: a replica
+    still healing then has no peer left to heal from, and the model is the finished ones'.
+    None while any of those trains on."""
+    heal = healing(st, job.replicas)
+    if heal is None:
+        return None
+    k = len(st.members) // job.replicas
+    done = [r for r in range(job.replicas) if r not in heal
+            and all((s := view.node_status.get(n)) is not None and s.round == st.round
+                    and s.workers == W_SUCCEEDED for n in st.members[r * k:(r + 1) * k])]
+    if not done or len(done) + len(heal) < job.replicas:
+        return None
+    said = ", ".join(map(str, sorted(heal)))
+    reason = (f"all steps done by replica(s) {', '.join(map(str, done))} in round {st.round}; "
+              f"replica(s) {said} were still healing and are stopped")
+    status = dataclasses.replace(st, state=SUCCEEDED, since=now, incident=None, reason=reason)
+    return Decision([SetStatus(status), Emit("succeeded", reason)], reason)
