@@ -35,7 +35,7 @@ from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S
 pytestmark = pytest.mark.bench
 
 MODELS = os.environ.get("BENCH_MODELS", "tiny,small").split(",")
-STEPS, FAULT_AT = 60, 20
+STEPS, FAULT_AT = 120, 40
 WINDOW = 10
 LOSS_TOLERANCE = 0.05
 TARGET_STEP_X, TARGET_REJOIN_S = 1.5, LOCAL_LEASE_TTL_S + 5.0
@@ -45,7 +45,8 @@ def _run(tmp: Path, model: str, *, replicas: int, chaos: str) -> tuple[dict, lis
     """(summary, rank 0's step rows, events) of one `lazarus up` run."""
     args = up._parse(["--workdir", str(tmp), "--quiet", "--nodes", "4", "--spares", "1",
                       "--replicas", str(replicas), "--model", model, "--steps", str(STEPS),
-                      "--seq-len", "64", "--global-batch", "8", "--chaos", chaos])
+                      "--seq-len", "128", "--global-batch", "16", "--min-nodes", "4",
+                      "--chaos", chaos])
     summary = up.run(args)
     assert summary["final_state"] == "SUCCEEDED", summary
     rows = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()
