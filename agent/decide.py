@@ -38,6 +38,7 @@ class Local:
     # the round they were launched in, when a replica round carried them on into `round`
     # (docs/replicas.md); None: the same as `round`
     rank_round: int | None = None
+    succeeded: bool = False   # every one of them finished its steps (exit 0)
 
     @property
     def launched(self) -> int | None:
@@ -202,7 +203,10 @@ def cut_off(local: Local, away_s: float, lease_ttl_s: float) -> list:
 def _carried(node: str, rec: RoundRecord, local: Local) -> bool:
     """Whether this node's ranks are alive in a replica that `rec` carries on from the round
     they were launched in (docs/replicas.md): no other ranks of that replica are started."""
-    if rec.replicas <= 1 or node not in rec.members or not local.alive:
+    # Ranks that finished their steps are carried too: relabelled, they say so in the new
+    # round, and the run ends on them (lazarus.daemon.replicaround.finished) instead of a
+    # second start of a replica with nobody to heal from.
+    if rec.replicas <= 1 or node not in rec.members or not (local.alive or local.succeeded):
         return False
     r = rec.replica_of(node)
     return rec.carried(r) and local.launched == rec.replica_rounds[r]

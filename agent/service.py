@@ -191,7 +191,7 @@ class Agent:
                   if status is not None and since is not None and since[0] == g.round
                   and _round_over(g.round, status) else 0.0)
         return decide.Local(g.round, g.alive, survivors, kept, waiting=bool(alive - survivors),
-                            over_s=over_s, rank_round=g.rank_round)
+                            over_s=over_s, rank_round=g.rank_round, succeeded=g.succeeded)
 
     def _check_hang(self, now: float) -> None:
         """Ask the hang detector while the ranks run; report a hang with their stacks, taken

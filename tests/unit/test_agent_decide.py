@@ -271,3 +271,15 @@ def test_a_replica_node_waits_for_the_record_of_a_newer_round_before_stopping_an
                              "detected_at": 1.0, "round": 2})
     local = Local(round=2, alive=True, waiting=True, rank_round=1)
     assert [type(a).__name__ for a in converge("a", st, old, local)] == ["Refill"]
+
+
+def test_a_replica_whose_ranks_finished_is_carried_not_started_again():
+    """Replica 0 finished its steps while the round that restarts replica 1 was written: its
+    node relabels (its status then says it succeeded in the new round), and starts nothing."""
+    rec = RoundRecord(round=2, job_id="J", members=["a", "b"], nproc_per_node=1, world_size=2,
+                      dp=1, tp=1, store_host="h", store_port=1, replicas=2,
+                      replica_rounds=[1, 2], replica_epoch=1)
+    st = RunStatus(job_id="J", state="RENDEZVOUS", round=2, members=["a", "b"])
+    done = Local(round=1, alive=False, succeeded=True)
+    assert [type(a).__name__ for a in converge("a", st, rec, done)] == [
+        "SeeRound", "CarryOn", "Refill"]
