@@ -43,7 +43,8 @@ def train_ok(args: list[str]) -> subprocess.CompletedProcess:
 
 def losses(metrics: Path) -> dict[int, float]:
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if is_step(r)]
-    assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s"} for r in rows)
+    assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "time"}
+               for r in rows)
     return {r["step"]: r["loss"] for r in rows}
 
 
