@@ -26,6 +26,7 @@ from lazarus.core.trainconfig import DataConfig, OptimizerConfig, ParallelConfig
 from lazarus.trainer.data import ensure_corpus
 from lazarus.trainer.replicagroup import quorum_prefix
 from tests.forkedranks import _entry, _ranks_context
+from tests.integration.test_replica_groups import _wait
 
 JOB, EPOCH = "rjob", 1
 REPLICAS, PER = 2, 2
@@ -83,13 +84,6 @@ def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait(what: str, cond, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_replica_of_the_builtin_trainer_heals_from_the_other(tmp_path):
