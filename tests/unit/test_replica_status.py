@@ -4,8 +4,11 @@ nodes, the round its ranks were launched in, and whether it trains or heals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from lazarus.core.records import RUNNING, RoundRecord
+import pytest
+
+from lazarus.core.records import RUNNING, RecordError, RoundRecord
 from lazarus.daemon import health
 from lazarus.ops import client
 from tests.unit.test_level0_status import _level0_view
@@ -41,3 +44,15 @@ def test_a_job_of_one_world_shows_no_replicas(capsys):
     assert not h.replicas
     client.render_status(h, now)
     assert "replicas" not in capsys.readouterr().out
+
+
+def test_a_round_record_whose_replica_fields_do_not_fit_is_a_clear_error():
+    """Garbage in etcd: replicas that do not divide the members, rounds of the future."""
+    good = RoundRecord(round=3, job_id="J", members=["a", "b"], nproc_per_node=1, world_size=2,
+                       dp=1, tp=1, store_host="h", store_port=1, replicas=2,
+                       replica_rounds=[1, 3], replica_epoch=1)
+    for change in ({"members": ["a", "b", "c"]}, {"replica_rounds": [1, 4]},
+                   {"replica_rounds": [1]}, {"replica_epoch": 2}, {"replicas": 0}):
+        doc = {**json.loads(good.to_json()), **change}
+        with pytest.raises(RecordError, match="do not fit"):
+            RoundRecord.from_json(json.dumps(doc).encode())
