@@ -37,8 +37,9 @@ cluster. The same names serve `lazarus up --chaos` and the tests.
 A schedule is a comma-separated list, e.g. "kill-worker@10,kill-node@30:n1". An item may be
 timed in seconds of the run's running instead of a step -- kill-worker@20s -- for a script
 that reports no steps: a clock that runs only while every member's ranks have joined the
-current round (RunClock), so that a slow machine's imports and a recovery's restart do not
-count, and a fault meets a script that is really running; the faults the trainer injects itself (hang, loss-spike, diverge,
+current round and issued its setup's collectives (RunClock), so that a slow machine's imports,
+a framework's setup and a recovery's restart do not count, and a fault meets a script that is
+really running; the faults the trainer injects itself (hang, loss-spike, diverge,
 slow-step, slow-checkpoint) take a step only. `lazarus up` injects an item once the round
 that answers the fault before it runs (or 60 s after it), and while its target cannot be hit
 (a node that runs no ranks yet, no leading daemon yet) the item waits for it, for
@@ -66,7 +67,7 @@ from lazarus.core import etcd as E
 from lazarus.core import settings
 from lazarus.core.errors import UserError
 from lazarus.core.etcd_auth import EtcdAuth
-from lazarus.core.records import Keys, NodeRecord, NodeStatus
+from lazarus.core.records import W_RUNNING, Keys, NodeRecord, NodeStatus
 from lazarus.sim.diskfault import chaos_cli
 
 KINDS = ("kill-worker", "stop-worker", "kill-node", "kill-daemon", "revive-node", "gpu-xid", "gpu-ecc",
@@ -114,12 +115,35 @@ class Fault:
                 "item": self.label, "skipped": self.skipped}
 
 
+# A script that reports no steps runs its loop once each node's ranks issued this many
+# collectives in the round (NodeStatus.collectives): joining and a framework's setup issue a
+# handful (DDP's shape check and broadcast, a barrier or two); a training loop one or more a
+# step.
+LOOP_COLLECTIVES = 10
+
+
+def running(state: str, members: list[str], round_: int, statuses: dict) -> bool:
+    """Whether the run is RUNNING with every member's ranks in its current round's loop:
+    joined, and, for a script whose collectives are counted (level 0), past its setup's
+    collectives. Joined alone was not enough: Accelerate set itself up for over 3 s after
+    its ranks joined at a load of 13, and `kill-worker@3s` struck before its first step."""
+    if state != "RUNNING" or not members:
+        return False
+    for n in members:
+        ns = statuses.get(n)
+        if ns is None or ns.round != round_ or ns.workers != W_RUNNING:
+            return False
+        if 0 <= ns.collectives < LOOP_COLLECTIVES:
+            return False
+    return True
+
+
 @dataclass(slots=True)
 class RunClock:
-    """The clock of timed chaos items: the seconds during which the run was RUNNING and every
-    member's ranks had joined its current round. Measured from the run's first RUNNING, a
-    fault struck a loaded machine's ranks while they still imported their framework, before
-    its first checkpoint (tests/e2e/test_frameworks.py failed so beside a second suite)."""
+    """The clock of timed chaos items: the seconds during which every member's ranks ran the
+    current round's loop (`running`). Measured from the run's first RUNNING, a fault struck a
+    loaded machine's ranks while they still imported their framework, before its first
+    checkpoint (tests/e2e/test_frameworks.py failed so beside a second suite)."""
     seconds: float = 0.0
     _since: float | None = None  # when the current stretch of running began
 

@@ -30,7 +30,7 @@ from lazarus.core.consoletext import printable
 from lazarus.core.errors import UserError
 from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
-from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL, W_RUNNING
+from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 from lazarus.core.stall import is_step
 from lazarus.trainer.data import ensure_corpus
 
@@ -299,14 +299,6 @@ def _unanswered(schedule: list[chaos.Fault], events: list) -> bool:
                for f in schedule)
 
 
-def _all_joined(st) -> bool:
-    """Whether the run is RUNNING with every member's ranks joined to its current round."""
-    run = st.status
-    return (run is not None and run.state == "RUNNING" and bool(run.members)
-            and all((ns := st.node_status.get(n)) is not None and ns.round == run.round
-                    and ns.workers == W_RUNNING for n in run.members))
-
-
 def _inject(cluster: LocalCluster, fault: chaos.Fault, node: str | None, step: int) -> None:
     fault.fired_at, fault.fired_step = time.time(), step
     if fault.kind == "kill-worker":
@@ -551,7 +543,8 @@ def run(args: argparse.Namespace) -> dict:
                     fault.fired_at, fault.fired_step = time.time(), step
                     fault.hit = "all ranks" if fault.kind.startswith("slow-") else "data"
                     say(f"  >> {fault.kind} injected by the trainer at step {fault.step}")
-            running_s = clock.advance(time.time(), _all_joined(st))
+            running_s = clock.advance(time.time(), st.status is not None and chaos.running(
+                st.status.state, st.status.members, st.status.round, st.node_status))
             due = next((f for f in pending if f.due(step, running_s)), None)
             if (due is not None and state == "RUNNING" and st.status.incident is None
                     and not _unanswered(schedule, events)):

@@ -14,6 +14,9 @@ from lazarus.core.stall import is_step
 
 # Steps of ~0.1 s here (seq 128, batch 16): replica 0 trains on long enough for replica 1 to
 # be back after each fault, on a busy machine too (its steps slow down with the restarts).
+# Replica 0 steps alone ~0.15 s a step while replica 1 is away: back after the node's loss
+# 31 steps later beside three busy loops here; the last fault leaves it 140 steps (a run
+# whose steps end first succeeds with replica 1 still healing: docs/replicas.md).
 STEPS = 200
 
 
@@ -26,7 +29,7 @@ def test_a_failure_stops_only_its_replica(tmp_path):
          "--steps", str(STEPS), "--seq-len", "128", "--global-batch", "16", "--summary", str(summary), "--quiet", "--timeout", "600",
          # each on the last member (replica 1's node), once the round that answered the one
          # before runs
-         "--chaos", "kill-worker@20,kill-node@100"],
+         "--chaos", "kill-worker@20,kill-node@60"],
         capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "2 replicas of 1 node(s)" in proc.stdout, proc.stdout[:500]
@@ -40,8 +43,9 @@ def test_a_failure_stops_only_its_replica(tmp_path):
 
     events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
+    story = "\n".join(f'{e["kind"]}: {e.get("message", "")}' for e in events)
     for kind in ("replica_left", "replica_healing", "replica_joined"):
-        assert kinds.count(kind) == 2, (kind, kinds)
+        assert kinds.count(kind) == 2, (kind, story)
     assert all(e["fields"]["replica"] == 1 for e in events if e["kind"].startswith("replica_")), \
         [e for e in events if e["kind"].startswith("replica_")]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lazarus.core.errors import UserError
+from lazarus.core.records import NodeStatus
 from lazarus.sim import chaos, up
 from lazarus.sim.chaos import FIRE, SKIP, TARGET_WAIT_S, WAIT, Aim, Sight
 
@@ -167,3 +168,23 @@ def test_the_clock_of_timed_items_runs_only_while_every_rank_is_joined():
     assert clock.advance(161.0, True) == 7.0
     assert clock.advance(163.5, True) == 9.5
     assert fault.due(0, clock.advance(163.5, True))
+
+
+def test_a_scripts_run_counts_once_its_ranks_are_past_their_setups_collectives():
+    """Joined is not running: Accelerate set itself up for over 3 s after its ranks joined on
+    a loaded machine, and a fault at 3 s struck before its first step."""
+    def status(node, *, round_=2, workers="running", collectives=-1):
+        return NodeStatus(node=node, round=round_, workers=workers, collectives=collectives)
+
+    members = ["n0", "n1"]
+    past = {n: status(n, collectives=chaos.LOOP_COLLECTIVES) for n in members}
+    assert chaos.running("RUNNING", members, 2, past)
+    # a script whose collectives nobody counts (it reports its steps): joined is enough
+    assert chaos.running("RUNNING", members, 2, {n: status(n) for n in members})
+    setup = {**past, "n1": status("n1", collectives=3)}
+    assert not chaos.running("RUNNING", members, 2, setup)
+    assert not chaos.running("RUNNING", members, 2, {**past, "n1": status("n1", workers="starting")})
+    assert not chaos.running("RUNNING", members, 2, {**past, "n1": status("n1", round_=1)})
+    assert not chaos.running("RUNNING", members, 2, {"n0": past["n0"]})
+    assert not chaos.running("RECOVERING", members, 2, past)
+    assert not chaos.running("RUNNING", [], 2, past)
