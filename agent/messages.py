@@ -193,7 +193,18 @@ def _joined(agent: Agent, msg: dict) -> None:
 
 def _may_commit(agent: Agent, msg: dict) -> dict:
     return {"type": "may_commit", "ok": round_is_current(agent.etcd, agent.keys,
-                                                         msg.get("round"))}
+                                                         _fenced_on(agent, msg.get("round")))}
+
+
+def _fenced_on(agent: Agent, round_: object) -> object:
+    """The round a rank's commit is fenced on: the one its message carries, or, for ranks a
+    replica round carried on (docs/replicas.md), the round their group was carried into --
+    their messages keep their launch round, which is never the current one again."""
+    with agent._lock:
+        g = agent.workers.group
+        if g is not None and round_ == g.rank_round and g.round != g.rank_round:
+            return g.round
+    return round_
 
 
 def round_is_current(etcd: E.Etcd, keys: Keys, round_: object) -> bool:
@@ -224,7 +235,8 @@ def _committed(agent: Agent, msg: dict) -> None:
         if not _within(agent, "claim", "checkpoint commits"):
             return
     try:
-        ok = agent.etcd.txn([E.value_is(agent.keys.round, str(rec.round).encode())],
+        ok = agent.etcd.txn([E.value_is(agent.keys.round,
+                                        str(_fenced_on(agent, rec.round)).encode())],
                             [E.put_op(agent.keys.claim_key(rec.step), rec.to_json())])
     except E.EtcdUnavailable:
         ok = False
@@ -255,7 +267,8 @@ def _checkpoint_failed(agent: Agent, msg: dict) -> None:
     ev = EventRecord(time=time.time(), kind="checkpoint_failed", message=text, round=round_,
                      fields={"step": step, "error": error, "reported_by": agent.cfg.node})
     try:
-        agent.etcd.txn([E.value_is(agent.keys.round, str(round_).encode())],
+        agent.etcd.txn([E.value_is(agent.keys.round,
+                                   str(_fenced_on(agent, round_)).encode())],
                        [E.put_op(agent.keys.event_key(agent.cfg.node), ev.to_json())])
     except E.EtcdUnavailable:
         pass  # the worker log and ours still say it

@@ -81,19 +81,17 @@ def start_round(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     first = view.nodes[members[0]]
     world = job.world_size(len(members))
     # A replica job (docs/replicas.md): every round of it that starts the whole world starts
-    # each replica anew, and its trainer config is one replica's. It has no copy to restore
-    # in this slice (jobspec refuses its checkpoint dir; its ranks take no tier-0 copies), so
-    # no holder is waited for.
+    # each replica anew from the same checkpoint on storage (the newest good record), and its
+    # trainer config is one replica's. Its ranks take no tier-0 copies, so no holder is
+    # waited for and memory is never chosen.
     replicas = job.replicas if job.failure_unit == "replica" else 1
-    if replicas > 1:
-        restore = None
     refused: list[Emit] = []
     if restore is _LATEST:
         ckpt, refused = checked_restore_point(view, job)
     else:
         ckpt = restore
     memory = None
-    if restore is _LATEST:
+    if restore is _LATEST and replicas == 1:
         waiting = _stale_holdings(now, view, st)
         if waiting:
             return Decision([], f"round {n}: waiting up to {tier0.FRESH_WAIT_S:.0f} s for "

@@ -9,22 +9,30 @@ same verdict.
 
 A restarted replica's ranks start from nothing and heal at their first quorum from a live
 replica's ranks: the model, the optimizer, and the state of the step before (the step, the
-data position, the guard's history). There are no tier-0 snapshots and no checkpoints in this
-mode yet: the daemon refuses a replica job with a checkpoint dir (lazarus.core.jobspec).
+data position, the guard's history). A whole-world round restores every replica from the
+same checkpoint on storage (RankRound.restore, each into its own world). At a checkpoint step
+one replica saves: the lowest of the step's quorum (`saver_of`), with the checkpointer of the
+whole-world mode over its own world; the others go on. There are no tier-0 snapshots in this
+mode: a live replica is already a copy in memory (docs/replicas.md, "Checkpoints").
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lazarus.core.errors import JobRefused
+from lazarus.trainer import exchange
+from lazarus.trainer.ckptdir import check_shared, claim
+from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.replicagroup import ReplicaGroup, ReplicaPlace
 from lazarus.trainer.replicapolicy import divisor, shares
 from lazarus.trainer.replicastep import average_over_quorum
-from lazarus.trainer.train import (RankRound, StepResult, accumulate, agreed, finish_step,
-                                   lr_scale_span, total_grad_norm)
+from lazarus.trainer.train import (RankRound, StepResult, _log_stalls, accumulate, agreed,
+                                   finish_step, lr_scale_span, total_grad_norm)
 
 # The batch policy while a replica is missing (lazarus.trainer.replicapolicy): its share is
 # left out of the step. "respread" is decided there but not wired here.
@@ -32,6 +40,15 @@ POLICY = "drop"
 # A replica leader silent this long is gone. A rank on its way out says so at once
 # (ReplicaPlace.leave); this is for one that cannot: its node or its agent went with it.
 QUORUM_WAIT_S = 5.0
+# How long a replica's rank 0 waits before it claims the checkpoint dir again (below).
+RECLAIM_S = 0.2
+
+
+def saver_of(members: tuple[int, ...]) -> int:
+    """The replica that saves a checkpoint step: the lowest of the step's quorum. Every member
+    holds the same state after the averaged step, and every rank of every member holds the
+    same quorum, so all agree on it without a word."""
+    return min(members)
 
 
 class ReplicaRound(RankRound):
@@ -56,10 +73,32 @@ class ReplicaRound(RankRound):
         return self.place.replica * dp + mesh["dp"].get_local_rank(), self.place.replicas * dp
 
     def _open_savers(self, snapshot_dir: str | None) -> None:
-        if self.cfg.checkpoint.dir is not None:
-            raise JobRefused("checkpoints are not built in replica mode yet "
-                             "(failure_unit = \"replica\"): remove [train.checkpoint] dir")
+        """Every replica opens the checkpointer (any of them may be the lowest of a later
+        quorum); none takes tier-0 snapshots, whatever `snapshot_dir` says: a live replica is
+        already a copy in memory (docs/replicas.md, "Checkpoints")."""
+        ck = self.cfg.checkpoint
         self.checkpointer = self.snapshots = None
+        if ck.dir is None:
+            return
+        root = Path(ck.dir)
+        verdict = exchange.broadcast(self._claim(root) if self.rank == 0 else None, src=0)
+        if verdict is not None:
+            raise JobRefused(verdict)
+        # Inside this replica's world: each replica checks its own nodes see the dir.
+        if not self.restored and (why := check_shared(root)):
+            raise JobRefused(why)
+        self.checkpointer = Checkpointer(root, keep_last=ck.keep_last, is_good=self.is_good,
+                                         job_id=self.job_id)
+
+    def _claim(self, root: Path) -> str | None:
+        why = claim(root, self.job_id, adopt=self.cfg.checkpoint.resume is not None)
+        if why is not None:
+            # Every replica's rank 0 claims the dir at a job's first start, at once: one may
+            # read the owner file while another writes it (a shared temporary name). Asked
+            # again, the dir is this job's; another job's is refused again.
+            time.sleep(RECLAIM_S * (1 + self.place.replica))
+            why = claim(root, self.job_id, adopt=self.cfg.checkpoint.resume is not None)
+        return why
 
     def _one_step(self) -> None:
         cfg, ctx, rg = self.cfg, self.ctx, self.rg
@@ -78,6 +117,7 @@ class ReplicaRound(RankRound):
         if healed is not None:
             self._healed(healed, q.step, q.source)
         step = self.step = ctx.step = q.step
+        wanted = self._wants_checkpoint(step)
 
         self._enter("data")
         window, lr = self._window_and_lr(step)
@@ -86,8 +126,10 @@ class ReplicaRound(RankRound):
         loss_t = accumulate(self.model, ctx.batch, device=self.device, loss_group=self.dp_group)
         self._enter("collective", op="all_reduce")
         # The replica's mean loss travels with its gradient: the sum over the quorum, divided
-        # by the shares computed, is the step's mean loss.
-        loss_box = loss_t.reshape(1).clone()
+        # by the shares computed, is the step's mean loss. So does whether this rank wants a
+        # checkpoint (a daemon's request reaches the agents at different times): above 0 once
+        # averaged if any member's does.
+        loss_box = torch.stack([loss_t.detach().reshape(()), loss_t.new_tensor(float(wanted))])
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         q = average_over_quorum(rg, q, grads + [loss_box], self.model, self.optimizer,
                                 policy=POLICY, extra=self.resumable)
@@ -109,6 +151,37 @@ class ReplicaRound(RankRound):
                      suffix=f" | replicas {members}/{replicas}" if members < replicas else "")
         self.judged = step
         self.resumable = self._resumable(step)
+        if self.checkpointer is not None:
+            self._save_replica(step, q.members, wanted=bool(loss_box[1].item() > 0))
+
+    def _wants_checkpoint(self, step: int) -> bool:
+        """Whether this rank wants `step` saved: its period, the run's last step, or a
+        request of the daemon's (asked on every replica, so a request is taken once)."""
+        if self.checkpointer is None:
+            return False
+        return (self.session.should_checkpoint(step, self.cfg.checkpoint.every)
+                or step == self.cfg.steps)
+
+    def _save_replica(self, step: int, members: tuple[int, ...], *, wanted: bool) -> None:
+        """The step's checkpoint, when due, by the lowest replica of its quorum alone (collective
+        inside that replica's world; the save's own group, never the cross-replica one). The
+        others go on: an async save holds the saver for its copy off the tensors, which the
+        others wait for in the next step's average, as for any slower member."""
+        if self.session.connected:
+            # This replica's ranks may differ: the request is per agent (one per node).
+            flag = torch.tensor(int(wanted), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wanted = bool(flag.item())
+        session, checkpointer = self.session, self.checkpointer
+        if wanted and saver_of(members) == self.place.replica:
+            self._enter("checkpoint")
+            checkpointer.save(step, self.model, self.optimizer, self.resumable,
+                              async_save=self.cfg.checkpoint.async_save,
+                              commit_gate=session.may_commit,
+                              on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
+                              # a full or read-only disk costs this checkpoint, not the run
+                              on_fail=session.checkpoint_failed)
+        _log_stalls(self.metrics, checkpointer)
 
     def _healed(self, extra: dict, step: int, source: int | None) -> None:
         """This rank took its state from replica `source`'s at the start of `step`: go on

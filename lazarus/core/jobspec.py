@@ -238,8 +238,8 @@ def validate_sizes(spec: JobSpec, *, source: str) -> None:
 
 def _check_replica_mode(spec: JobSpec, source: str) -> None:
     """What replica mode runs in this slice (docs/replicas.md): the built-in trainer (the
-    quorum and the healing are its), no checkpoints (a restarted replica heals from a live
-    peer; saves by one replica are not built), no shrink (a replica does not shrink inside
+    quorum and the healing are its), checkpoints on storage but no tier-0 snapshots (a live
+    replica is already a copy in memory), no shrink (a replica does not shrink inside
     itself, and a job that drops whole replicas is not built)."""
     mode = '[job] failure_unit = "replica"'
     if not spec.builtin:
@@ -247,10 +247,11 @@ def _check_replica_mode(spec: JobSpec, source: str) -> None:
                         "own has no replica quorum to heal a restarted replica from; leave "
                         "failure_unit out for the whole-world recovery")
     ckpt = spec.train.get("checkpoint", {})
-    if isinstance(ckpt, dict) and ckpt.get("dir"):
-        raise UserError(f"{source}: {mode} with a [train.checkpoint] dir is not built in replica "
-                        "mode yet (a restarted replica heals from a live peer; checkpoints by one "
-                        "replica are not built): remove the dir, or failure_unit")
+    every = ckpt.get("memory_every") if isinstance(ckpt, dict) else None
+    if isinstance(every, int) and not isinstance(every, bool) and every > 0:
+        raise UserError(f"{source}: {mode} takes no tier-0 snapshots (a live replica is already "
+                        f"a copy in memory; a whole-world restart restores from the checkpoint "
+                        f"dir): remove [train.checkpoint] memory_every = {every}")
     if spec.replicas < 2 or spec.nodes % spec.replicas:
         raise UserError(f"{source}: {mode} needs replicas >= 2 that divide nodes = "
                         f"{spec.nodes}, got replicas = {spec.replicas}")

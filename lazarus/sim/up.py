@@ -181,8 +181,7 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
     if args.replicas < 1:
         raise UserError(f"--replicas must be at least 1, got {args.replicas}")
     replicas = args.replicas > 1
-    # A replica job shrinks by whole replicas only; and its replicas heal from each other,
-    # with no checkpoints in this mode yet (docs/replicas.md).
+    # A replica job shrinks by whole replicas only (docs/replicas.md).
     min_nodes = (args.nodes if replicas else
                  args.min_nodes if args.min_nodes is not None else max(1, args.nodes - 1))
     doc = {"job": {"name": "lazarus-up", "nodes": args.nodes, "min_nodes": min_nodes,
@@ -197,7 +196,11 @@ def _job(args: argparse.Namespace, workdir: Path, metrics: Path) -> jobspec.JobS
                                     "memory_every": args.memory_every}}}
     if replicas:
         doc["job"].update(failure_unit="replica", replicas=args.replicas)
-        del doc["train"]["checkpoint"]
+        # Its replicas heal from each other: a live replica is its copy in memory, so no
+        # tier 0 unless asked (and then jobspec says why not); storage is for whole-world
+        # restarts (docs/replicas.md, "Checkpoints").
+        if args.memory_every == 0:
+            doc["train"]["checkpoint"]["memory_every"] = -1
     if args.policy:
         doc["policy"] = _policy_args(args.policy)
     return jobspec.from_dict(doc, source="lazarus up")
@@ -463,9 +466,6 @@ def run(args: argparse.Namespace) -> dict:
     if own and args.replicas != 1:
         raise UserError("--replicas runs the built-in trainer's replica groups; a script of "
                         "your own runs as one world (docs/replicas.md)")
-    if args.replicas > 1 and any(f.kind in chaos.DISK_KINDS for f in schedule):
-        raise UserError("--chaos disk-full/disk-free fill the checkpoint dir, and a run of "
-                        "--replicas takes no checkpoints: its replicas heal from each other")
     job = _user_job(args, args.command, metrics) if own else _job(args, workdir, metrics)
     if run_as is not None and own and job.cwd and not run_as.can_pass(Path(job.cwd)):
         raise UserError(f"--run-as {run_as.name}: that user cannot reach this directory "

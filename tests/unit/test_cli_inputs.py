@@ -103,6 +103,7 @@ BAD_COMMAND_LINES = [
     (["up", "--replicas", "0"], "--replicas must be at least 1"),
     (["up", "--replicas", "2", "--", "python", "train.py"], "a script of your own runs as one world"),
     (["up", "--nodes", "3", "--replicas", "2"], "replicas = 2 must divide nodes = 3"),
+    (["up", "--replicas", "2", "--memory-every", "3"], "takes no tier-0 snapshots"),
     (["up", "--policy", "swap_cost_s"], "--policy 'swap_cost_s' is not KEY=VALUE"),
     (["up", "--policy", "straggler_margin=0.5"], "straggler_margin must be a number above 1"),
     (["up", "--policy", "swap_cost_s=soon"], "'soon' is not a number"),

@@ -51,16 +51,23 @@ def test_bad_values_are_one_clear_line(job, message):
     assert "\n" not in str(e.value) and str(e.value).startswith("job.toml: ")
 
 
-def test_a_checkpoint_dir_is_not_built_in_replica_mode_yet():
+def test_a_replica_job_may_checkpoint_to_storage_but_takes_no_tier_0():
     doc = {"job": {"name": "r", "nodes": 4, "failure_unit": "replica", "replicas": 2},
-           "train": {**TRAIN, "checkpoint": {"dir": "/ckpt"}}}
-    with pytest.raises(UserError, match=r"\[train.checkpoint\] dir is not built in replica "
-                                        "mode yet") as e:
+           "train": {**TRAIN, "checkpoint": {"dir": "/ckpt", "every": 50}}}
+    spec = from_dict(doc, source="job.toml")
+    assert spec.train["checkpoint"] == {"dir": "/ckpt", "every": 50}
+    # tier 0 left at its default (or off) is accepted; asked for, it is one clear line
+    for every in (0, -1):
+        doc["train"]["checkpoint"]["memory_every"] = every
         from_dict(doc, source="job.toml")
-    assert "\n" not in str(e.value)
+    doc["train"]["checkpoint"]["memory_every"] = 5
+    with pytest.raises(UserError, match=r"takes no tier-0 snapshots \(a live replica is "
+                                        r"already a copy in memory") as e:
+        from_dict(doc, source="job.toml")
+    assert "\n" not in str(e.value) and "memory_every = 5" in str(e.value)
     # the same file in world mode runs as before
     del doc["job"]["failure_unit"], doc["job"]["replicas"]
-    assert from_dict(doc, source="job.toml").train["checkpoint"]["dir"] == "/ckpt"
+    assert from_dict(doc, source="job.toml").train["checkpoint"]["memory_every"] == 5
 
 
 @pytest.mark.parametrize("nodes, replicas, nproc, tp, batch, message", [
