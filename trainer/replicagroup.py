@@ -40,6 +40,8 @@ class LeftOut(RuntimeError):
     restarted to heal."""
 
 
+# How often a restarted replica waiting to be let back in says so.
+JOIN_SAID_S = 10.0
 # How long a rank that leaves tries to tell the quorum so (mark_left): it is on its way out.
 LEAVE_S = 5.0
 
@@ -169,11 +171,19 @@ class ReplicaGroup:
         nonce = uuid.uuid4().hex
         self.store.set(f"join/{self.replica}", nonce)
         answer = f"healed/{self.replica}/{nonce}"
-        deadline = time.monotonic() + self.start_wait_s
+        began = time.monotonic()
+        said = began
         while not self.store.check([answer]):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - began > self.start_wait_s:
                 raise TimeoutError(f"replica {self.replica} was not let back in within "
                                    f"{self.start_wait_s:.0f} s")
+            if now - said >= JOIN_SAID_S:
+                # a long wait shows in the rank's log, not as silence (the live replicas take
+                # a joiner at their next step's quorum)
+                said = now
+                print(f"replica {self.replica}: waiting {now - began:.0f} s to be let back in "
+                      f"by the live replicas", flush=True)
             time.sleep(0.01)
         self.store.delete_key(f"join/{self.replica}")
         return Quorum.from_json(self.store.get(self.store.get(answer).decode()))
