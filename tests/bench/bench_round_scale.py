@@ -21,7 +21,8 @@ Two parts, each on one clock from the fault's injection:
 
 Nothing asserts a time. The last line is the issue's summary:
 `scale: ranks=.. survivors_x=.. store_16k_s=.. predicted_16384x8_crash_s=.. predicted_16384x8_node_s=..`
-with the predictions of the model in tests/bench/scalemodel.py.
+with the predictions of the model in tests/bench/scalemodel.py; the line before it, the
+model's for replica mode (docs/replicas.md) at 16,384 x 8, BENCH_REPLICA_GPUS (512) a replica.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ pytestmark = pytest.mark.bench
 WORLDS = [int(w) for w in os.environ.get("BENCH_WORLDS", "2,4,8").split(",")]
 STORE_RANKS = [int(n) for n in os.environ.get("BENCH_STORE_RANKS", "1024,4096,16384").split(",")]
 STORE_PROCS = 8
+# The replica size the replica-mode predictions are printed for (docs/scale.md).
+REPLICA_GPUS = int(os.environ.get("BENCH_REPLICA_GPUS", "512"))
 FAULT_AT = 20
 START = re.compile(r"round (\d+) from (.+?) at step (\d+)( in place)?.*?: first step done "
                    r"([\d.]+) s after the assignment \(handover ([\d.]+) s, rendezvous ([\d.]+) "
@@ -231,6 +234,9 @@ def test_recovery_cost_against_world_size(tmp_path):
     node = scalemodel.predict(16384 * 8, kind="node_lost", store=fit)
     print(json.dumps({"rows": rows, "stores": stores}, indent=1))
     print(scalemodel.table(fit))
+    # replica mode (docs/replicas.md): only the failed replica restarts
+    print(scalemodel.replica_table(fit, REPLICA_GPUS))
+    print(scalemodel.replica_sizes_table(fit))
     print(f"survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
                                              for r in rows))
     first = rows[0]
@@ -239,6 +245,13 @@ def test_recovery_cost_against_world_size(tmp_path):
                       for k in ("cpu_s", "connections", "store_requests")
                       if first.get("survivor_" + k)) + f"; wall x{biggest['survivors_s'] / base:.2f}"
           f" with load average {biggest['load'][0]:.1f} on {os.cpu_count()} cores")
+    rc, rn = (scalemodel.predict_replica(16384 * 8, kind=k, store=fit,
+                                         replica_gpus=REPLICA_GPUS)
+              for k in ("worker_crash", "node_lost"))
+    print(f"replica mode, {REPLICA_GPUS} GPUs a replica, at 16384x8: crash: live replicas "
+          f"again {rc.stall.total:.1f} s, failed one back {rc.back.total:.1f} s; node lost: "
+          f"{rn.stall.total:.1f} s, {rn.back.total:.1f} s; quorum every step "
+          f"{rc.quorum_s:.2f} s")
     print(f"scale: ranks={biggest['world']} survivors_x={biggest['survivors_s'] / base:.2f} "
           f"store_16k_s={store_16k:.2f} predicted_16384x8_crash_s={crash.total:.1f} "
           f"predicted_16384x8_node_s={node.total:.1f}")

@@ -8,6 +8,10 @@ What today's design does on every recovery, survivors included: a new round of t
 world, in which every rank connects to one new store hosted by one agent (its loop thread
 serves every connect), and every rank rebuilds every process group (NCCL: one communicator
 bootstrap per group) -- so the parts that grow are the store and the communicators.
+
+`predict_replica` is the same for a job of replica groups (docs/replicas.md), where a failure
+restarts only its replica and the others go on: what the live replicas wait, when the failed
+one is back, and the GPU time lost between (docs/scale.md, "In replica mode").
 """
 
 from __future__ import annotations
@@ -146,4 +150,254 @@ def table(store: Callable[[int], float]) -> str:
                 + " | | |")
     rows.append("| ETTR at the published failure rate (crashes) | " + " | ".join(
         f"{100 * ettr(preds[n].total, MTBF_S[n]):.1f}%" for n in MTBF_S) + " | | |")
+    return "\n".join(rows)
+
+
+# The round store's loop thread under N simulated ranks, measured here (2026-11-29,
+# docs/scale.md; tests/bench/storeload.py, no DNS in the path): (ranks, busy seconds). The
+# tables of docs/scale.md are printed with `fit_store(STORE_MEASURED)`; the bench fits its own.
+STORE_MEASURED = ((1024, 0.16), (4096, 0.51), (16384, 3.34))
+# What one simulated rank does there (tests/bench/storeload.py): connect, publish its address,
+# count itself in, wait for the world, read its ring neighbours' addresses.
+STORE_OPS = 5
+
+
+# -- replica mode (docs/replicas.md; docs/scale.md, "In replica mode") ----------------------
+#
+# A failure restarts only its replica (replica_gpus ranks); the R - 1 others go on. Where the
+# requests go, by the code: the built-in trainer's ranks make every group on the store of
+# the first member's agent (daemon/rounds.py: store_host is members[0]'s; trainer/worker.py:
+# the replica's world under lazarus/round/<round>/replica/<r>), and the quorum and every
+# shard's cross-replica group are on that same store (trainer/replicagroup.py:
+# quorum_store). So one loop thread serves the restarted replica's rendezvous (its ranks
+# only), the per-step quorum of the R leaders, and the rebuild of the cross-replica groups,
+# whose publications are every live rank's: that store sees all N ranks anyway.
+
+# Copied from the code, which imports torch (tests/unit/test_scalemodel.py checks they agree):
+RETRY_GRACE_S = 0.5        # trainer/replicagroup.py: a retry waits this for the failed try's
+REPLICA_TIMEOUT_S = 60.0   # trainer/replicagroup.py: ReplicaGroup's timeout_s, a
+                           # cross-replica collective's limit (replicaloop keeps the default)
+# The restarted replica's ranks are new processes (a replica's rank never survives in
+# place): measured here, the restarted rank's start at 2 ranks (docs/scale.md, the first
+# table: 0.47 s; 0.9-2.2 s at 4-8 ranks on 2 loaded cores). A real model's build and CUDA
+# init are the job's own, as the first step is.
+REPLICA_START_S = 0.47
+# A leader's pass over the quorum (trainer/replicagroup.py: _ask): a check of every
+# replica's arrival and a peek at every replica's join key (2R requests), 3 more for each
+# replica not arrived (incarnation, left, heartbeat), its own set and the decision's read.
+# Every leader passes at least once a decision (the last to arrive decides, the others poll
+# every 10 ms until then): at least R (2R + 3) requests on the one loop thread, each at the
+# store's cost per request (STORE_OPS a rank in the measured law). Modelled at that floor.
+# A cross-replica group rebuilt (ProcessGroupGloo made on use under a fresh prefix): a rank
+# publishes its address and reads its ring neighbours' at the first collective, 3 requests,
+# no connect -- ASSUMED 3 of the measured law's 5 operations a rank.
+REBUILD_OPS = 3
+# The heal: rank s of a live replica sends its shard of the model and optimizer to rank s of
+# the restarted one, all shards in parallel (ReplicaGroup.heal). ASSUMED at torchft's
+# figure, issue 41's text: "12 GB of state fetched from a peer in 3 s", 4 GB/s a pair; not
+# measured here at any size (the built path is torch.save to host memory and one gloo send).
+HEAL_BYTES_PER_S = 12e9 / 3
+# The state healed: ASSUMED a 405B-parameter model (Llama 3 405B, trained on 16,384 GPUs)
+# at 16 bytes a parameter (bf16 weights, fp32 master weights and Adam's two fp32 moments),
+# sharded over the replica's ranks.
+STATE_BYTES = 405e9 * 16
+
+
+@dataclass(frozen=True)
+class ReplicaPrediction:
+    """One failure of `kind` in a job of replica groups of `replica_gpus` ranks each.
+    `stall`: what the live replicas wait from the fault to their next average (every GPU
+    idle); `back`: the failed replica from the fault to its first step healed; `rejoin`:
+    what the live replicas wait, beyond their step, in the step that takes it back in;
+    `quorum_s`: the quorum's decision, every step of every replica (not a recovery's)."""
+    ranks: int
+    replica_gpus: int
+    kind: str
+    stall: Prediction
+    back: Prediction
+    rejoin: Prediction
+    quorum_s: float
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // self.replica_gpus
+
+    @property
+    def lost_s(self) -> float:
+        """GPU time lost, in seconds of the whole job: every GPU for the stalls, the failed
+        replica's share (1/R, "drop": its samples are left out) while it is away between."""
+        away = max(0.0, self.back.total - self.stall.total)
+        return self.stall.total + self.rejoin.total + away / self.replicas
+
+
+def _per_request(store: Callable[[int], float]) -> float:
+    n = STORE_MEASURED[-1][0]
+    return store(n) / (n * STORE_OPS)
+
+
+def quorum_requests(replicas: int) -> int:
+    """The requests of one quorum's decision, at their floor (above)."""
+    return replicas * (2 * replicas + 3)
+
+
+def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
+                    replica_gpus: int, state_bytes: float = STATE_BYTES,
+                    silent_seen_s: float = REPLICA_TIMEOUT_S) -> ReplicaPrediction:
+    """A `kind` ("worker_crash", or "node_lost": the node stops answering, its replica
+    restarts on a warm spare) at `ranks`, in replicas of `replica_gpus`. `silent_seen_s`: when
+    the live replicas' collective with a silent node fails -- by the code, the cross-replica
+    group's timeout (a process that dies, or a host whose kernel answers, resets the
+    connection at once)."""
+    if replica_gpus <= 0 or ranks % replica_gpus or ranks // replica_gpus < 2:
+        raise ValueError(f"{ranks} ranks do not split into 2 or more replicas of "
+                         f"{replica_gpus}")
+    if kind not in ("worker_crash", "node_lost"):
+        raise ValueError(f"kind {kind!r}: worker_crash or node_lost")
+    r = ranks // replica_gpus
+    nodes = max(1, ranks // RANKS_PER_NODE)
+    per_req = _per_request(store)
+    quorum_s = quorum_requests(r) * per_req
+
+    def rebuild_store(n: int) -> float:
+        return store(n) * REBUILD_OPS / STORE_OPS
+
+    # The live replicas: the average of the step fails, every rank of each agrees on it, and
+    # the step's next try asks the quorum, waiting the grace for the failed try's members.
+    seen = (Part("the failed average", 0.0, "flat: a reset connection fails it at once",
+                 "measured here: the step in which a replica died 0.21 s, median 0.33 s "
+                 "(docs/replicas.md)")
+            if kind == "worker_crash" else
+            Part("the failed average", silent_seen_s, "the cross-replica group's timeout",
+                 "trainer/replicagroup.py timeout_s (a silent host resets nothing); not "
+                 "measured here"))
+    retry = Part("the retry's quorum", RETRY_GRACE_S + quorum_s,
+                 "grace + R (2R + 3) requests, one loop thread",
+                 "trainer/replicagroup.py RETRY_GRACE_S; the store's cost a request, measured")
+    left = ranks - replica_gpus
+    stall = Prediction(ranks, kind, (
+        seen, retry,
+        Part("cross-replica groups, rendezvous", rebuild_store(left),
+             "a + b live ranks, one loop thread",
+             f"the store's law, {REBUILD_OPS} of {STORE_OPS} operations a rank (assumed)"),
+        Part("cross-replica groups, communicators", _nccl(r), "c R^2, 2 s floor",
+             "NCCLX arXiv 2510.20171; floor assumed; gloo today"),
+    ))
+    # The one store's loop thread, first come first served: the retry's quorum and the
+    # rebuild's requests, then the restarted replica's rendezvous behind them.
+    store_free = seen.seconds + RETRY_GRACE_S + quorum_s + rebuild_store(left)
+
+    detect = (Part("detect", DETECT_CRASH_S, "flat", "measured here")
+              if kind == "worker_crash" else
+              Part("detect", LEASE_TTL_S + DETECT_CRASH_S, "lease TTL, flat",
+                   "lazarus.core.settings.LEASE_TTL_S"))
+    decide = Part("decide", _decide(nodes), "a + b nodes (the job's)",
+                  "fleet simulator, 256-4,096 nodes")
+    start = Part("start", REPLICA_START_S, "flat (the replica's ranks start anew)",
+                 "measured here (a restarted rank, tiny model)")
+    arrive = detect.seconds + decide.seconds + start.seconds
+    rdv = max(arrive, store_free) + store(replica_gpus) - arrive
+    own = _nccl(replica_gpus)
+    ready = arrive + rdv + own
+    # Let in at the live replicas' next quorum: they are back at their steps at stall.total,
+    # one quorum and one step apart.
+    period = FIRST_STEP_S + quorum_s
+    live = stall.total
+    let_in = live if ready <= live else live + period * -(-(ready - live) // period)
+    heal_rdv = rebuild_store(ranks)
+    heal_groups = _nccl(r)
+    transfer = state_bytes / replica_gpus / HEAL_BYTES_PER_S
+    back = Prediction(replica_gpus, kind, (
+        detect, decide, start,
+        Part("rendezvous", rdv, "a + b replica ranks, behind the live ranks' requests",
+             "the round store's law, measured here; one loop thread with the quorum's"),
+        Part("process groups", own, "c (N/R)^2, 2 s floor",
+             "NCCLX arXiv 2510.20171 (265 s at 96K); floor assumed"),
+        Part("wait to be let in", let_in - ready + quorum_s,
+             "the live replicas' next quorum", "trainer/replicagroup.py _join"),
+        Part("cross-replica groups, again", heal_rdv + heal_groups,
+             "a + b ranks (all N) + c R^2", "as above"),
+        Part("heal", transfer, "state / replica ranks / bandwidth",
+             "torchft's 12 GB in 3 s (issue 41), 405B x 16 B assumed"),
+        Part("first step", FIRST_STEP_S, "the job's step", "measured here (tiny model)"),
+    ))
+    rejoin = Prediction(ranks, kind, (
+        Part("cross-replica groups, again", heal_rdv + heal_groups,
+             "a + b ranks (all N) + c R^2", "as above"),
+        Part("heal", transfer, "the source sends before its step; the others wait in the "
+             "average", "as above"),
+    ))
+    return ReplicaPrediction(ranks, replica_gpus, kind, stall, back, rejoin, quorum_s)
+
+
+def replica_ettr(p: ReplicaPrediction, mtbf_s: float) -> float:
+    """The share of GPU time training when every failure is `p`."""
+    return ettr(p.lost_s, mtbf_s)
+
+
+def _cells(preds: dict, cell: Callable[[ReplicaPrediction], str]) -> str:
+    return " | ".join("-" if preds[n] is None else cell(preds[n]) for n in MTBF_S)
+
+
+def replica_table(store: Callable[[int], float], replica_gpus: int) -> str:
+    """The table of docs/scale.md, "In replica mode", at 1,024 / 16,384 / 131,072 GPUs."""
+    def at(kind: str) -> dict:
+        return {n: (predict_replica(n, kind=kind, store=store, replica_gpus=replica_gpus)
+                    if n // replica_gpus >= 2 and n % replica_gpus == 0 else None)
+                for n in MTBF_S}
+
+    crash, node = at("worker_crash"), at("node_lost")
+    some = next(p for p in crash.values() if p is not None)
+    rows = [f"| part ({replica_gpus} GPUs a replica) | 1,024 GPUs | 16,384 | 131,072 | law | "
+            "source |", "|---|---|---|---|---|---|",
+            "| replicas | " + _cells(crash, lambda p: f"{p.replicas}") + " | | |"]
+
+    def section(title: str, which: str, total: str) -> None:
+        rows.append(f"| *{title}* | | | | | |")
+        for i, part in enumerate(getattr(some, which).parts):
+            rows.append(f"| {part.name} | "
+                        + _cells(crash, lambda p: f"{getattr(p, which).parts[i].seconds:.2f} s")
+                        + f" | {part.law} | {part.source} |")
+        rows.append(f"| **{total}, worker crash** | "
+                    + _cells(crash, lambda p: f"**{getattr(p, which).total:.1f} s**") + " | | |")
+        rows.append(f"| **{total}, node lost (silent; warm spare)** | "
+                    + _cells(node, lambda p: f"**{getattr(p, which).total:.1f} s**")
+                    + " | | |")
+        rows.append("| dominant part (crash) | "
+                    + _cells(crash, lambda p: getattr(p, which).dominant().name) + " | | |")
+
+    section("the live replicas, from the fault: every GPU waits", "stall",
+            "the live replicas train again")
+    section("the failed replica, from the fault", "back", "the failed replica back")
+    section("the live replicas, in the step that lets it back in", "rejoin",
+            "their wait in that step")
+    rows.append("| the quorum's decision, every step (not in the totals above it) | "
+                + _cells(crash, lambda p: f"{p.quorum_s:.3f} s")
+                + " | R (2R + 3) requests, one loop thread | trainer/replicagroup.py _ask |")
+    rows.append("| GPU time lost a failure, crash / node | "
+                + " | ".join("-" if crash[n] is None else
+                             f"{crash[n].lost_s:.1f} / {node[n].lost_s:.1f} s" for n in MTBF_S)
+                + " | stalls + the failed replica's 1/R while away | |")
+    rows.append("| ETTR at the published failure rate (crashes) | "
+                + " | ".join("-" if crash[n] is None else
+                             f"{100 * replica_ettr(crash[n], MTBF_S[n]):.1f}%" for n in MTBF_S)
+                + " | | whole world: " + ", ".join(
+                    f"{100 * ettr(predict(n, kind='worker_crash', store=store).total, m):.1f}%"
+                    for n, m in MTBF_S.items()) + " |")
+    return "\n".join(rows)
+
+
+def replica_sizes_table(store: Callable[[int], float], ranks: int = 131072,
+                        sizes: tuple[int, ...] = (128, 512, 2048, 8192)) -> str:
+    """What the replica's size trades at `ranks` GPUs (a worker crash): fewer, bigger
+    replicas cost a quorum of fewer leaders and a smaller heal a rank, but a bigger world of
+    communicators to rebuild for the failed one."""
+    rows = [f"| GPUs a replica, at {ranks:,} | replicas | the quorum, every step | live "
+            "replicas train again | failed replica back | of it, heal | GPU time lost | ETTR |",
+            "|---|---|---|---|---|---|---|---|"]
+    for g in sizes:
+        p = predict_replica(ranks, kind="worker_crash", store=store, replica_gpus=g)
+        heal = next(x for x in p.back.parts if x.name == "heal")
+        rows.append(f"| {g:,} | {p.replicas:,} | {p.quorum_s:.2f} s | {p.stall.total:.1f} s | "
+                    f"{p.back.total:.1f} s | {heal.seconds:.1f} s | {p.lost_s:.1f} s | "
+                    f"{100 * replica_ettr(p, MTBF_S[ranks]):.1f}% |")
     return "\n".join(rows)

@@ -1,0 +1,104 @@
+"""The scale model (tests/bench/scalemodel.py, docs/scale.md): a prediction is the arithmetic
+of its laws, the replica mode's included, and the whole-world figures docs/scale.md and the
+README print are what the model still says."""
+
+import inspect
+
+import pytest
+
+from lazarus.core import settings
+from lazarus.trainer import replicagroup
+from tests.bench import scalemodel as sm
+
+STORE = sm.fit_store(list(sm.STORE_MEASURED))
+
+
+def part(pred: sm.Prediction, name: str) -> float:
+    (seconds,) = [p.seconds for p in pred.parts if p.name == name]
+    return seconds
+
+
+def test_whole_world_predictions_are_the_ones_docs_print():
+    # docs/scale.md's table and README's "model" row: 2.9 / 11.7 / 501 s, a node lost 5 s more
+    for ranks, crash in ((1024, 2.9), (16384, 11.7), (131072, 501.1)):
+        assert sm.predict(ranks, kind="worker_crash", store=STORE).total == pytest.approx(
+            crash, abs=0.05)
+        assert sm.predict(ranks, kind="node_lost", store=STORE).total == pytest.approx(
+            crash + sm.LEASE_TTL_S, abs=0.05)
+    assert sm.predict(131072, kind="worker_crash", store=STORE).dominant().name == (
+        "process groups")
+
+
+def test_the_model_copies_the_codes_constants():
+    # the model does not import torch; these are the values the code runs with
+    assert sm.LEASE_TTL_S == settings.LEASE_TTL_S
+    assert sm.RETRY_GRACE_S == replicagroup.RETRY_GRACE_S
+    timeout = inspect.signature(replicagroup.ReplicaGroup).parameters["timeout_s"].default
+    assert sm.REPLICA_TIMEOUT_S == timeout
+
+
+def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
+    p = sm.predict_replica(16384, kind="worker_crash", store=STORE, replica_gpus=512)
+    per_request = STORE(16384) / (16384 * 5)
+    assert p.replicas == 32
+    # one decision: every one of the 32 leaders reads 2 keys of each replica, +3
+    assert p.quorum_s == pytest.approx(32 * 67 * per_request)
+    assert part(p.stall, "the retry's quorum") == pytest.approx(0.5 + p.quorum_s)
+    # the live ranks publish and read 3 of the rendezvous law's 5 operations each
+    assert part(p.stall, "cross-replica groups, rendezvous") == pytest.approx(
+        STORE(16384 - 512) * 3 / 5)
+    # a group of 32 members, and the failed replica's world of 512: both at the floor
+    assert part(p.stall, "cross-replica groups, communicators") == sm.NCCL_FLOOR_S
+    assert part(p.back, "process groups") == sm.NCCL_FLOOR_S
+    # 405e9 parameters x 16 bytes over 512 ranks, 4 GB/s a pair
+    assert part(p.back, "heal") == pytest.approx(405e9 * 16 / 512 / 4e9)
+    assert part(p.back, "detect") == sm.DETECT_CRASH_S
+    assert p.stall.total < p.back.total
+    # every GPU for the two stalls, and 1/32 of them while the replica is away in between
+    assert p.lost_s == pytest.approx(
+        p.stall.total + p.rejoin.total + (p.back.total - p.stall.total) / 32)
+    whole = sm.predict(16384, kind="worker_crash", store=STORE)
+    assert sm.replica_ettr(p, sm.MTBF_S[16384]) == pytest.approx(
+        sm.MTBF_S[16384] / (sm.MTBF_S[16384] + p.lost_s))
+    assert p.stall.total < whole.total
+
+
+def test_what_dominates_at_131072_depends_on_the_replicas_size():
+    # many small replicas: the polled quorum, R^2 requests on one loop thread
+    small = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=128)
+    assert small.stall.dominant().name == "the retry's quorum"
+    # fewer: the live ranks' rebuild of their cross-replica groups on the same store
+    mid = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=512)
+    assert mid.stall.dominant().name == "cross-replica groups, rendezvous"
+    # a replica big enough that its own communicators leave the floor
+    big = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=16384)
+    assert part(big.back, "process groups") == pytest.approx(265.0 * (16384 / 98304) ** 2)
+    # whatever the size, far below every rank of the world rebuilding
+    whole = sm.predict(131072, kind="worker_crash", store=STORE).total
+    assert max(p.stall.total for p in (small, mid, big)) < whole / 4
+
+
+def test_a_silent_node_costs_the_live_replicas_the_groups_timeout():
+    crash = sm.predict_replica(16384, kind="worker_crash", store=STORE, replica_gpus=512)
+    node = sm.predict_replica(16384, kind="node_lost", store=STORE, replica_gpus=512)
+    assert node.stall.total == pytest.approx(crash.stall.total + sm.REPLICA_TIMEOUT_S)
+    assert part(node.back, "detect") == sm.LEASE_TTL_S + sm.DETECT_CRASH_S
+    # the failed replica is let back in only once the live ones are past their stall
+    assert node.back.total > node.stall.total
+    told = sm.predict_replica(16384, kind="node_lost", store=STORE, replica_gpus=512,
+                              silent_seen_s=7.0)
+    assert told.stall.total == pytest.approx(crash.stall.total + 7.0)
+
+
+@pytest.mark.parametrize("ranks, replica_gpus", [(1024, 1024), (1024, 384), (1024, 0)])
+def test_a_replica_size_that_does_not_split_the_world_is_refused(ranks, replica_gpus):
+    with pytest.raises(ValueError, match="replicas of"):
+        sm.predict_replica(ranks, kind="worker_crash", store=STORE, replica_gpus=replica_gpus)
+
+
+def test_the_tables_print_every_size():
+    table = sm.replica_table(STORE, 512)
+    assert table.count("\n") > 20 and "| replicas | 2 | 32 | 256 |" in table
+    # a replica as big as the smallest world is no replica mode there
+    assert "| replicas | - | 8 | 64 |" in sm.replica_table(STORE, 2048)
+    assert sm.replica_sizes_table(STORE).count("\n") == 5
