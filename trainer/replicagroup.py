@@ -33,6 +33,8 @@ from lazarus.trainer.replicapolicy import Quorum, Silence, decide
 # How long a retry of a step waits for the members of the failed try before it goes on
 # without them (docs/replicas.md).
 RETRY_GRACE_S = 0.5
+# How often a rank whose cross-replica collective takes long looks for a member gone silent.
+SILENCE_CHECK_S = 0.5
 
 
 class LeftOut(RuntimeError):
@@ -79,6 +81,7 @@ class ReplicaGroup:
         self.group: dist.ProcessGroup | None = None
         self._attempt = 0
         self._broken = False
+        self._abandoned: list[dist.ProcessGroup] = []  # groups of collectives left in flight
         # Every start of this replica counts: any after the first is a restart that heals.
         incarnation = torch.tensor([self.store.add(f"incarnation/{replica}", 1)
                                     if self.local_rank == 0 else 0])
@@ -204,10 +207,7 @@ class ReplicaGroup:
         flat = torch.cat([g.reshape(-1) for g in grads])
         ok = True
         if len(self.quorum.members) > 1:
-            try:
-                self.group.allreduce([flat]).wait()
-            except RuntimeError:
-                ok = False  # a counterpart is gone (a reset connection) or timed out
+            ok = self._finished(self.group.allreduce([flat]))
         # Every shard of this replica must apply the same sum, or none: one shard's peer may
         # still answer while another's is dead.
         agreed = torch.tensor([int(ok)])
@@ -221,6 +221,29 @@ class ReplicaGroup:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return True
+
+    def _finished(self, work: dist.Work) -> bool:
+        """Whether a cross-replica collective completed. False once it failed (a counterpart
+        gone: a reset connection) or, while it waits, once another member's leader is gone
+        (marked left, or silent for wait_s): a node that stops answering resets nothing, and
+        gloo would wait out the group's timeout (a minute) with every live replica idle."""
+        began = checked = time.monotonic()
+        others = set(self.quorum.members) - {self.replica}
+        while not work.is_completed():
+            now = time.monotonic()
+            if now - checked >= SILENCE_CHECK_S:
+                checked = now
+                if self._gone(others, began):
+                    # Left in flight: its group is kept (destroyed, it would wait for the
+                    # collective), and the step's next try builds another.
+                    self._abandoned.append(self.group)
+                    return False
+            time.sleep(0.001)
+        try:
+            work.wait()
+        except RuntimeError:
+            return False
         return True
 
     # -- healing ----------------------------------------------------------------------------

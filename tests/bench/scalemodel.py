@@ -175,8 +175,12 @@ STORE_OPS = 5
 
 # Copied from the code, which imports torch (tests/unit/test_scalemodel.py checks they agree):
 RETRY_GRACE_S = 0.5        # trainer/replicagroup.py: a retry waits this for the failed try's
-REPLICA_TIMEOUT_S = 60.0   # trainer/replicagroup.py: ReplicaGroup's timeout_s, a
-                           # cross-replica collective's limit (replicaloop keeps the default)
+QUORUM_WAIT_S = 5.0        # trainer/replicaloop.py: a replica leader silent this long is gone
+SILENCE_CHECK_S = 0.5      # trainer/replicagroup.py: how often a rank in a long cross-replica
+                           # collective looks for a member gone silent (it then leaves it)
+# A silent member's collective fails once its leader's silence is seen: at most the wait
+# plus one look, never the cross-replica group's own timeout (a minute).
+REPLICA_SILENT_S = QUORUM_WAIT_S + SILENCE_CHECK_S
 # The restarted replica's ranks are new processes (a replica's rank never survives in
 # place): measured here, the restarted rank's start at 2 ranks (docs/scale.md, the first
 # table: 0.47 s; 0.9-2.2 s at 4-8 ranks on 2 loaded cores). A real model's build and CUDA
@@ -242,12 +246,12 @@ def quorum_requests(replicas: int) -> int:
 
 def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
                     replica_gpus: int, state_bytes: float = STATE_BYTES,
-                    silent_seen_s: float = REPLICA_TIMEOUT_S) -> ReplicaPrediction:
+                    silent_seen_s: float = REPLICA_SILENT_S) -> ReplicaPrediction:
     """A `kind` ("worker_crash", or "node_lost": the node stops answering, its replica
     restarts on a warm spare) at `ranks`, in replicas of `replica_gpus`. `silent_seen_s`: when
-    the live replicas' collective with a silent node fails -- by the code, the cross-replica
-    group's timeout (a process that dies, or a host whose kernel answers, resets the
-    connection at once)."""
+    the live replicas' collective with a silent node fails -- by the code, once its leader's
+    heartbeat has been silent QUORUM_WAIT_S (a process that dies, or a host whose kernel
+    answers, resets the connection at once)."""
     if replica_gpus <= 0 or ranks % replica_gpus or ranks // replica_gpus < 2:
         raise ValueError(f"{ranks} ranks do not split into 2 or more replicas of "
                          f"{replica_gpus}")
@@ -267,9 +271,9 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
                  "measured here: the step in which a replica died 0.21 s, median 0.33 s "
                  "(docs/replicas.md)")
             if kind == "worker_crash" else
-            Part("the failed average", silent_seen_s, "the cross-replica group's timeout",
-                 "trainer/replicagroup.py timeout_s (a silent host resets nothing); not "
-                 "measured here"))
+            Part("the failed average", silent_seen_s, "the leader's silence, then a look",
+                 "trainer/replicagroup.py _finished (a silent host resets nothing): 3.7 s "
+                 "with a 3 s wait, measured here (tests/integration/test_replica_groups.py)"))
     retry = Part("the retry's quorum", RETRY_GRACE_S + quorum_s,
                  "grace + R (2R + 3) requests, one loop thread",
                  "trainer/replicagroup.py RETRY_GRACE_S; the store's cost a request, measured")

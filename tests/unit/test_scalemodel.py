@@ -2,12 +2,11 @@
 of its laws, the replica mode's included, and the whole-world figures docs/scale.md and the
 README print are what the model still says."""
 
-import inspect
 
 import pytest
 
 from lazarus.core import settings
-from lazarus.trainer import replicagroup
+from lazarus.trainer import replicagroup, replicaloop
 from tests.bench import scalemodel as sm
 
 STORE = sm.fit_store(list(sm.STORE_MEASURED))
@@ -33,8 +32,8 @@ def test_the_model_copies_the_codes_constants():
     # the model does not import torch; these are the values the code runs with
     assert sm.LEASE_TTL_S == settings.LEASE_TTL_S
     assert sm.RETRY_GRACE_S == replicagroup.RETRY_GRACE_S
-    timeout = inspect.signature(replicagroup.ReplicaGroup).parameters["timeout_s"].default
-    assert sm.REPLICA_TIMEOUT_S == timeout
+    assert sm.QUORUM_WAIT_S == replicaloop.QUORUM_WAIT_S
+    assert sm.SILENCE_CHECK_S == replicagroup.SILENCE_CHECK_S
 
 
 def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
@@ -78,10 +77,10 @@ def test_what_dominates_at_131072_depends_on_the_replicas_size():
     assert max(p.stall.total for p in (small, mid, big)) < whole / 4
 
 
-def test_a_silent_node_costs_the_live_replicas_the_groups_timeout():
+def test_a_silent_node_costs_the_live_replicas_its_leaders_silence():
     crash = sm.predict_replica(16384, kind="worker_crash", store=STORE, replica_gpus=512)
     node = sm.predict_replica(16384, kind="node_lost", store=STORE, replica_gpus=512)
-    assert node.stall.total == pytest.approx(crash.stall.total + sm.REPLICA_TIMEOUT_S)
+    assert node.stall.total == pytest.approx(crash.stall.total + sm.REPLICA_SILENT_S)
     assert part(node.back, "detect") == sm.LEASE_TTL_S + sm.DETECT_CRASH_S
     # the failed replica is let back in only once the live ones are past their stall
     assert node.back.total > node.stall.total
