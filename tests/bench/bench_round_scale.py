@@ -35,7 +35,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -237,7 +236,7 @@ def test_recovery_cost_against_world_size(tmp_path):
     # replica mode (docs/replicas.md): only the failed replica restarts
     print(scalemodel.replica_table(fit, REPLICA_GPUS))
     print(scalemodel.replica_sizes_table(fit))
-    print(f"survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
+    print("survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
                                              for r in rows))
     first = rows[0]
     print(f"per survivor at {biggest['world']} ranks against {first['world']}, to setup: "
