@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -42,13 +43,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Write via a temporary name + fsync + rename, so `path` is absent or complete."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write via a temporary name + fsync + rename, so `path` is absent or complete. The
+    temporary name is the writer's own: two writers of one file at once (every replica's
+    rank 0 claiming a job's checkpoint dir, docs/replicas.md) each rename a whole file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not pile up writers' leftovers
+        raise
     fsync_dir(path.parent)
 
 

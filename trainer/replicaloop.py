@@ -19,20 +19,15 @@ mode: a live replica is already a copy in memory (docs/replicas.md, "Checkpoints
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from lazarus.core.errors import JobRefused
-from lazarus.trainer import exchange
-from lazarus.trainer.ckptdir import check_shared, claim
-from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.replicagroup import ReplicaGroup, ReplicaPlace
 from lazarus.trainer.replicapolicy import divisor, shares
 from lazarus.trainer.replicastep import average_over_quorum
-from lazarus.trainer.train import (RankRound, StepResult, _log_stalls, accumulate, agreed,
-                                   finish_step, lr_scale_span, total_grad_norm)
+from lazarus.trainer.train import (RankRound, StepResult, _checkpoint_now, _log_stalls,
+                                   accumulate, agreed, finish_step, lr_scale_span,
+                                   total_grad_norm)
 
 # The batch policy while a replica is missing (lazarus.trainer.replicapolicy): its share is
 # left out of the step. "respread" is decided there but not wired here.
@@ -40,8 +35,6 @@ POLICY = "drop"
 # A replica leader silent this long is gone. A rank on its way out says so at once
 # (ReplicaPlace.leave); this is for one that cannot: its node or its agent went with it.
 QUORUM_WAIT_S = 5.0
-# How long a replica's rank 0 waits before it claims the checkpoint dir again (below).
-RECLAIM_S = 0.2
 
 
 def saver_of(members: tuple[int, ...]) -> int:
@@ -73,32 +66,10 @@ class ReplicaRound(RankRound):
         return self.place.replica * dp + mesh["dp"].get_local_rank(), self.place.replicas * dp
 
     def _open_savers(self, snapshot_dir: str | None) -> None:
-        """Every replica opens the checkpointer (any of them may be the lowest of a later
-        quorum); none takes tier-0 snapshots, whatever `snapshot_dir` says: a live replica is
-        already a copy in memory (docs/replicas.md, "Checkpoints")."""
-        ck = self.cfg.checkpoint
-        self.checkpointer = self.snapshots = None
-        if ck.dir is None:
-            return
-        root = Path(ck.dir)
-        verdict = exchange.broadcast(self._claim(root) if self.rank == 0 else None, src=0)
-        if verdict is not None:
-            raise JobRefused(verdict)
-        # Inside this replica's world: each replica checks its own nodes see the dir.
-        if not self.restored and (why := check_shared(root)):
-            raise JobRefused(why)
-        self.checkpointer = Checkpointer(root, keep_last=ck.keep_last, is_good=self.is_good,
-                                         job_id=self.job_id)
-
-    def _claim(self, root: Path) -> str | None:
-        why = claim(root, self.job_id, adopt=self.cfg.checkpoint.resume is not None)
-        if why is not None:
-            # Every replica's rank 0 claims the dir at a job's first start, at once: one may
-            # read the owner file while another writes it (a shared temporary name). Asked
-            # again, the dir is this job's; another job's is refused again.
-            time.sleep(RECLAIM_S * (1 + self.place.replica))
-            why = claim(root, self.job_id, adopt=self.cfg.checkpoint.resume is not None)
-        return why
+        """Every replica opens the checkpointer over its own world (any of them may be the
+        lowest of a later quorum); none takes tier-0 snapshots, whatever `snapshot_dir` says:
+        a live replica is already a copy in memory (docs/replicas.md, "Checkpoints")."""
+        super()._open_savers(None)
 
     def _one_step(self) -> None:
         cfg, ctx, rg = self.cfg, self.ctx, self.rg
@@ -117,7 +88,10 @@ class ReplicaRound(RankRound):
         if healed is not None:
             self._healed(healed, q.step, q.source)
         step = self.step = ctx.step = q.step
-        wanted = self._wants_checkpoint(step)
+        # Agreed inside this replica (a daemon's request is per agent, one per node): the
+        # cross-replica average below then gives every rank of every member the same answer.
+        wanted = self.checkpointer is not None and _checkpoint_now(self.session, step, cfg,
+                                                                     self.device)
 
         self._enter("data")
         window, lr = self._window_and_lr(step)
@@ -154,34 +128,14 @@ class ReplicaRound(RankRound):
         if self.checkpointer is not None:
             self._save_replica(step, q.members, wanted=bool(loss_box[1].item() > 0))
 
-    def _wants_checkpoint(self, step: int) -> bool:
-        """Whether this rank wants `step` saved: its period, the run's last step, or a
-        request of the daemon's (asked on every replica, so a request is taken once)."""
-        if self.checkpointer is None:
-            return False
-        return (self.session.should_checkpoint(step, self.cfg.checkpoint.every)
-                or step == self.cfg.steps)
-
     def _save_replica(self, step: int, members: tuple[int, ...], *, wanted: bool) -> None:
         """The step's checkpoint, when due, by the lowest replica of its quorum alone (collective
         inside that replica's world; the save's own group, never the cross-replica one). The
         others go on: an async save holds the saver for its copy off the tensors, which the
         others wait for in the next step's average, as for any slower member."""
-        if self.session.connected:
-            # This replica's ranks may differ: the request is per agent (one per node).
-            flag = torch.tensor(int(wanted), device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            wanted = bool(flag.item())
-        session, checkpointer = self.session, self.checkpointer
         if wanted and saver_of(members) == self.place.replica:
-            self._enter("checkpoint")
-            checkpointer.save(step, self.model, self.optimizer, self.resumable,
-                              async_save=self.cfg.checkpoint.async_save,
-                              commit_gate=session.may_commit,
-                              on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
-                              # a full or read-only disk costs this checkpoint, not the run
-                              on_fail=session.checkpoint_failed)
-        _log_stalls(self.metrics, checkpointer)
+            self._checkpoint(step, self.resumable)
+        _log_stalls(self.metrics, self.checkpointer)
 
     def _healed(self, extra: dict, step: int, source: int | None) -> None:
         """This rank took its state from replica `source`'s at the start of `step`: go on

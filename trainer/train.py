@@ -527,16 +527,22 @@ class RankRound:
             take_snapshot(snapshots, self.held, step, self.model, self.optimizer, resumable,
                           checkpoint=checkpoint)
         if checkpoint:
-            self._enter("checkpoint")
-            checkpointer.save(step, self.model, self.optimizer, resumable,
-                              async_save=self.cfg.checkpoint.async_save,
-                              commit_gate=session.may_commit,
-                              on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
-                              # a full or read-only disk costs this checkpoint, not the run
-                              on_fail=session.checkpoint_failed)
+            self._checkpoint(step, resumable)
         for saver in (snapshots, checkpointer):
             if saver is not None:
                 _log_stalls(self.metrics, saver)
+
+    def _checkpoint(self, step: int, resumable: dict) -> None:
+        """Save `step` to storage (collective over this rank's world), committed through the
+        agent."""
+        session = self.session
+        self._enter("checkpoint")
+        self.checkpointer.save(step, self.model, self.optimizer, resumable,
+                               async_save=self.cfg.checkpoint.async_save,
+                               commit_gate=session.may_commit,
+                               on_commit=lambda s, path: session.checkpoint_committed(s, str(path)),
+                               # a full or read-only disk costs this checkpoint, not the run
+                               on_fail=session.checkpoint_failed)
 
     def _close(self, finished: bool) -> None:
         if self.snapshots is not None:

@@ -30,6 +30,7 @@ from lazarus.trainer.ckptlist import committed_checkpoints, latest_checkpoint
 from lazarus.trainer.data import ensure_corpus
 from tests.forkedranks import _entry, _ranks_context
 from tests.integration.test_replica_groups import _wait
+from tests.integration.test_replica_trainer import _rows
 
 JOB = "rckpt"
 REPLICAS, PER = 2, 2
@@ -82,12 +83,6 @@ def _attach(hooks) -> None:
                 time.sleep(0.05)
 
     hooks.add(hook)
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _steps(path: Path) -> dict[int, dict]:
