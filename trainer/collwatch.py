@@ -12,7 +12,8 @@ lazarus.trainer.rankrun) tells the agent:
 The least of a node's ranks' collectives, and when the newest was seen, ride on its node
 status (lazarus.agent.nodestatus), and `lazarus status` shows them for a script with no step.
 It stops reporting progress once the script reports its own (`Session.progress`, level 1):
-those say more than this can.
+those say more than this can. A rank alone in its world reports only its joining: it has no
+peer to hang on, and its script may issue no collective at all.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def _issued() -> int | None:
     return None
 
 
+def _alone() -> bool:
+    """Whether this rank's world is itself alone (its default group has one member)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_world_size() == 1
+    except (RuntimeError, ValueError):  # the group went meanwhile
+        return False
+
+
 def _loop(period_s: float) -> None:
     # here: collprogress loads torch, which the rank side imports only when it runs
     from lazarus.trainer import session as sessions
@@ -67,6 +78,12 @@ def _loop(period_s: float) -> None:
         if not joined:
             session.joined()
             joined = True
+            if _alone():
+                # A world of one rank waits on no peer in a collective, and may issue none a
+                # step (TorchTitan on one GPU issues none): its count would only ever look
+                # stalled -- a hang after the first-step timeout, a chaos clock that never
+                # starts. Unwatched, the agent sees it as a rank that reports no progress.
+                return
         if seq != last:
             last = seq
             session.progress(step=0, phase="collective", seq=seq)

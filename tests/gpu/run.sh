@@ -7,8 +7,9 @@
 # SKIP_FIGURES=1 skips the figures, FIGURES_ARGS passes arguments to figures.py.
 #
 # The GPU machine has torch, triton and most of our dependencies, and no package index: the
-# wheels it lacks (built for its Python 3.12) travel in tests/gpu/wheels, which
-# tests/gpu/fetch-wheels.sh fills on a machine with one. The project goes in with --no-deps.
+# wheels it lacks (built for its Python 3.12) travel in tests/gpu/wheels, with etcd's binary
+# and TorchTitan's venv's wheels, which tests/gpu/fetch-wheels.sh fills on a machine with one.
+# The project goes in with --no-deps.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/lazarus-gpu}
@@ -17,12 +18,19 @@ export LAZARUS_CACHE=${LAZARUS_CACHE:-/tmp/lazarus-cache} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 started=$SECONDS
 
-missing=$(tr -d ' ' <tests/gpu/wheels.txt | grep -v '^#' | grep -v '^$' | while read -r w; do
-    ls tests/gpu/wheels/"${w%%==*}"-"${w##*==}"-*.whl >/dev/null 2>&1 || echo "$w"; done)
-if [ -n "$missing" ]; then
-    echo "run.sh: wheels missing from tests/gpu/wheels: $missing (run tests/gpu/fetch-wheels.sh)" >&2
+missing() {  # LIST DIR: the wheels of LIST not in DIR (a wheel's name has _ for - and .)
+    tr -d ' ' <"$1" | grep -v '^#' | grep -v '^$' | while read -r w; do
+        n=${w%%==*}; ls "$2/${n//[-.]/_}-${w##*==}"-*.whl >/dev/null 2>&1 \
+            || ls "$2/$n-${w##*==}"-*.whl >/dev/null 2>&1 || echo "$w"; done
+}
+missing=$( (missing tests/gpu/wheels.txt tests/gpu/wheels
+    missing tests/gpu/titan-wheels.txt tests/gpu/wheels/titan) | tr '\n' ' ')
+[ -x tests/gpu/wheels/bin/etcd ] || command -v etcd >/dev/null || missing="$missing etcd"
+if [ -n "${missing// /}" ]; then
+    echo "run.sh: missing from tests/gpu/wheels: $missing (run tests/gpu/fetch-wheels.sh)" >&2
     exit 2
 fi
+export PATH=$PATH:$PWD/tests/gpu/wheels/bin
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lazarus-site \
     tests/gpu/wheels/*.whl || exit 2
 export PYTHONPATH=/tmp/lazarus-site${PYTHONPATH:+:$PYTHONPATH}
