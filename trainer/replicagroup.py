@@ -9,8 +9,9 @@ group among the survivors, with no round of the whole job. The quorum is kept in
 shared by all replicas (a TCPStore, hosted by whoever supervises the job), written a few keys a
 step: never etcd (docs/architecture.md, the write budget).
 
-Only a replica's leader (its rank 0) takes part in the quorum; it hands the answer to its
-replica's ranks over the replica's own group, so all shards of a replica agree on it.
+Only a replica's leader (its rank 0) takes part in the quorum (lazarus.trainer.quorum); it
+hands the answer to its replica's ranks over the replica's own group, so all shards of a
+replica agree on it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import io
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,12 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lazarus.trainer.replicapolicy import Quorum, Silence, decide
+from lazarus.trainer.quorum import QuorumClient, peek
+from lazarus.trainer.replicapolicy import Quorum
 
-
-# How long a retry of a step waits for the members of the failed try before it goes on
-# without them (docs/replicas.md).
-RETRY_GRACE_S = 0.5
 # How often a rank whose cross-replica collective takes long looks for a member gone silent.
 SILENCE_CHECK_S = 0.5
 
@@ -42,8 +39,6 @@ class LeftOut(RuntimeError):
     restarted to heal."""
 
 
-# How often a restarted replica waiting to be let back in says so.
-JOIN_SAID_S = 10.0
 # How long a rank that leaves tries to tell the quorum so (mark_left): it is on its way out.
 LEAVE_S = 5.0
 
@@ -88,7 +83,9 @@ class ReplicaGroup:
         dist.broadcast(incarnation, src=0)
         self.incarnation = int(incarnation)
         self.joining = self.incarnation > 1 if joining is None else joining
-        self._silence = Silence(wait_s, start_wait_s)
+        self._quorums = QuorumClient(self.store, replica=replica, replicas=replicas,
+                                     min_replicas=min_replicas, wait_s=wait_s,
+                                     start_wait_s=start_wait_s, timeout_s=timeout_s)
         if self.local_rank == 0:
             # A connection of its own: the main thread's may be held for a whole rendezvous.
             beat_store = store()
@@ -100,18 +97,6 @@ class ReplicaGroup:
             store.add(f"hb/{self.replica}", 1)
             time.sleep(self.wait_s / 6)
 
-    def _gone(self, replicas: set[int], since: float) -> set[int]:
-        """Those of `replicas` that their supervisor said were lost (mark_left), or whose
-        leader has not beaten for wait_s (or, never seen, not since `since` plus
-        start_wait_s): measured on this host's clock alone."""
-        gone = set()
-        for r in replicas:
-            told = _peek(self.store, f"left/{r}/{_peek(self.store, f'incarnation/{r}')}")
-            if told is not None or self._silence.gone(r, self.store.add(f"hb/{r}", 0),
-                                                      time.monotonic(), since):
-                gone.add(r)
-        return gone
-
     # -- the quorum -------------------------------------------------------------------------
 
     def next_quorum(self, step: int) -> Quorum:
@@ -120,7 +105,9 @@ class ReplicaGroup:
         if self.quorum is None or self.quorum.step != step:
             self._attempt = 0
         if self.local_rank == 0:
-            q = self._join() if self.joining else self._ask(step, self._attempt)
+            expected = set(self.quorum.members) if self.quorum else set(range(self.replicas))
+            q = (self._quorums.join() if self.joining
+                 else self._quorums.ask(step, self._attempt, expected))
             box = [q.to_json()]
         else:
             box = [None]
@@ -135,61 +122,6 @@ class ReplicaGroup:
             self._build_group(q)
         self.quorum, self._attempt, self._broken = q, q.attempt, False
         return q
-
-    def _ask(self, step: int, attempt: int) -> Quorum:
-        key = f"q/{step}.{attempt}"
-        self.store.set(f"in/{step}.{attempt}/{self.replica}", "1")
-        expected = set(self.quorum.members) if self.quorum else set(range(self.replicas))
-        started = time.monotonic()
-        while not self.store.check([key]):
-            arrived = {r for r in range(self.replicas)
-                       if self.store.check([f"in/{step}.{attempt}/{r}"])}
-            # a joiner's nonce names the key it waits on: a late writer of an old quorum's
-            # answer can never reach a later start of the same replica
-            joiners = {r: nonce for r in range(self.replicas)
-                       if (nonce := _peek(self.store, f"join/{r}")) is not None}
-            gone = self._gone(expected - arrived, started)
-            if attempt > 0 and time.monotonic() - started > RETRY_GRACE_S:
-                # A collective of this step failed, and every live member saw it fail and asks
-                # again at once: one that has not is the one that broke it (a node lost with
-                # its ranks: nobody is left to mark it, and its heartbeat's silence would take
-                # wait_s). A live one dropped so heals like any restart.
-                gone |= expected - arrived
-            q = decide(step=step, attempt=attempt, expected=expected, arrived=arrived,
-                       joiners=set(joiners), gone=gone, min_replicas=self.min_replicas)
-            if q is not None:
-                # The first proposal stored is the quorum, whoever made it.
-                decided = Quorum.from_json(self.store.compare_set(key, "", q.to_json()))
-                for r in set(decided.healing) & set(joiners):
-                    self.store.set(f"healed/{r}/{joiners[r]}", key)
-                return decided
-            if time.monotonic() - started > self.timeout.total_seconds() + self.start_wait_s:
-                raise TimeoutError(f"no quorum for step {step} (try {attempt}): only "
-                                   f"{sorted(arrived)} of {sorted(expected)} arrived")
-            time.sleep(0.01)
-        return Quorum.from_json(self.store.get(key))
-
-    def _join(self) -> Quorum:
-        """A restarted replica's way in: ask, and wait for a quorum that takes it in."""
-        nonce = uuid.uuid4().hex
-        self.store.set(f"join/{self.replica}", nonce)
-        answer = f"healed/{self.replica}/{nonce}"
-        began = time.monotonic()
-        said = began
-        while not self.store.check([answer]):
-            now = time.monotonic()
-            if now - began > self.start_wait_s:
-                raise TimeoutError(f"replica {self.replica} was not let back in within "
-                                   f"{self.start_wait_s:.0f} s")
-            if now - said >= JOIN_SAID_S:
-                # a long wait shows in the rank's log, not as silence (the live replicas take
-                # a joiner at their next step's quorum)
-                said = now
-                print(f"replica {self.replica}: waiting {now - began:.0f} s to be let back in "
-                      f"by the live replicas", flush=True)
-            time.sleep(0.01)
-        self.store.delete_key(f"join/{self.replica}")
-        return Quorum.from_json(self.store.get(self.store.get(answer).decode()))
 
     def _build_group(self, q: Quorum) -> None:
         # A fresh prefix per quorum: a group's rendezvous keys are never reused by the next.
@@ -234,7 +166,7 @@ class ReplicaGroup:
             now = time.monotonic()
             if now - checked >= SILENCE_CHECK_S:
                 checked = now
-                if self._gone(others, began):
+                if self._quorums.gone(others, began):
                     # Left in flight: its group is kept (destroyed, it would wait for the
                     # collective), and the step's next try builds another.
                     self._abandoned.append(self.group)
@@ -289,7 +221,7 @@ def mark_left(store: dist.Store, replica: int, incarnation: int | None = None) -
     is a new incarnation, which this does not touch. `store`: the quorum's store, as
     ReplicaGroup's factory makes it."""
     if incarnation is None:
-        incarnation = _peek(store, f"incarnation/{replica}")
+        incarnation = peek(store, f"incarnation/{replica}")
     store.set(f"left/{replica}/{incarnation}", "1")
 
 
@@ -320,16 +252,6 @@ class ReplicaPlace:
 
         threading.Thread(target=mark, daemon=True, name="replica-leave").start()
         return done.wait(timeout_s)
-
-
-_ABSENT = "\x00absent"
-
-
-def _peek(store: dist.Store, key: str) -> str | None:
-    """The key's value, or None at once if there is none (a get would wait for it): a
-    compare_set that cannot match never writes."""
-    value = store.compare_set(key, _ABSENT, _ABSENT).decode()
-    return None if value == _ABSENT else value
 
 
 def _local(t):

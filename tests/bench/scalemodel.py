@@ -174,7 +174,7 @@ STORE_OPS = 5
 # whose publications are every live rank's: that store sees all N ranks anyway.
 
 # Copied from the code, which imports torch (tests/unit/test_scalemodel.py checks they agree):
-RETRY_GRACE_S = 0.5        # trainer/replicagroup.py: a retry waits this for the failed try's
+RETRY_GRACE_S = 0.5        # trainer/quorum.py: a retry waits this for the failed try's
 QUORUM_WAIT_S = 5.0        # trainer/replicaloop.py: a replica leader silent this long is gone
 SILENCE_CHECK_S = 0.5      # trainer/replicagroup.py: how often a rank in a long cross-replica
                            # collective looks for a member gone silent (it then leaves it)
@@ -186,12 +186,13 @@ REPLICA_SILENT_S = QUORUM_WAIT_S + SILENCE_CHECK_S
 # table: 0.47 s; 0.9-2.2 s at 4-8 ranks on 2 loaded cores). A real model's build and CUDA
 # init are the job's own, as the first step is.
 REPLICA_START_S = 0.47
-# A leader's pass over the quorum (trainer/replicagroup.py: _ask): a check of every
-# replica's arrival and a peek at every replica's join key (2R requests), 3 more for each
-# replica not arrived (incarnation, left, heartbeat), its own set and the decision's read.
-# Every leader passes at least once a decision (the last to arrive decides, the others poll
-# every 10 ms until then): at least R (2R + 3) requests on the one loop thread, each at the
-# store's cost per request (STORE_OPS a rank in the measured law). Modelled at that floor.
+# The quorum's decision (trainer/quorum.py): every leader says it arrived and counts itself
+# in; the one whose count completes the members checks all their arrivals at once and
+# decides; the first names itself the watcher; the others wait on the answer (the store wakes
+# them) and read it: 4R + 2 requests on the one loop thread, each at the store's cost per
+# request (STORE_OPS a rank in the measured law). The watcher looks at the missing members
+# only after LOOK_S (in a step every member reaches, never) or a retry's grace.
+LOOK_S = 1.0               # trainer/quorum.py
 # A cross-replica group rebuilt (ProcessGroupGloo made on use under a fresh prefix): a rank
 # publishes its address and reads its ring neighbours' at the first collective, 3 requests,
 # no connect -- ASSUMED 3 of the measured law's 5 operations a rank.
@@ -240,8 +241,8 @@ def _per_request(store: Callable[[int], float]) -> float:
 
 
 def quorum_requests(replicas: int) -> int:
-    """The requests of one quorum's decision, at their floor (above)."""
-    return replicas * (2 * replicas + 3)
+    """The requests of one quorum's decision in a step every member reaches (above)."""
+    return 4 * replicas + 2
 
 
 def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
@@ -275,8 +276,8 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
                  "trainer/replicagroup.py _finished (a silent host resets nothing): 3.7 s "
                  "with a 3 s wait, measured here (tests/integration/test_replica_groups.py)"))
     retry = Part("the retry's quorum", RETRY_GRACE_S + quorum_s,
-                 "grace + R (2R + 3) requests, one loop thread",
-                 "trainer/replicagroup.py RETRY_GRACE_S; the store's cost a request, measured")
+                 "grace + 4R + 2 requests, one loop thread",
+                 "trainer/quorum.py RETRY_GRACE_S; the store's cost a request, measured")
     left = ranks - replica_gpus
     stall = Prediction(ranks, kind, (
         seen, retry,
@@ -317,7 +318,7 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
         Part("process groups", own, "c (N/R)^2, 2 s floor",
              "NCCLX arXiv 2510.20171 (265 s at 96K); floor assumed"),
         Part("wait to be let in", let_in - ready + quorum_s,
-             "the live replicas' next quorum", "trainer/replicagroup.py _join"),
+             "the live replicas' next quorum", "trainer/quorum.py join"),
         Part("cross-replica groups, again", heal_rdv + heal_groups,
              "a + b ranks (all N) + c R^2", "as above"),
         Part("heal", transfer, "state / replica ranks / bandwidth",
@@ -376,7 +377,7 @@ def replica_table(store: Callable[[int], float], replica_gpus: int) -> str:
             "their wait in that step")
     rows.append("| the quorum's decision, every step (not in the totals above it) | "
                 + _cells(crash, lambda p: f"{p.quorum_s:.3f} s")
-                + " | R (2R + 3) requests, one loop thread | trainer/replicagroup.py _ask |")
+                + " | 4R + 2 requests, one loop thread | trainer/quorum.py ask |")
     rows.append("| GPU time lost a failure, crash / node | "
                 + " | ".join("-" if crash[n] is None else
                              f"{crash[n].lost_s:.1f} / {node[n].lost_s:.1f} s" for n in MTBF_S)

@@ -1,0 +1,101 @@
+"""The per-step quorum's leaders on a real TCPStore, a thread and a connection each
+(lazarus.trainer.quorum): every leader gets the same answer; a step that every member
+reaches costs a number of store requests linear in the replicas (every leader polling every
+replica's keys cost R(2R + 3), 5.3 s a step at 256 replicas, docs/scale.md); a silent member
+is left out, a joiner let in, a retry goes on without the member that broke the step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch.distributed as dist
+
+from lazarus.trainer import quorum as qm
+from lazarus.trainer.quorum import QuorumClient
+
+
+class Counted:
+    """A store connection that counts the requests made through it."""
+
+    def __init__(self, store: dist.Store):
+        self._store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture
+def server():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+
+
+def _client(server, replica: int, replicas: int, **kw) -> QuorumClient:
+    conn = Counted(dist.PrefixStore("q/", dist.TCPStore("127.0.0.1", server.port,
+                                                         is_master=False,
+                                                         wait_for_workers=False)))
+    opts = {"min_replicas": 1, "wait_s": 1.0, "start_wait_s": 2.0, "timeout_s": 30.0, **kw}
+    return QuorumClient(conn, replica=replica, replicas=replicas, **opts)
+
+
+def _ask_all(clients, step, attempt, expected, delays=None):
+    def one(c):
+        time.sleep((delays or {}).get(c.replica, 0.0))
+        return c.ask(step, attempt, expected)
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return list(pool.map(one, clients))
+
+
+@pytest.mark.parametrize("replicas", [4, 24])
+def test_a_step_every_member_reaches_costs_requests_linear_in_the_replicas(server, replicas,
+                                                                           monkeypatch):
+    # a thread held back a second by a busy machine would make the watcher look: the count
+    # is of the requests a step makes, not of a machine's load
+    monkeypatch.setattr(qm, "LOOK_S", 60.0)
+    clients = [_client(server, r, replicas) for r in range(replicas)]
+    everyone = set(range(replicas))
+    _ask_all(clients, 0, 0, everyone)  # connections warm
+    for c in clients:
+        c.store.requests = 0
+    # arrivals spread over 50 ms, as the members' step times differ
+    got = _ask_all(clients, 1, 0, everyone, {r: 0.05 * r / replicas for r in everyone})
+    assert {q.to_json() for q in got} == {got[0].to_json()}
+    assert got[0].members == tuple(range(replicas)) and got[0].healing == ()
+    total = sum(c.store.requests for c in clients)
+    # each leader: its arrival, its count, the wait and the read of the answer; the last one
+    # checks every arrival at once and decides; none looks at another's keys
+    assert total <= 5 * replicas + 4, total
+
+
+def test_a_silent_member_is_left_out_and_a_joiner_let_in(server):
+    clients = [_client(server, r, 3) for r in range(3)]
+    got = _ask_all(clients[:2], 5, 0, {0, 1, 2})
+    # replica 2 never arrived nor beat: gone after start_wait_s, the others go on
+    assert {q.members for q in got} == {(0, 1)}
+    # its next start asks to be let in; the two take it in at their next step, healing
+    # from one of them, with no wait for a silence
+    joined = []
+    joiner = threading.Thread(target=lambda: joined.append(clients[2].join()))
+    joiner.start()
+    time.sleep(0.3)
+    got = _ask_all(clients[:2], 6, 0, {0, 1})
+    joiner.join(timeout=30)
+    assert {q.members for q in got} == {(0, 1, 2)} and got[0].healing == (2,)
+    assert joined and joined[0] == got[0]
+
+
+def test_a_retry_goes_on_without_the_member_that_broke_the_step(server):
+    clients = [_client(server, r, 3, wait_s=30.0) for r in range(3)]
+    for r in range(3):  # all beating: only the retry's grace can leave one out
+        clients[r].store.add(f"hb/{r}", 1)
+    # (a silence would take 30 s, a timeout raises: the grace alone decides)
+    got = _ask_all(clients[:2], 7, 1, {0, 1, 2})
+    assert {q.members for q in got} == {(0, 1)}

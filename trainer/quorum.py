@@ -1,0 +1,165 @@
+"""A replica leader's side of the per-step quorum (docs/replicas.md, "The quorum"): who takes
+part in a step, decided on the quorum's store by the leaders themselves, in a number of
+store requests linear in the replicas R.
+
+A leader that asks for (step, attempt) says it arrived and counts itself in (one `add`):
+  - the one whose count completes the last quorum's members decides at once (one `check` of
+    all their arrivals, a look at the join keys of the replicas outside, the decision);
+  - the first to arrive watches the others: it waits for the answer a while (the grace of a
+    retry, else LOOK_S), then looks every POLL_S at the members not yet arrived -- their
+    arrival, a join, their leader's silence -- and decides once decide() can;
+  - the others block in the store's `wait` for the answer (no polling: the store wakes
+    them), looking every wait_s whether the watcher itself has gone silent, in which case
+    they watch too.
+So a step that every member reaches costs each leader a handful of requests, about 6R in
+all, where every leader polling every replica's keys cost R(2R + 3) at the least: 5.3 s a
+step on one store at 256 replicas (docs/scale.md, "In replica mode").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lazarus.trainer.replicapolicy import Quorum, Silence, decide
+
+# How long a retry of a step waits for the members of the failed try before it goes on
+# without them (docs/replicas.md).
+RETRY_GRACE_S = 0.5
+# How long the watcher waits for the answer before it first looks at who is missing: in a
+# healthy step the last to arrive answers well before (the members' steps differ by their
+# jitter), and a lost member takes wait_s of silence to be called gone anyway.
+LOOK_S = 1.0
+# How often the watcher looks once it does: each look reads only the members not arrived.
+POLL_S = 0.01
+# How often a restarted replica waiting to be let back in says so.
+JOIN_SAID_S = 10.0
+
+_ABSENT = "\x00absent"
+
+
+def peek(store: dist.Store, key: str) -> str | None:
+    """The key's value, or None at once if there is none (a get would wait for it): a
+    compare_set that cannot match never writes."""
+    value = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if value == _ABSENT else value
+
+
+def _wait(store: dist.Store, key: str, seconds: float) -> bool:
+    """Whether `key` exists within `seconds`, woken by the store as it is written."""
+    try:
+        store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except dist.DistStoreError:
+        return False
+
+
+class QuorumClient:
+    """One replica leader's requests to the quorum's store (`store`: its own connection)."""
+
+    def __init__(self, store: dist.Store, *, replica: int, replicas: int, min_replicas: int,
+                 wait_s: float, start_wait_s: float, timeout_s: float):
+        self.store = store
+        self.replica, self.replicas, self.min_replicas = replica, replicas, min_replicas
+        self.wait_s, self.start_wait_s, self.timeout_s = wait_s, start_wait_s, timeout_s
+        self._silence = Silence(wait_s, start_wait_s)
+
+    def gone(self, replicas: set[int], since: float) -> set[int]:
+        """Those of `replicas` that their supervisor said were lost (mark_left), or whose
+        leader has not beaten for wait_s (or, never seen, not since `since` plus
+        start_wait_s): measured on this host's clock alone. Three requests a replica."""
+        out = set()
+        for r in replicas:
+            told = peek(self.store, f"left/{r}/{peek(self.store, f'incarnation/{r}')}")
+            if told is not None or self._silence.gone(r, self.store.add(f"hb/{r}", 0),
+                                                      time.monotonic(), since):
+                out.add(r)
+        return out
+
+    def _joiners(self, among: set[int]) -> dict[int, str]:
+        # a joiner's nonce names the key it waits on: a late writer of an old quorum's answer
+        # can never reach a later start of the same replica
+        return {r: nonce for r in sorted(among) if (nonce := peek(self.store, f"join/{r}"))}
+
+    def _propose(self, key: str, q: Quorum, joiners: dict[int, str]) -> Quorum:
+        # The first proposal stored is the quorum, whoever made it.
+        decided = Quorum.from_json(self.store.compare_set(key, "", q.to_json()))
+        for r in set(decided.healing) & set(joiners):
+            self.store.set(f"healed/{r}/{joiners[r]}", key)
+        return decided
+
+    def ask(self, step: int, attempt: int, expected: set[int]) -> Quorum:
+        """The quorum of (step, attempt); `expected`: the last quorum's members (all replicas
+        at the first step)."""
+        tag = f"{step}.{attempt}"
+        key = f"q/{tag}"
+        self.store.set(f"in/{tag}/{self.replica}", "1")
+        order = self.store.add(f"n/{tag}", 1)
+        started = time.monotonic()
+        everyone = set(range(self.replicas))
+        if order == len(expected) and self.store.check([f"in/{tag}/{r}" for r in expected]):
+            joiners = self._joiners(everyone - expected)
+            q = decide(step=step, attempt=attempt, expected=expected, arrived=set(expected),
+                       joiners=set(joiners), gone=set(), min_replicas=self.min_replicas)
+            if q is not None:
+                return self._propose(key, q, joiners)
+        if order == 1:
+            self.store.set(f"watcher/{tag}", str(self.replica))
+        else:
+            while not _wait(self.store, key, self.wait_s):
+                # the watcher is a leader like any: gone (or never said who it is), watch too
+                watcher = peek(self.store, f"watcher/{tag}")
+                if watcher is None or self.gone({int(watcher)}, started):
+                    break
+            else:
+                return Quorum.from_json(self.store.get(key))
+        if _wait(self.store, key, RETRY_GRACE_S if attempt > 0 else LOOK_S):
+            return Quorum.from_json(self.store.get(key))
+        return self._watch(step, attempt, expected, started)
+
+    def _watch(self, step: int, attempt: int, expected: set[int], started: float) -> Quorum:
+        tag = f"{step}.{attempt}"
+        key = f"q/{tag}"
+        arrived = {self.replica}
+        everyone = set(range(self.replicas))
+        while not self.store.check([key]):
+            # an arrival stays arrived: each look reads only the members still missing
+            arrived |= {r for r in everyone - arrived if self.store.check([f"in/{tag}/{r}"])}
+            joiners = self._joiners(everyone - arrived)
+            gone = self.gone(expected - arrived, started)
+            if attempt > 0 and time.monotonic() - started > RETRY_GRACE_S:
+                # A collective of this step failed, and every live member saw it fail and asks
+                # again at once: one that has not is the one that broke it (a node lost with
+                # its ranks: nobody is left to mark it, and its heartbeat's silence would take
+                # wait_s). A live one dropped so heals like any restart.
+                gone |= expected - arrived
+            q = decide(step=step, attempt=attempt, expected=expected, arrived=arrived,
+                       joiners=set(joiners), gone=gone, min_replicas=self.min_replicas)
+            if q is not None:
+                return self._propose(key, q, joiners)
+            if time.monotonic() - started > self.timeout_s + self.start_wait_s:
+                raise TimeoutError(f"no quorum for step {step} (try {attempt}): only "
+                                   f"{sorted(arrived)} of {sorted(expected)} arrived")
+            time.sleep(POLL_S)
+        return Quorum.from_json(self.store.get(key))
+
+    def join(self) -> Quorum:
+        """A restarted replica's way in: say so, and wait for a quorum that takes it in."""
+        nonce = uuid.uuid4().hex
+        self.store.set(f"join/{self.replica}", nonce)
+        answer = f"healed/{self.replica}/{nonce}"
+        began = time.monotonic()
+        while not _wait(self.store, answer, min(JOIN_SAID_S, self.start_wait_s)):
+            waited = time.monotonic() - began
+            if waited > self.start_wait_s:
+                raise TimeoutError(f"replica {self.replica} was not let back in within "
+                                   f"{self.start_wait_s:.0f} s")
+            # a long wait shows in the rank's log, not as silence (the live replicas take a
+            # joiner at their next step's quorum)
+            print(f"replica {self.replica}: waiting {waited:.0f} s to be let back in by the "
+                  f"live replicas", flush=True)
+        self.store.delete_key(f"join/{self.replica}")
+        return Quorum.from_json(self.store.get(self.store.get(answer).decode()))
