@@ -5,14 +5,17 @@ store requests linear in the replicas R.
 A leader that asks for (step, attempt) says it arrived and counts itself in (one `add`):
   - the one whose count completes the last quorum's members decides at once (one `check` of
     all their arrivals, a look at the join keys of the replicas outside, the decision);
-  - the first to arrive watches the others: it waits for the answer a while (the grace of a
-    retry, else LOOK_S), then looks every POLL_S at the members not yet arrived -- their
-    arrival, a join, their leader's silence -- and decides once decide() can;
+  - the first to arrive watches the others: every POLL_S it reads the answer and one counter
+    of news (a replica marked left, a restarted one asking in: NEWS, bumped by both); only
+    when the news moved since its last look at the members, when the askers and the members
+    known gone would make a quorum, or after LOOK_S (the grace, at a retry), does it look at
+    the members not yet arrived -- their arrival, a join, their leader's silence -- and
+    decide once decide() can;
   - the others block in the store's `wait` for the answer (no polling: the store wakes
     them), looking every wait_s whether the watcher itself has gone silent, in which case
     they watch too.
-So a step that every member reaches costs each leader a handful of requests, about 6R in
-all, where every leader polling every replica's keys cost R(2R + 3) at the least: 5.3 s a
+So a step that every member reaches costs each leader a handful of requests, about 4R in
+all (and the watcher two a look while it waits), where every leader polling every replica's keys cost R(2R + 3) at the least: 5.3 s a
 step on one store at 256 replicas (docs/scale.md, "In replica mode").
 """
 
@@ -29,12 +32,14 @@ from lazarus.trainer.replicapolicy import Quorum, Silence, decide
 # How long a retry of a step waits for the members of the failed try before it goes on
 # without them (docs/replicas.md).
 RETRY_GRACE_S = 0.5
-# How long the watcher waits for the answer before it first looks at who is missing: in a
-# healthy step the last to arrive answers well before (the members' steps differ by their
-# jitter), and a lost member takes wait_s of silence to be called gone anyway.
+# How long the watcher waits, with no news, before it looks at who is missing: in a healthy
+# step the last to arrive answers well before (the members' steps differ by their jitter),
+# and a silent member takes wait_s to be called gone anyway.
 LOOK_S = 1.0
-# How often the watcher looks once it does: each look reads only the members not arrived.
+# How often the watcher reads the answer and the news.
 POLL_S = 0.01
+# A counter every mark_left and every join bumps after its own key: the watcher's cue.
+NEWS = "news"
 # How often a restarted replica waiting to be let back in says so.
 JOIN_SAID_S = 10.0
 
@@ -66,6 +71,9 @@ class QuorumClient:
         self.replica, self.replicas, self.min_replicas = replica, replicas, min_replicas
         self.wait_s, self.start_wait_s, self.timeout_s = wait_s, start_wait_s, timeout_s
         self._silence = Silence(wait_s, start_wait_s)
+        # the news counter at this leader's last look at the members (or its first ask: what
+        # came before, its first quorum's expected set and the silences answer)
+        self._news_seen = -1
 
     def gone(self, replicas: set[int], since: float) -> set[int]:
         """Those of `replicas` that their supervisor said were lost (mark_left), or whose
@@ -99,6 +107,8 @@ class QuorumClient:
         self.store.set(f"in/{tag}/{self.replica}", "1")
         order = self.store.add(f"n/{tag}", 1)
         started = time.monotonic()
+        if self._news_seen < 0:
+            self._news_seen = self.store.add(NEWS, 0)
         everyone = set(range(self.replicas))
         if order == len(expected) and self.store.check([f"in/{tag}/{r}" for r in expected]):
             joiners = self._joiners(everyone - expected)
@@ -116,16 +126,24 @@ class QuorumClient:
                     break
             else:
                 return Quorum.from_json(self.store.get(key))
-        if _wait(self.store, key, RETRY_GRACE_S if attempt > 0 else LOOK_S):
-            return Quorum.from_json(self.store.get(key))
         return self._watch(step, attempt, expected, started)
 
     def _watch(self, step: int, attempt: int, expected: set[int], started: float) -> Quorum:
         tag = f"{step}.{attempt}"
         key = f"q/{tag}"
-        arrived = {self.replica}
+        arrived, gone = {self.replica}, set()
         everyone = set(range(self.replicas))
+        look_after = RETRY_GRACE_S if attempt > 0 else LOOK_S
         while not self.store.check([key]):
+            news = self.store.add(NEWS, 0)
+            # the members still missing are looked at on news (a replica marked left or asking
+            # in), once the askers and the gone would make a quorum, or after look_after
+            complete = gone and self.store.add(f"n/{tag}", 0) + len(gone) >= len(expected)
+            if (news == self._news_seen and not complete
+                    and time.monotonic() - started < look_after):
+                time.sleep(POLL_S)
+                continue
+            self._news_seen = news
             # an arrival stays arrived: each look reads only the members still missing
             arrived |= {r for r in everyone - arrived if self.store.check([f"in/{tag}/{r}"])}
             joiners = self._joiners(everyone - arrived)
@@ -150,6 +168,7 @@ class QuorumClient:
         """A restarted replica's way in: say so, and wait for a quorum that takes it in."""
         nonce = uuid.uuid4().hex
         self.store.set(f"join/{self.replica}", nonce)
+        self.store.add(NEWS, 1)
         answer = f"healed/{self.replica}/{nonce}"
         began = time.monotonic()
         while not _wait(self.store, answer, min(JOIN_SAID_S, self.start_wait_s)):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lazarus.trainer.quorum import QuorumClient, peek
+from lazarus.trainer.quorum import NEWS, QuorumClient, peek
 from lazarus.trainer.replicapolicy import Quorum
 
 # How often a rank whose cross-replica collective takes long looks for a member gone silent.
@@ -223,6 +223,7 @@ def mark_left(store: dist.Store, replica: int, incarnation: int | None = None) -
     if incarnation is None:
         incarnation = peek(store, f"incarnation/{replica}")
     store.set(f"left/{replica}/{incarnation}", "1")
+    store.add(NEWS, 1)  # the quorum's watcher looks at once
 
 
 @dataclass(kw_only=True)

@@ -15,21 +15,31 @@ import torch.distributed as dist
 
 from lazarus.trainer import quorum as qm
 from lazarus.trainer.quorum import QuorumClient
+from lazarus.trainer.replicagroup import mark_left
 
 
 class Counted:
-    """A store connection that counts the requests made through it."""
+    """A store connection that records the requests made through it: (method, keys)."""
 
     def __init__(self, store: dist.Store):
-        self._store, self.requests = store, 0
+        self._store, self.log = store, []
 
     def __getattr__(self, name):
         method = getattr(self._store, name)
 
         def counted(*args, **kwargs):
-            self.requests += 1
+            keys = args[0] if args and isinstance(args[0], list) else args[:1]
+            self.log.append((name, tuple(keys)))
             return method(*args, **kwargs)
         return counted
+
+
+def _of_others(client: QuorumClient) -> list:
+    """The requests a leader made that read or wrote another replica's keys."""
+    mine = f"/{client.replica}"
+    return [(m, keys) for m, keys in client.store.log
+            if any(k.split("/")[0] in ("in", "join", "hb", "left", "incarnation")
+                   and not k.endswith(mine) for k in keys)]
 
 
 @pytest.fixture
@@ -64,15 +74,22 @@ def test_a_step_every_member_reaches_costs_requests_linear_in_the_replicas(serve
     everyone = set(range(replicas))
     _ask_all(clients, 0, 0, everyone)  # connections warm
     for c in clients:
-        c.store.requests = 0
+        c.store.log.clear()
     # arrivals spread over 50 ms, as the members' step times differ
     got = _ask_all(clients, 1, 0, everyone, {r: 0.05 * r / replicas for r in everyone})
     assert {q.to_json() for q in got} == {got[0].to_json()}
     assert got[0].members == tuple(range(replicas)) and got[0].healing == ()
-    total = sum(c.store.requests for c in clients)
-    # each leader: its arrival, its count, the wait and the read of the answer; the last one
-    # checks every arrival at once and decides; none looks at another's keys
-    assert total <= 5 * replicas + 4, total
+    # no leader reads another replica's keys, but the last to arrive, which checks all their
+    # arrivals in one request and decides
+    others = [r for c in clients for r in _of_others(c)]
+    assert len(others) == 1 and others[0][0] == "check" and len(others[0][1]) == replicas, others
+    # each leader: its arrival, its count, a wait and a read of the answer (the decider: the
+    # check and the decision; the watcher: its name); beside them only the watcher's looks
+    # at the answer and the news, two a POLL_S while it waits
+    looks = [(m, k) for c in clients for m, k in c.store.log
+             if (m, k) in (("check", ("q/1.0",)), ("add", (qm.NEWS,)))]
+    total = sum(len(c.store.log) for c in clients) - len(looks)
+    assert total <= 4 * replicas + 3, total
 
 
 def test_a_silent_member_is_left_out_and_a_joiner_let_in(server):
@@ -99,3 +116,22 @@ def test_a_retry_goes_on_without_the_member_that_broke_the_step(server):
     # (a silence would take 30 s, a timeout raises: the grace alone decides)
     got = _ask_all(clients[:2], 7, 1, {0, 1, 2})
     assert {q.members for q in got} == {(0, 1)}
+
+
+def test_a_member_marked_left_is_left_out_on_the_news_not_after_a_look(server, monkeypatch):
+    # neither the watcher's look nor a silence could decide within the test: only the news
+    monkeypatch.setattr(qm, "LOOK_S", 600.0)
+    clients = [_client(server, r, 3, wait_s=600.0, start_wait_s=600.0) for r in range(3)]
+    for r in range(3):  # each one's first start, beating (as ReplicaGroup makes them)
+        clients[r].store.add(f"incarnation/{r}", 1)
+        clients[r].store.add(f"hb/{r}", 1)
+    _ask_all(clients, 0, 0, {0, 1, 2})
+    with ThreadPoolExecutor(1) as pool:
+        # replica 0 waits first (the watcher); replica 2's supervisor marks it left; replica
+        # 1 arrives later still: the askers and the one gone make the quorum
+        first = pool.submit(clients[0].ask, 1, 0, {0, 1, 2})
+        time.sleep(0.2)
+        mark_left(clients[2].store, 2, 1)
+        time.sleep(0.2)
+        second = clients[1].ask(1, 0, {0, 1, 2})
+        assert first.result(timeout=60).members == second.members == (0, 1)

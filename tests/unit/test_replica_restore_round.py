@@ -48,3 +48,26 @@ def test_a_replica_round_heals_and_restores_nothing():
     new = only(decide(NOW, v).actions, StartRound).record
     assert (new.restore, new.restore_step) == (None, 0)
     assert new.replica_rounds == [rec.round, new.round]
+
+
+def test_repeated_spikes_roll_every_replica_back_to_a_good_save_before_them():
+    """A rollback stays whole-world in this mode (docs/replicas.md): every replica restarts
+    from the last good save before the spikes, the spiky data window skipped -- all replicas
+    see the same averaged loss, so all report the same spikes."""
+    rec = first_round()
+    spikes = [{"step": s, "window": [100 + 8 * s, 107 + 8 * s], "loss": 9.0, "reason": "loss"}
+              for s in (30, 31, 32)]
+    statuses = [dataclasses.replace(s, spikes=spikes) for s in running(step=33)]
+    v = live(rec, node_status=statuses)
+    # 32 is after the first spike; 25 within good_after_steps (the job's default, 10) of it
+    v.checkpoints = [CheckpointRecord(step=s, path=f"/ck/step-{s:08d}", round=1, job_id="J",
+                                      committed_at=NOW - 10 + s / 100) for s in (10, 25, 32)]
+    d = decide(NOW, v)
+    new = only(d.actions, StartRound).record
+    st = only(d.actions, SetStatus).status
+    assert st.incident["kind"] == "loss_spike"
+    assert (new.restore_step, new.tier0) == (10, None), new.restore_step
+    assert new.members == list(NODES)
+    # a whole-world start of the replicas: a new epoch, every replica in it
+    assert new.replica_rounds == [new.round] * 2 and new.replica_epoch == new.round
+    assert new.train["data"]["skip_windows"] == [[340, 363]]
