@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -173,7 +172,7 @@ def _collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: f
     import torch.distributed as dist
 
     world = len(peers)
-    host0, port0 = E.parse_endpoint(peers[0])
+    host0, port0 = _endpoint(peers[0])
     local = [r for r in range(world) if peers[r] == peers[rank]]
     backend = "nccl" if (torch.cuda.is_available() and torch.cuda.device_count() >= len(local)
                          and os.environ.get(DEVICE_ENV, "").lower() != "cpu") else "gloo"
@@ -181,6 +180,9 @@ def _collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: f
     # rank 0's side hosts the store; every rank, here or there, has a connection of its own
     master = (dist.TCPStore(host0, port0, world_size=world, is_master=True, timeout=timeout,
                             wait_for_workers=False) if 0 in local else None)
+    if port0 == 0:  # every rank here (loopback_peers): the store took a port of its choosing
+        assert master is not None, "port 0 is for a test whose ranks are all on this node"
+        port0 = master.port
     results: dict[int, float | BaseException] = {}
 
     def run(r: int) -> None:
@@ -188,7 +190,7 @@ def _collective(peers: Sequence[str], rank: int, *, nbytes: int, min_bus_gbps: f
             store = dist.TCPStore(host0, port0, is_master=False, timeout=timeout)
             results[r] = allreduce(dist.PrefixStore("lazarus/preflight/", store), r, world,
                                    backend=backend, nbytes=nbytes, timeout_s=timeout_s,
-                                   host=E.parse_endpoint(peers[r])[0], device=local.index(r))
+                                   host=_endpoint(peers[r])[0], device=local.index(r))
         except BaseException as e:  # a rank's failure is this check's verdict
             results[r] = e
 
@@ -382,16 +384,17 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else repr(e)
 
 
+def _endpoint(peer: str) -> tuple[str, int]:
+    """A peer's 'host:port'; port 0 only as loopback_peers writes it."""
+    host, _, port = peer.rpartition(":")
+    return (host, 0) if port == "0" else E.parse_endpoint(peer)
+
+
 def loopback_peers(host: str) -> tuple[str, str]:
-    """Two ranks on this node, meeting on a free port of its address."""
-    port = free_port(host)
-    return (f"{host}:{port}", f"{host}:{port}")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """Two ranks on this node, meeting on a port of its address that the store binds itself
+    (port 0): a port found free first and bound later was taken meanwhile by another process
+    on a busy host (EADDRINUSE: a healthy node failed its preflight and was cordoned)."""
+    return (f"{host}:0", f"{host}:0")
 
 
 if __name__ == "__main__":

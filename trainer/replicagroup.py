@@ -244,12 +244,20 @@ class ReplicaPlace:
         done = threading.Event()
 
         def mark() -> None:
-            try:
-                mark_left(self.store(), self.replica,
-                          self.group.incarnation if self.group is not None else None)
-                done.set()
-            except Exception:  # noqa: BLE001 -- the store is gone too: silence says it later
-                pass
+            incarnation = self.group.incarnation if self.group is not None else None
+            # The group's own connection first: this thread is its only user now (the rank is
+            # on its way out), and a new one takes a connect (~0.1 s here) during which the
+            # other replicas wait in a collective with this rank for its exit.
+            for store in ((lambda: self.group.store) if self.group is not None else None,
+                          self.store):
+                if store is None:
+                    continue
+                try:
+                    mark_left(store(), self.replica, incarnation)
+                    done.set()
+                    return
+                except Exception:  # noqa: BLE001 -- that connection is broken: the next
+                    continue        # one, else silence says it later
 
         threading.Thread(target=mark, daemon=True, name="replica-leave").start()
         return done.wait(timeout_s)

@@ -23,7 +23,7 @@ from lazarus.agent import preflight as P
 from lazarus.agent.gpu import GpuMonitor
 from lazarus.agent.gpu_sim import SimulatedBackend, add_fault
 from lazarus.core import etcd as E
-from lazarus.core.embedded_etcd import EmbeddedEtcd
+from lazarus.core.embedded_etcd import EmbeddedEtcd, free_port
 from tests.unit.mountns import run_in_mount_namespace
 
 
@@ -151,7 +151,7 @@ def test_collective_below_the_bandwidth_floor_fails():
 
 
 def test_a_collective_whose_peer_never_comes_fails_with_the_reason():
-    port = coll.free_port("127.0.0.1")
+    port = free_port()
     ok, reason = coll.collective([f"127.0.0.1:{port}", "127.0.0.1:1"], 0, nbytes=P.MiB,
                               min_bus_gbps=0.0, timeout_s=2.0)
     assert not ok and reason.startswith("gloo rank 0"), reason
@@ -200,7 +200,7 @@ def test_the_verdict_is_found_among_nccls_own_lines(monkeypatch):
 
 def test_the_test_process_goes_with_the_agent():
     """Its stdin is its lifeline: an agent that dies (or gives up) closes it."""
-    port = coll.free_port("127.0.0.1")
+    port = free_port()
     request = {"test": "collective", "peers": [f"127.0.0.1:{port}", "127.0.0.1:1"],
                "rank": 0, "nbytes": P.MiB, "min_bus_gbps": 0.0, "timeout_s": 120.0}
     child = subprocess.Popen([*coll.child_command(), json.dumps(request)],
@@ -285,7 +285,7 @@ def test_a_member_that_serves_no_tests_is_no_verdict():
 
 
 def test_a_leader_url_this_node_cannot_reach_is_a_skip_not_a_cordon(etcd, monkeypatch):
-    port = coll.free_port("127.0.0.1")   # nothing listens there
+    port = free_port()   # nothing listens there
     monkeypatch.setattr(etcd, "leader_url", lambda: f"http://127.0.0.1:{port}")
     check = P.timed("clock", lambda: P.clock(etcd, 0.5))
     assert check.ok and check.skipped
