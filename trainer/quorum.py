@@ -15,8 +15,9 @@ A leader that asks for (step, attempt) says it arrived and counts itself in (one
     them), looking every wait_s whether the watcher itself has gone silent, in which case
     they watch too.
 So a step that every member reaches costs each leader a handful of requests, about 4R in
-all (and the watcher two a look while it waits), where every leader polling every replica's keys cost R(2R + 3) at the least: 5.3 s a
-step on one store at 256 replicas (docs/scale.md, "In replica mode").
+all (and the watcher two a look while it waits), where every leader polling every replica's
+keys cost R(2R + 3) at the least: 5.3 s a step on one store at 256 replicas (docs/scale.md,
+"In replica mode").
 """
 
 from __future__ import annotations

@@ -248,10 +248,8 @@ class ReplicaPlace:
             # The group's own connection first: this thread is its only user now (the rank is
             # on its way out), and a new one takes a connect (~0.1 s here) during which the
             # other replicas wait in a collective with this rank for its exit.
-            for store in ((lambda: self.group.store) if self.group is not None else None,
-                          self.store):
-                if store is None:
-                    continue
+            own = [lambda: self.group.store] if self.group is not None else []
+            for store in own + [self.store]:
                 try:
                     mark_left(store(), self.replica, incarnation)
                     done.set()
