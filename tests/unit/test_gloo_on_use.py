@@ -46,6 +46,8 @@ dist.init_process_group("gloo", store=dist.PrefixStore("t", store), rank=rank, w
 before = connections()
 ckpt = Checkpointer(root, keep_last=1)
 made = connections()
+# a rank ahead would connect to this one in its broadcast: count everywhere first
+dist.barrier()
 got = exchange.broadcast(f"from {rank}", src=0, group=ckpt._pg)
 print(made - before, got, os.environ.get("TORCH_GLOO_LAZY_INIT"), flush=True)
 dist.barrier()
