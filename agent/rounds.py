@@ -50,7 +50,7 @@ def act(agent: Agent, action: StopRound | DropKept | SeeRound | Launch | CarryOn
         # Not while the node's preflight runs: its tests fork from the same zygote, and a
         # spare is usable only once they pass (a rehearsal first held one back by seconds).
         if agent.preflight is None or not agent.preflight.busy:
-            agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.world_size)
+            agent.workers.rehearse(rec.round, list(rec.command), rec.train, rec.rank_world)
     elif isinstance(action, Launch):
         launch(agent, action.record)
     elif isinstance(action, CarryOn):

@@ -259,7 +259,8 @@ class Workers:
         forks next start it with DTensor's caches filled (lazarus.trainer.rehearsal): the
         built-in trainer's only, whose model the round names. Every node asks, spares too:
         a spare's worker is the new rank of a node loss. Once per round; the zygote itself
-        is asked once per job shape, and `refill` then renews the pool."""
+        is asked once per job shape, and `refill` then renews the pool. `world_size`: the
+        ranks of a rank's own world (its replica's in a job of replica groups)."""
         z = self.zygote
         if (round_ == self._rehearsed_round or z is None or z.dead or not z.ready
                 or not jobcommand.is_builtin(command)):
@@ -317,7 +318,7 @@ class Workers:
             ranks[local_rank] = assignment.rank
         if assignments:
             a = next(iter(assignments.values()))
-            self.rehearse(round_, a.command, a.train, a.world_size)
+            self.rehearse(round_, a.command, a.train, a.replica_place[2])
         self.drop_kept()
         programs = {lr for lr, a in assignments.items()
                      if jobcommand.how_run(a.command) == jobcommand.PROGRAM}

@@ -97,6 +97,9 @@ class ReplicaRound(RankRound):
         # Waiting for the other replicas is waiting on peers, as in a collective.
         self._enter("collective", op="quorum")
         q = rg.next_quorum(self.step + 1)  # a joiner's tells it which step it computes
+        # when the step's members were known, from its start: a replica back in the group is
+        # back from then (the heal and its first step come after)
+        quorum_s = time.perf_counter() - t0
         healed = rg.heal(self.model, self.optimizer, self.resumable)
         if healed is not None:
             self._healed(healed, q.step, q.source)
@@ -134,7 +137,8 @@ class ReplicaRound(RankRound):
         members = len(q.members)
         self.stats.ranks = self.per * members  # the step's MFU is per rank that computed
         self._report(result, reason, window, compute_s=self.clock.stop(),
-                     more={"replicas_in_step": members, "replica_policy": POLICY},
+                     more={"replicas_in_step": members, "replica_policy": POLICY,
+                           "quorum_s": round(quorum_s, 3)},
                      suffix=f" | replicas {members}/{replicas}" if members < replicas else "")
         self.judged = step
         self.resumable = self._resumable(step)

@@ -413,6 +413,11 @@ class RoundRecord(_Record):
         k = len(self.members) // self.replicas
         return self.members[replica * k:(replica + 1) * k]
 
+    @property
+    def rank_world(self) -> int:
+        """Ranks in each rank's own world: its replica's, or the round's with one replica."""
+        return self.world_size // self.replicas
+
     def carried(self, replica: int) -> bool:
         """Replica `replica`'s ranks go on from an earlier round, untouched."""
         return self.replicas > 1 and self.replica_rounds[replica] < self.round

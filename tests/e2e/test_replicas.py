@@ -53,6 +53,13 @@ def test_a_failure_stops_only_its_replica(tmp_path):
     assert all(e["fields"]["replica"] == 1 for e in events if e["kind"].startswith("replica_")), \
         [e for e in events if e["kind"].startswith("replica_")]
 
+    # every node's zygote rehearsed the step of a rank's own world (its replica's), the
+    # spare's too: the replacement's first step starts with DTensor's caches filled
+    rehearsals = {p.parent.name: [json.loads(line)["result"] for line in p.read_text().splitlines()
+                                  if '"rehearsal"' in line]
+                  for p in workdir.glob("nodes/logs/*/zygote.log")}
+    assert len(rehearsals) == 3 and all("rehearsed" in r for r in rehearsals.values()), rehearsals
+
     # replica 0 (n0) ran one round, never restarted; replica 1 ran on n1 twice, then on n2
     logs = {(p.parent.parent.name, p.parent.name) for p in
             workdir.glob("nodes/logs/*/round-*/rank-*.log")}

@@ -143,6 +143,8 @@ def test_a_replica_of_the_builtin_trainer_heals_from_the_other(tmp_path):
     assert set(counts[:first_alone]) == {2} and set(counts[first_alone:last_alone + 1]) == {1}
     assert set(counts[last_alone + 1:]) == {2} and last_alone + 1 < STEPS
     assert {r["replica_policy"] for r in rows} == {"drop"}
+    # when each step's members were known, inside the step (the bench dates a rejoin by it)
+    assert all(0 <= r["quorum_s"] <= r["step_time_s"] for r in rows), rows
     healed_at = last_alone + 2  # the step number of the first step after the last alone
     for rank in range(REPLICAS * PER):
         done = _rows(tmp_path / f"steps-{rank}.jsonl")
