@@ -18,6 +18,13 @@ So a step that every member reaches costs each leader a handful of requests, abo
 all (and the watcher two a look while it waits), where every leader polling every replica's
 keys cost R(2R + 3) at the least: 5.3 s a step on one store at 256 replicas (docs/scale.md,
 "In replica mode").
+
+A step's keys are let go KEEP_STEPS steps later, once its answer is in: each leader deletes
+its own arrival, the lowest member of the step's quorum the step's shared keys, and raises
+FLOOR to it; a leader that would decide a step at or below the floor has been left behind
+(LeftOut). Kept, they grew by R + 3 keys a step in the agent's store for the run's life: a
+week of 1 s steps at 2 replicas is 3 million keys. R + 4 deletes a step, after the answer,
+off the quorum's path.
 """
 
 from __future__ import annotations
@@ -43,6 +50,16 @@ POLL_S = 0.01
 NEWS = "news"
 # How often a restarted replica waiting to be let back in says so.
 JOIN_SAID_S = 10.0
+# How many steps a step's keys outlive its answer: every member of the quorum KEEP_STEPS
+# later asked the steps between, so it has read them.
+KEEP_STEPS = 2
+# The highest step whose keys are gone.
+FLOOR = "floor"
+
+
+class LeftOut(RuntimeError):
+    """This replica is not in the quorum of the step (it came too late, or broke): it must be
+    restarted to heal."""
 
 _ABSENT = "\x00absent"
 
@@ -75,6 +92,8 @@ class QuorumClient:
         # the news counter at this leader's last look at the members (or its first ask: what
         # came before, its first quorum's expected set and the silences answer)
         self._news_seen = -1
+        # step -> (the tries this leader asked, the quorum it got): the keys to let go
+        self._kept: dict[int, tuple[list[int], Quorum]] = {}
 
     def gone(self, replicas: set[int], since: float) -> set[int]:
         """Those of `replicas` that their supervisor said were lost (mark_left), or whose
@@ -94,6 +113,10 @@ class QuorumClient:
         return {r: nonce for r in sorted(among) if (nonce := peek(self.store, f"join/{r}"))}
 
     def _propose(self, key: str, q: Quorum, joiners: dict[int, str]) -> Quorum:
+        floor = peek(self.store, FLOOR)
+        if floor is not None and q.step <= int(floor):
+            raise LeftOut(f"replica {self.replica} asked for step {q.step}, whose quorum the "
+                          f"others decided and let go (they are past step {floor})")
         # The first proposal stored is the quorum, whoever made it.
         decided = Quorum.from_json(self.store.compare_set(key, "", q.to_json()))
         for r in set(decided.healing) & set(joiners):
@@ -103,6 +126,25 @@ class QuorumClient:
     def ask(self, step: int, attempt: int, expected: set[int]) -> Quorum:
         """The quorum of (step, attempt); `expected`: the last quorum's members (all replicas
         at the first step)."""
+        tries = self._kept.get(step, ([], None))[0]
+        q = self._ask(step, attempt, expected)
+        self._kept[step] = (tries + [attempt], q)
+        self._forget(before=step - KEEP_STEPS + 1)
+        return q
+
+    def _forget(self, *, before: int) -> None:
+        """Let go of the keys of the steps before `before` that this leader asked."""
+        for step in sorted(s for s in self._kept if s < before):
+            tries, q = self._kept.pop(step)
+            for attempt in tries:
+                self.store.delete_key(f"in/{step}.{attempt}/{self.replica}")
+            if q.step == step and self.replica == min(q.members):
+                for attempt in range(q.attempt + 1):
+                    for shared in ("n", "watcher", "q"):
+                        self.store.delete_key(f"{shared}/{step}.{attempt}")
+                self.store.set(FLOOR, str(step))
+
+    def _ask(self, step: int, attempt: int, expected: set[int]) -> Quorum:
         tag = f"{step}.{attempt}"
         key = f"q/{tag}"
         self.store.set(f"in/{tag}/{self.replica}", "1")

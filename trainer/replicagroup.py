@@ -27,16 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lazarus.trainer.quorum import NEWS, QuorumClient, peek
+from lazarus.trainer.quorum import NEWS, LeftOut, QuorumClient, peek
 from lazarus.trainer.replicapolicy import Quorum
 
 # How often a rank whose cross-replica collective takes long looks for a member gone silent.
 SILENCE_CHECK_S = 0.5
-
-
-class LeftOut(RuntimeError):
-    """This replica is not in the quorum of the step (it came too late, or broke): it must be
-    restarted to heal."""
 
 
 # How long a rank that leaves tries to tell the quorum so (mark_left): it is on its way out.

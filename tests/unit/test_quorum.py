@@ -135,3 +135,24 @@ def test_a_member_marked_left_is_left_out_on_the_news_not_after_a_look(server, m
         time.sleep(0.2)
         second = clients[1].ask(1, 0, {0, 1, 2})
         assert first.result(timeout=60).members == second.members == (0, 1)
+
+
+def test_a_steps_keys_are_let_go_and_a_leader_left_behind_is_told(server, monkeypatch):
+    monkeypatch.setattr(qm, "LOOK_S", 60.0)
+    clients = [_client(server, r, 3) for r in range(3)]
+    everyone = {0, 1, 2}
+    held = []
+    for step in range(12):
+        _ask_all(clients, step, 0, everyone)
+        held.append(server.num_keys())
+    # the store holds the last steps' keys only, not every step's (R + 3 more a step)
+    assert held[-1] == held[-4], held
+    prefix = dist.PrefixStore("q/", server)
+    assert not prefix.check(["q/3.0"]) and not prefix.check(["in/3.0/0"])
+    assert prefix.check(["q/11.0"]) and prefix.check(["in/11.0/2"])
+    # a leader that comes back to a step the others decided and let go is not answered with
+    # a quorum of its own: it must heal
+    late = _client(server, 1, 3)
+    monkeypatch.setattr(qm, "LOOK_S", 0.1)  # the others are silent: it decides alone
+    with pytest.raises(qm.LeftOut, match="let go"):
+        late.ask(4, 0, everyone)
