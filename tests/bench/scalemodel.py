@@ -189,9 +189,11 @@ REPLICA_START_S = 0.47
 # The quorum's decision (trainer/quorum.py): every leader says it arrived and counts itself
 # in; the one whose count completes the members checks all their arrivals at once and
 # decides; the first names itself the watcher; the others wait on the answer (the store wakes
-# them) and read it: 4R + 2 requests on the one loop thread, each at the store's cost per
-# request (STORE_OPS a rank in the measured law). The watcher looks at the missing members
-# only after LOOK_S (in a step every member reaches, never) or a retry's grace.
+# them) and read it, and the decider reads the floor of the keys let go: 4R + 3 requests on
+# the one loop thread, each at the store's cost per request (STORE_OPS a rank in the
+# measured law). The watcher looks at the missing members only after LOOK_S (in a step every
+# member reaches, never) or a retry's grace. The R + 4 deletes of the step two back come
+# after the answer, in the step's compute: off this path.
 LOOK_S = 1.0               # trainer/quorum.py
 # A cross-replica group rebuilt (ProcessGroupGloo made on use under a fresh prefix): a rank
 # publishes its address and reads its ring neighbours' at the first collective, 3 requests,
@@ -242,7 +244,7 @@ def _per_request(store: Callable[[int], float]) -> float:
 
 def quorum_requests(replicas: int) -> int:
     """The requests of one quorum's decision in a step every member reaches (above)."""
-    return 4 * replicas + 2
+    return 4 * replicas + 3
 
 
 def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
@@ -276,7 +278,7 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
                  "trainer/replicagroup.py _finished (a silent host resets nothing): 3.7 s "
                  "with a 3 s wait, measured here (tests/integration/test_replica_groups.py)"))
     retry = Part("the retry's quorum", RETRY_GRACE_S + quorum_s,
-                 "grace + 4R + 2 requests, one loop thread",
+                 "grace + 4R + 3 requests, one loop thread",
                  "trainer/quorum.py RETRY_GRACE_S; the store's cost a request, measured")
     left = ranks - replica_gpus
     stall = Prediction(ranks, kind, (
@@ -377,7 +379,7 @@ def replica_table(store: Callable[[int], float], replica_gpus: int) -> str:
             "their wait in that step")
     rows.append("| the quorum's decision, every step (not in the totals above it) | "
                 + _cells(crash, lambda p: f"{p.quorum_s:.3f} s")
-                + " | 4R + 2 requests, one loop thread | trainer/quorum.py ask |")
+                + " | 4R + 3 requests, one loop thread | trainer/quorum.py ask |")
     rows.append("| GPU time lost a failure, crash / node | "
                 + " | ".join("-" if crash[n] is None else
                              f"{crash[n].lost_s:.1f} / {node[n].lost_s:.1f} s" for n in MTBF_S)
