@@ -150,13 +150,15 @@ class ReplicaGroup:
             offset += g.numel()
         return True
 
-    def _finished(self, work: dist.Work) -> bool:
+    def _finished(self, work: dist.Work, others: set[int] | None = None) -> bool:
         """Whether a cross-replica collective completed. False once it failed (a counterpart
-        gone: a reset connection) or, while it waits, once another member's leader is gone
-        (marked left, or silent for wait_s): a node that stops answering resets nothing, and
-        gloo would wait out the group's timeout (a minute) with every live replica idle."""
+        gone: a reset connection) or, while it waits, once the leader of another member (of
+        `others`, by default all) is gone (marked left, or silent for wait_s): a node that
+        stops answering resets nothing, and gloo would wait out the group's timeout (a
+        minute) with every live replica idle."""
         began = checked = time.monotonic()
-        others = set(self.quorum.members) - {self.replica}
+        if others is None:
+            others = set(self.quorum.members) - {self.replica}
         while not work.is_completed():
             now = time.monotonic()
             if now - checked >= SILENCE_CHECK_S:
@@ -192,12 +194,12 @@ class ReplicaGroup:
             size = torch.tensor([payload.numel()], dtype=torch.int64)
             for r in q.healing:
                 dst = q.members.index(r)
-                try:
-                    self.group.send([size], dst, 0).wait()
-                    self.group.send([payload], dst, 1).wait()
-                except RuntimeError:
-                    # The joiner is gone: this replica's average fails next, and the same
-                    # step's next try is without it. A source never dies of a joiner.
+                # A joiner gone (a reset connection, or its leader silent: a node stopped or
+                # cut off mid-heal fills the send's buffers and resets nothing) breaks this
+                # replica's average next, and the same step's next try is without it. A
+                # source never dies of a joiner, nor waits out the group's timeout for one.
+                if not (self._finished(self.group.send([size], dst, 0), {r})
+                        and self._finished(self.group.send([payload], dst, 1), {r})):
                     self._broken = True
             return None
         size = torch.zeros(1, dtype=torch.int64)

@@ -186,3 +186,58 @@ def _figures(out: Path, *, began: float, killed: float, restarted: float) -> str
 
 def _alone_first(a: list[dict], killed: float) -> float:
     return next(x["t"] for x in a if x["members"] == [0]) - killed
+
+
+def _heal_main(ident: int, replica: int, port: int, out: str) -> None:
+    from lazarus.trainer.replicagroup import ReplicaGroup, quorum_store
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world/{replica}/", store), rank=0,
+                            world_size=1)
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, lr=LR)
+    rg = ReplicaGroup(lambda: quorum_store("127.0.0.1", port, "heal", 1), replica=replica,
+                      replicas=2, wait_s=1.0, start_wait_s=1.0, timeout_s=COLLECTIVE_TIMEOUT_S,
+                      joining=replica == 1)
+    if replica == 1:
+        q = rg.next_quorum(1)  # let in, healing...
+        os.kill(os.getpid(), signal.SIGSTOP)  # ... and stopped before it reads a byte
+        return
+    assert rg.next_quorum(0).members == (0,)  # replica 1 not started yet: gone, A alone
+    store.set("a_alone", "1")
+    _wait("replica 1 to ask in", lambda: rg.store.check(["join/1"]))
+    q = rg.next_quorum(1)
+    assert q.members == (0, 1) and q.healing == (1,)
+    began = time.monotonic()
+    # far more than the sockets buffer: the send waits on the stopped reader
+    rg.heal(model, optimizer, {"step": 0, "blob": torch.zeros(32 << 20)})
+    Path(out, "source.json").write_text(json.dumps({"broken": rg._broken,
+                                                    "heal_s": time.monotonic() - began}))
+
+
+def test_a_source_does_not_wait_out_a_joiner_stopped_mid_heal(tmp_path):
+    """A restarted replica is let in and stops (SIGSTOP) before it reads its state: the source's
+    send, 128 MB, fills the socket and waits. It gives up once the joiner's leader is silent
+    (wait_s, 1 s here), not at the group's timeout (ten minutes: the test would time out), and
+    marks its group broken, so its step is tried again without the joiner."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = _ranks_context()
+    procs = []
+    for replica in (0, 1):
+        if replica == 1:
+            _wait("replica 0 alone", lambda: store.check(["a_alone"]), timeout_s=120)
+        procs.append(ctx.Process(target=_entry, args=(
+            {"OMP_NUM_THREADS": "1"}, f"{__name__}:_heal_main", replica, str(tmp_path),
+            (replica, store.port, str(tmp_path)))))
+        procs[-1].start()
+    try:
+        procs[0].join(180)
+        assert procs[0].exitcode == 0, (tmp_path / "error-0.txt").read_text()[-3000:] if (
+            tmp_path / "error-0.txt").exists() else procs[0].exitcode
+        said = json.loads((tmp_path / "source.json").read_text())
+        assert said["broken"], said
+        print(f"\nheal to a stopped joiner: the source gave up after {said['heal_s']:.1f} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
