@@ -3,7 +3,9 @@
 - cancel: the run ends as CANCELLED; agents stop its workers.
 - drain NODE: if NODE runs ranks, ask for a checkpoint, and once one is committed after the
   request, start a new round without NODE (a spare takes its place, else the run shrinks);
-  NODE stays cordoned. A node that runs nothing is cordoned at once.
+  NODE stays cordoned. A node that runs nothing is cordoned at once. In a job of replica
+  groups only NODE's replica restarts, on a spare, and heals from a live one: no checkpoint
+  (lazarus.daemon.replicaround.move; the whole-world drain where it cannot).
 - pause: checkpoint the same way, then PAUSED (workers stopped); deleting the key resumes
   from that checkpoint.
 """
@@ -16,7 +18,7 @@ from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import CANCELLED, PAUSED, RENDEZVOUS, RUNNING, RunStatus
 from lazarus.daemon.actions import (ClearCommand, Cordon, Decision, Emit, RequestCheckpoint,
                                     SetStatus)
-from lazarus.daemon import preflight
+from lazarus.daemon import preflight, replicaround
 from lazarus.daemon.rounds import choose, start_round
 from lazarus.daemon.view import ClusterView
 
@@ -58,6 +60,11 @@ def while_running(now: float, view: ClusterView, job: JobSpec, st: RunStatus) ->
     """Drain and pause of a running round: both wait for a checkpoint committed after them."""
     drained = sorted(n for n in view.drains if n in st.members)
     if drained:
+        # In a replica job only the drained nodes' replicas move, with no checkpoint.
+        moved = replicaround.move(now, view, job, st, drained)
+        if moved is not None:
+            done = [a for n in drained for a in (Cordon(n), ClearCommand(f"drain/{n}"))]
+            return Decision(moved.actions + (done if moved.actions else []), moved.reason)
         since = max(view.drains[n] for n in drained)
         step = _checkpoint_after(view, job, since)
         if step is None:

@@ -439,7 +439,7 @@ def _planned_swap(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | 
         if gpu == H_DEGRADED or (host == H_FAILED and not shared and _host_swappable(view, node)):
             kind = "gpu_degraded" if gpu == H_DEGRADED else "host_failed"
             msg = (f"{kind.replace('_', ' ')} on {node} ({', '.join(gpu_why + host_why)}): "
-                   f"checkpoint, then swap in {spares[0]}")
+                   f"{replicaround.swap_said(job, spares[0])}")
             return Decision([RequestDrain(node, msg), Emit(kind, msg, {"node": node})], msg)
     return None
 

@@ -25,7 +25,7 @@ from lazarus.core.records import (MAX_ROUND, RECOVERING, RENDEZVOUS, SUCCEEDED, 
                                   W_SUCCEEDED, RoundRecord, RunStatus)
 from lazarus.daemon import unkillable
 from lazarus.daemon.actions import Decision, Emit, SetStatus, StartRound
-from lazarus.daemon.rounds import free_spares
+from lazarus.daemon.rounds import free_spares, usable
 from lazarus.daemon.view import ClusterView
 
 # The faults a replica can be restarted for: each names the nodes whose ranks broke.
@@ -89,14 +89,62 @@ def respond(now: float, view: ClusterView, job: JobSpec, st: RunStatus, fault: D
     return _decision(now, fault, failed, record, rec.members, broken, sources, swap, kind)
 
 
+def swap_said(job: JobSpec, spare: str) -> str:
+    """How a drain will swap `spare` in, as its request says it."""
+    if job.failure_unit == "replica" and job.replicas > 1:
+        return f"swap in {spare}, its replica restarting to heal from a live one"
+    return f"checkpoint, then swap in {spare}"
+
+
+def move(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
+         nodes: list[str]) -> Decision | None:
+    """A planned move of `nodes` out of a running replica job (a drain: the operator's, a
+    degrading GPU's or host's, a straggler's swap): only their replicas restart, each moved
+    node's place taken by an idle spare, and heal from a live replica while the others train
+    on -- no checkpoint, no whole-world round, no restart counted. A decision to wait while
+    an earlier replica round still heals (one incident at a time); None where a replica round
+    cannot do it (the whole-world drain then, after a checkpoint): not a replica job, the
+    first member moved (its agent hosts the quorum's store), no live replica left to heal
+    from, or fewer idle spares than nodes moved (a replica does not shrink)."""
+    rec = view.round
+    if (job.failure_unit != "replica" or job.replicas < 2 or rec is None
+            or rec.round != st.round or rec.replicas != job.replicas
+            or rec.members != st.members or not nodes or not set(nodes) <= set(rec.members)
+            or rec.members[0] in nodes):
+        return None
+    broken = sorted({rec.replica_of(n) for n in nodes})
+    if healing(st, rec.replicas) is not None:
+        return Decision([], f"drain {','.join(nodes)}: waiting for the replica(s) healing "
+                            "to step first")
+    sources = [r for r in range(rec.replicas) if r not in broken]
+    spares = [n for n in usable(view, job) if n not in st.members]
+    n = max(st.round, view.last_round) + 1
+    if not sources or len(spares) < len(nodes) or n >= MAX_ROUND:
+        return None
+    swap = dict(zip(nodes, spares))
+    record = dataclasses.replace(
+        rec, round=n, members=[swap.get(m, m) for m in rec.members],
+        replica_rounds=[n if r in broken else rr for r, rr in enumerate(rec.replica_rounds)],
+        restore=None, restore_step=0, tier0=None, restarts=st.restarts,
+        max_restarts=job.max_restarts)
+    # An incident like a fault's, so that the round is watched until the moved replicas step
+    # (recovered, replica_joined), dated from this decision.
+    moving = dataclasses.replace(st, incident={"kind": "drain", "culprit": ",".join(nodes),
+                                               "fault_at": now, "detected_at": now,
+                                               "round": st.round})
+    return _decision(now, Decision([], ""), moving, record, rec.members, broken, sources,
+                     swap, "drain", planned=True)
+
+
 def _decision(now: float, fault: Decision, failed: RunStatus, record: RoundRecord,
               old: list[str], broken: list[int], sources: list[int], swap: dict[str, str],
-              kind: str) -> Decision:
+              kind: str, *, planned: bool = False) -> Decision:
     n, replicas = record.round, record.replicas
     said = ", ".join(map(str, broken))
-    why = (f"replica recovery {record.restarts}: restart replica(s) {said}, the others go on"
-           + (f", promote {', '.join(swap.values())}" if swap else "")
-           + (f" in place of {', '.join(swap)}" if swap else ""))
+    head = "replica move" if planned else f"replica recovery {record.restarts}"
+    why = (f"{head}: restart replica(s) {said}, the others go on"
+           + (f", promote {', '.join(swap.values())} in place of {', '.join(swap)}"
+              if swap else ""))
     msg = (f"round {n}: {len(record.members)} node(s) {', '.join(record.members)}, world "
            f"{record.world_size} ({replicas} replicas x dp {record.dp} x tp {record.tp}), "
            f"replica(s) {said} anew, healing from replica(s) {', '.join(map(str, sources))}"

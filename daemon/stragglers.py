@@ -15,6 +15,7 @@ from lazarus.core.throughput import Straggler, ThroughputConfig, judge, read_sum
 from lazarus.core.jobspec import JobSpec
 from lazarus.core.records import W_RUNNING, RunStatus
 from lazarus.daemon.actions import Decision, Emit, RequestDrain, SetStatus
+from lazarus.daemon import replicaround
 from lazarus.daemon.rounds import free_spares
 from lazarus.daemon.view import ClusterView
 
@@ -98,7 +99,7 @@ def respond(view: ClusterView, job: JobSpec, st: RunStatus) -> Decision | None:
         pays, why = swap_pays(s.gain_s_per_step, cost, remaining, slow_steps=step - since,
                               step_s=s.step_s)
         if pays and spares:
-            msg = f"straggler: {s.reason}; {why}: checkpoint, then swap in {spares[0]}"
+            msg = f"straggler: {s.reason}; {why}: {replicaround.swap_said(job, spares[0])}"
             return Decision([RequestDrain(node, msg),
                              Emit("straggler", msg, _fields(s, node, step, swap=spares[0]))], msg)
         if isinstance(seen, dict) and seen.get("round") == st.round:

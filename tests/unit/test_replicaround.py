@@ -279,3 +279,48 @@ def test_the_run_ends_when_the_live_replicas_finish_while_another_still_heals():
     v.status = st
     assert not any(isinstance(a, SetStatus) and a.status.state == "SUCCEEDED"
                    for a in decide(NOW + 1, v).actions)
+
+
+def test_a_drain_moves_only_its_replica_onto_a_spare_with_no_checkpoint():
+    # the operator's drain, a degrading GPU's, a straggler's swap: all are drains
+    rec = first_round()
+    v = live(rec, node_status=running())
+    v.drains = {"c": 9}
+    d = decide(NOW, v)
+    new = only(d.actions, StartRound).record
+    assert new.members == ["a", "b", "s", "d"] and new.replica_rounds == [1, 2]
+    assert new.restarts == 0  # a planned move is no failure: no restart counted
+    assert [a.node for a in d.actions if isinstance(a, Cordon)] == ["c"]
+    assert "RequestCheckpoint" not in kinds(d.actions)
+    st = only(d.actions, SetStatus).status
+    assert st.state == RENDEZVOUS and st.incident["replicas"] == [1]
+    assert st.incident["kind"] == "drain" and st.incident["culprit"] == "c"
+    assert emitted(d, "replica_left")[0].fields == {"replica": 1, "nodes": ["c", "d"],
+                                                    "reason": "drain"}
+    assert "replica move" in d.reason and "s in place of c" in d.reason
+    readable(new, st)
+
+
+@pytest.mark.parametrize("drained, spares", [(["a"], ("s",)), (["c"], ()),
+                                             (["a", "c"], ("s", "t"))])
+def test_a_drain_a_replica_round_cannot_make_waits_for_a_checkpoint(drained, spares):
+    # the first member's agent hosts the quorum's store; without a spare a replica cannot
+    # move; with both replicas drained there is nobody to heal from
+    rec = first_round(spares)
+    v = live(rec, node_status=running(), spares=spares)
+    v.drains = {n: 9 for n in drained}
+    d = decide(NOW, v)
+    assert kinds(d.actions) == ["RequestCheckpoint"], d
+
+
+def test_a_drain_waits_while_a_replica_still_heals():
+    rec = first_round(("s", "t"))
+    # replica 1 restarted, not stepped yet
+    v = live(rec, node_status=running(skip=("c", "d")) + [ns(n, "running", step=0)
+                                                          for n in ("c", "d")],
+             spares=("s", "t"),
+             incident={"kind": "worker_crash", "culprit": "c", "fault_at": NOW - 5,
+                       "detected_at": NOW - 5, "round": 1, "replicas": [1]})
+    v.drains = {"b": 9}
+    d = decide(NOW, v)
+    assert d.actions == [] and "healing" in d.reason
