@@ -150,16 +150,34 @@ class ReplicaGroup:
             offset += g.numel()
         return True
 
-    def _finished(self, work: dist.Work, others: set[int] | None = None) -> bool:
+    def _finished(self, work: dist.Work, others: set[int] | None = None, *,
+                  point_to_point: bool = False) -> bool:
         """Whether a cross-replica collective completed. False once it failed (a counterpart
         gone: a reset connection) or, while it waits, once the leader of another member (of
         `others`, by default all) is gone (marked left, or silent for wait_s): a node that
         stops answering resets nothing, and gloo would wait out the group's timeout (a
-        minute) with every live replica idle."""
+        minute) with every live replica idle. A `point_to_point` work (a send) gloo marks
+        complete only inside its wait(), never before: that wait runs on a thread of its own
+        (left blocked, with its group, when the peer is gone), watched the same way."""
         began = checked = time.monotonic()
         if others is None:
             others = set(self.quorum.members) - {self.replica}
-        while not work.is_completed():
+        failed: list[BaseException] = []
+        if point_to_point:
+            waited = threading.Event()
+
+            def wait() -> None:
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    failed.append(e)
+                finally:
+                    waited.set()
+            threading.Thread(target=wait, daemon=True, name="replica-send").start()
+            completed = waited.is_set
+        else:
+            completed = work.is_completed
+        while not completed():
             now = time.monotonic()
             if now - checked >= SILENCE_CHECK_S:
                 checked = now
@@ -169,6 +187,8 @@ class ReplicaGroup:
                     self._abandoned.append(self.group)
                     return False
             time.sleep(0.001)
+        if point_to_point:
+            return not failed
         try:
             work.wait()
         except RuntimeError:
@@ -198,8 +218,10 @@ class ReplicaGroup:
                 # cut off mid-heal fills the send's buffers and resets nothing) breaks this
                 # replica's average next, and the same step's next try is without it. A
                 # source never dies of a joiner, nor waits out the group's timeout for one.
-                if not (self._finished(self.group.send([size], dst, 0), {r})
-                        and self._finished(self.group.send([payload], dst, 1), {r})):
+                if not (self._finished(self.group.send([size], dst, 0), {r},
+                                       point_to_point=True)
+                        and self._finished(self.group.send([payload], dst, 1), {r},
+                                           point_to_point=True)):
                     self._broken = True
             return None
         size = torch.zeros(1, dtype=torch.int64)
