@@ -42,8 +42,9 @@ def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
     per_request = STORE(16384) / (16384 * 5)
     assert p.replicas == 32
     # one decision: each of the 32 leaders arrives, counts itself in, waits and reads the
-    # answer; the last checks every arrival at once and decides (trainer/quorum.py)
-    assert p.quorum_s == pytest.approx((4 * 32 + 2) * per_request)
+    # answer; the last checks every arrival at once, reads the floor and decides
+    # (trainer/quorum.py)
+    assert p.quorum_s == pytest.approx((4 * 32 + 3) * per_request)
     assert part(p.stall, "the retry's quorum") == pytest.approx(0.5 + p.quorum_s)
     # the live ranks publish and read 3 of the rendezvous law's 5 operations each
     assert part(p.stall, "cross-replica groups, rendezvous") == pytest.approx(
