@@ -42,10 +42,8 @@ def respond(now: float, view: ClusterView, job: JobSpec, st: RunStatus, fault: D
     or RENDEZVOUS), or None: the fault's decision stands. `early_limit`: the rounds in a row
     that crash before they run after which decide._recovering fails the run (a replica that
     cannot start must not be restarted forever)."""
-    rec = view.round
-    if (job.failure_unit != "replica" or job.replicas < 2 or rec is None
-            or rec.round != st.round or rec.replicas != job.replicas
-            or rec.members != st.members):
+    rec = _live_record(view, job, st)
+    if rec is None:
         return None
     sets = [a for a in fault.actions if isinstance(a, SetStatus)]
     if len(sets) != 1 or sets[0].status.state != RECOVERING:
@@ -80,18 +78,13 @@ def respond(now: float, view: ClusterView, job: JobSpec, st: RunStatus, fault: D
     if n >= MAX_ROUND:
         return None
     swap = dict(zip(gone, spares))
-    members = [swap.get(m, m) for m in rec.members]
-    record = dataclasses.replace(
-        rec, round=n, members=members,
-        replica_rounds=[n if r in broken else rr for r, rr in enumerate(rec.replica_rounds)],
-        restore=None, restore_step=0, tier0=None, restarts=st.restarts + 1,
-        max_restarts=job.max_restarts)
+    record = _next_record(rec, n, swap, broken, restarts=st.restarts + 1, job=job)
     return _decision(now, fault, failed, record, rec.members, broken, sources, swap, kind)
 
 
 def swap_said(job: JobSpec, spare: str) -> str:
     """How a drain will swap `spare` in, as its request says it."""
-    if job.failure_unit == "replica" and job.replicas > 1:
+    if _replica_job(job):
         return f"swap in {spare}, its replica restarting to heal from a live one"
     return f"checkpoint, then swap in {spare}"
 
@@ -106,10 +99,8 @@ def move(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     cannot do it (the whole-world drain then, after a checkpoint): not a replica job, the
     first member moved (its agent hosts the quorum's store), no live replica left to heal
     from, or fewer idle spares than nodes moved (a replica does not shrink)."""
-    rec = view.round
-    if (job.failure_unit != "replica" or job.replicas < 2 or rec is None
-            or rec.round != st.round or rec.replicas != job.replicas
-            or rec.members != st.members or not nodes or not set(nodes) <= set(rec.members)
+    rec = _live_record(view, job, st)
+    if (rec is None or not nodes or not set(nodes) <= set(rec.members)
             or rec.members[0] in nodes):
         return None
     broken = sorted({rec.replica_of(n) for n in nodes})
@@ -122,11 +113,7 @@ def move(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
     if not sources or len(spares) < len(nodes) or n >= MAX_ROUND:
         return None
     swap = dict(zip(nodes, spares))
-    record = dataclasses.replace(
-        rec, round=n, members=[swap.get(m, m) for m in rec.members],
-        replica_rounds=[n if r in broken else rr for r, rr in enumerate(rec.replica_rounds)],
-        restore=None, restore_step=0, tier0=None, restarts=st.restarts,
-        max_restarts=job.max_restarts)
+    record = _next_record(rec, n, swap, broken, restarts=st.restarts, job=job)
     # An incident like a fault's, so that the round is watched until the moved replicas step
     # (recovered, replica_joined), dated from this decision.
     moving = dataclasses.replace(st, incident={"kind": "drain", "culprit": ",".join(nodes),
@@ -134,6 +121,30 @@ def move(now: float, view: ClusterView, job: JobSpec, st: RunStatus,
                                                "round": st.round})
     return _decision(now, Decision([], ""), moving, record, rec.members, broken, sources,
                      swap, "drain", planned=True)
+
+
+def _replica_job(job: JobSpec) -> bool:
+    return job.failure_unit == "replica" and job.replicas > 1
+
+
+def _live_record(view: ClusterView, job: JobSpec, st: RunStatus) -> RoundRecord | None:
+    """The record of the live round of a replica job, or None: not one, or not read yet."""
+    rec = view.round
+    if (not _replica_job(job) or rec is None or rec.round != st.round
+            or rec.replicas != job.replicas or rec.members != st.members):
+        return None
+    return rec
+
+
+def _next_record(rec: RoundRecord, n: int, swap: dict[str, str], broken: list[int], *,
+                 restarts: int, job: JobSpec) -> RoundRecord:
+    """Round `n`: `broken` replicas start anew (a spare in each `swap`ped node's place), the
+    others carried from the round their ranks were launched in."""
+    return dataclasses.replace(
+        rec, round=n, members=[swap.get(m, m) for m in rec.members],
+        replica_rounds=[n if r in broken else rr for r, rr in enumerate(rec.replica_rounds)],
+        restore=None, restore_step=0, tier0=None, restarts=restarts,
+        max_restarts=job.max_restarts)
 
 
 def _decision(now: float, fault: Decision, failed: RunStatus, record: RoundRecord,
