@@ -26,7 +26,7 @@ from lazarus.agent.adopt import AdoptedRank
 from lazarus.agent.channel import descends_from
 from lazarus.core import etcd as E
 from lazarus.core.contract import ABSENT, CORRUPT, RESTORE_KINDS, UNREADABLE, Progress
-from lazarus.core.records import CheckpointRecord, EventRecord, Keys
+from lazarus.core.records import CheckpointRecord, EventRecord, RecordError, RoundRecord
 
 if TYPE_CHECKING:
     from lazarus.agent.service import Agent
@@ -192,8 +192,7 @@ def _joined(agent: Agent, msg: dict) -> None:
 
 
 def _may_commit(agent: Agent, msg: dict) -> dict:
-    return {"type": "may_commit", "ok": round_is_current(agent.etcd, agent.keys,
-                                                         _fenced_on(agent, msg.get("round")))}
+    return {"type": "may_commit", "ok": fenced_write(agent, msg.get("round"))}
 
 
 def _fenced_on(agent: Agent, round_: object) -> object:
@@ -207,14 +206,52 @@ def _fenced_on(agent: Agent, round_: object) -> object:
     return round_
 
 
-def round_is_current(etcd: E.Etcd, keys: Keys, round_: object) -> bool:
-    """Fencing: a linearizable compare in etcd, not our possibly stale view."""
+def fenced_write(agent: Agent, round_: object, ops: tuple = ()) -> bool:
+    """Write `ops` if `round_` (a message's) is still the run's round, or the round this
+    node's replica was carried into: a linearizable compare in etcd, not our possibly stale
+    view. False also while etcd is away."""
     if not isinstance(round_, int):
         return False
     try:
-        return etcd.txn([E.value_is(keys.round, str(round_).encode())])
+        if _write_if_round(agent, _fenced_on(agent, round_), ops):
+            return True
+        # Another replica's round may have started since our last pass (the group is
+        # relabelled only then): a commit landing in that gap is still this replica's.
+        carried = _carried_into(agent, round_)
+        return carried is not None and _write_if_round(agent, carried, ops)
     except E.EtcdUnavailable:
         return False
+
+
+def _write_if_round(agent: Agent, round_: object, ops: tuple) -> bool:
+    return agent.etcd.txn([E.value_is(agent.keys.round, str(round_).encode())], list(ops))
+
+
+def _carried_into(agent: Agent, launch: int) -> int | None:
+    """The run's round as etcd has it, if its record carries this node's replica on from
+    `launch`, the round this node's ranks were launched in; else None (a whole-world round
+    carries nobody, so its stale workers stay fenced out)."""
+    with agent._lock:
+        g = agent.workers.group
+        if g is None or g.rank_round != launch:
+            return None
+    kv = agent.etcd.get(agent.keys.round)
+    try:
+        current = int(kv.value) if kv is not None else None
+    except ValueError:
+        return None
+    kv = agent.etcd.get(agent.keys.round_key(current)) if current is not None else None
+    if kv is None:
+        return None
+    try:
+        rec = RoundRecord.from_json(kv.value, kv.key)
+    except RecordError:
+        return None
+    node = agent.cfg.node
+    if rec.replicas <= 1 or node not in rec.members:
+        return None
+    r = rec.replica_of(node)
+    return rec.round if rec.carried(r) and rec.replica_rounds[r] == launch else None
 
 
 def _committed(agent: Agent, msg: dict) -> None:
@@ -234,13 +271,7 @@ def _committed(agent: Agent, msg: dict) -> None:
     with agent._lock:
         if not _within(agent, "claim", "checkpoint commits"):
             return
-    try:
-        ok = agent.etcd.txn([E.value_is(agent.keys.round,
-                                        str(_fenced_on(agent, rec.round)).encode())],
-                            [E.put_op(agent.keys.claim_key(rec.step), rec.to_json())])
-    except E.EtcdUnavailable:
-        ok = False
-    if ok:
+    if fenced_write(agent, rec.round, (E.put_op(agent.keys.claim_key(rec.step), rec.to_json()),)):
         log.info("checkpoint step %d committed (round %d); claimed for the daemon to record",
                  rec.step, rec.round)
     else:
@@ -266,12 +297,8 @@ def _checkpoint_failed(agent: Agent, msg: dict) -> None:
     log.warning("%s", text)
     ev = EventRecord(time=time.time(), kind="checkpoint_failed", message=text, round=round_,
                      fields={"step": step, "error": error, "reported_by": agent.cfg.node})
-    try:
-        agent.etcd.txn([E.value_is(agent.keys.round,
-                                   str(_fenced_on(agent, round_)).encode())],
-                       [E.put_op(agent.keys.event_key(agent.cfg.node), ev.to_json())])
-    except E.EtcdUnavailable:
-        pass  # the worker log and ours still say it
+    # refused, or etcd away: the worker log and ours still say it
+    fenced_write(agent, round_, (E.put_op(agent.keys.event_key(agent.cfg.node), ev.to_json()),))
 
 
 def _snapshot(agent: Agent, msg: dict) -> None:
