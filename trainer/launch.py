@@ -128,7 +128,8 @@ def _cursor_span(text: str) -> list[int]:
 def check_inputs(cfg: TrainConfig) -> str | None:
     """Check the data and checkpoints the job names; returns the checkpoint to restore."""
     # here: it loads torch; main() forks only when torch was not loaded before it ran
-    from lazarus.trainer.data import TokenDataset, check_model_vocab, ensure_corpus
+    from lazarus.trainer.corpus import ensure_corpus
+    from lazarus.trainer.data import TokenDataset, check_model_vocab
 
     data, ck = cfg.data, cfg.checkpoint
     if cfg.model.fused_kernels:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from lazarus.core.errors import UserError
-from lazarus.trainer.data import DTYPES, MANIFEST, dtype_for_vocab, write_corpus
+from lazarus.trainer.corpus import DTYPES, MANIFEST, dtype_for_vocab, write_corpus
 
 # Tried in this order when no end-of-document token is named: Llama 3, GPT-2/NeoX, Llama 2
 # and Mistral, Gemma.

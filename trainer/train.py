@@ -41,8 +41,8 @@ from lazarus.trainer.ckptload import load_checkpoint
 from lazarus.trainer.ckptsave import Checkpointer
 from lazarus.trainer.collprogress import Completed, issued
 from lazarus.trainer.devstats import DeviceStats, make_deterministic
-from lazarus.trainer.data import (SequenceLoader, TokenDataset, check_model_vocab, ensure_corpus,
-                                  is_corpus)
+from lazarus.trainer.corpus import ensure_corpus, is_corpus
+from lazarus.trainer.data import SequenceLoader, TokenDataset, check_model_vocab
 from lazarus.trainer.guard import Guard
 from lazarus.trainer.hooks import PhaseHooks, StepContext
 from lazarus.trainer.models import Transformer, get_model_config

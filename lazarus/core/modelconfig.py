@@ -33,7 +33,7 @@ class ModelConfig:
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
 
-# tiny and small use byte-level tokens (vocab 256, see lazarus.trainer.data); 1b and 8b have the
+# tiny and small use byte-level tokens (vocab 256, see lazarus.trainer.corpus); 1b and 8b have the
 # Llama 3 shapes and vocabulary for GPU clusters.
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,

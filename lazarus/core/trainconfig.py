@@ -112,7 +112,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """dir: a corpus directory (lazarus.trainer.data); None: the stdlib corpus, built on demand.
+    """dir: a corpus directory (lazarus.trainer.corpus); None: the stdlib corpus, built on demand.
     global_batch: sequences per optimizer step, whatever dp is. micro_batch: sequences per
     forward pass; None: derived (lazarus.core.batching.plan_batches).
     skip_windows: [first, last] sequence cursors, inclusive, never trained (lazarus.trainer.

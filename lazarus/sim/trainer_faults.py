@@ -41,16 +41,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lazarus.core.errors import UserError
 from lazarus.core.exitcodes import INJECTED_FAULT
 from lazarus.core.modelconfig import get_model_config
-from lazarus.trainer.data import SequenceLoader
 from lazarus.trainer.hooks import HOOKS_ENV, PhaseHooks, StepContext
-from lazarus.trainer.steptime import ComputeClock
-from lazarus.trainer.windows import overlaps, window_of_step
+
+# torch only in the ranks, where it is loaded already: `lazarus up` and the tests' clusters
+# import this module for worker_env, and torch is 2-4 CPU-seconds of every such start.
+if TYPE_CHECKING:
+    import torch
+
+    from lazarus.trainer.data import SequenceLoader
+    from lazarus.trainer.steptime import ComputeClock
 
 HOOK = "lazarus.sim.trainer_faults:attach"
 FAULTS_ENV = "LAZARUS_TRAINER_FAULTS"
@@ -162,6 +166,7 @@ class DataFaults:
     """loss-spike and diverge: the poisoned spans of data cursors, and the poison itself."""
 
     def __init__(self, faults: list[TrainerFault], loader: SequenceLoader, *, vocab_size: int):
+        from lazarus.trainer.windows import window_of_step  # torch: only ranks make DataFaults
         self.loader, self.vocab_size = loader, vocab_size
         self.spans: list[tuple[int, int]] = []
         for f in faults:
@@ -172,6 +177,9 @@ class DataFaults:
     def poison(self, window: dict, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches, or garbage of the same shape if the window is poisoned."""
+        import torch  # only ranks poison, and they have it loaded
+
+        from lazarus.trainer.windows import overlaps  # torch, as above
         if not any(overlaps(window, span) for span in self.spans):
             return micro_batches
         # The garbage is a function of the window alone, cut like the loader cuts real data, so

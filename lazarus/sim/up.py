@@ -32,7 +32,7 @@ from lazarus.core.trainconfig import TrainConfig
 from lazarus.sim.localcluster import LOCAL_LEASE_TTL_S, LocalCluster
 from lazarus.core.records import ROLE_ACTIVE, ROLE_SPARE, TERMINAL
 from lazarus.core.stall import is_step
-from lazarus.trainer.data import ensure_corpus
+from lazarus.trainer.corpus import ensure_corpus
 
 DEMO_CHAOS = "kill-worker@12,kill-node@30"
 # `lazarus up -- COMMAND`: a script of the user's own may report no steps, so its faults are

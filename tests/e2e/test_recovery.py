@@ -251,9 +251,17 @@ def test_a_copy_lost_with_its_peer_restores_from_storage(tmp_path, tmp_path_fact
     metrics = tmp_path / "metrics.jsonl"
     with LocalCluster(tmp_path / "cluster", lease_ttl_s=3) as cluster:
         _start(cluster, nodes=2, spares=2, steps=steps, metrics=metrics, memory_every=1)
-        wait_for(cluster, lambda st: st.status and st.status.state == "RUNNING"
-                 and last_step(metrics) >= 10, timeout=180, what="the run to reach step 10")
-        held = cluster.state().node_status["n0"].tier0
+        # n0's tier-0 holdings ride on its node status, which is written at once when its
+        # workers start running (before any copy came in) and then about once a second while
+        # the step moves: read at step 10 it may still be that first write (CI: 'ranks': {}).
+        # Waited for, not read once.
+        def n0_holds_both(st):
+            ns = st.node_status.get("n0")
+            return (st.status and st.status.state == "RUNNING" and last_step(metrics) >= 10
+                    and ns is not None and set(ns.tier0.get("ranks", ())) == {"0", "1"}
+                    and ns.tier0)
+        held = wait_for(cluster, n0_holds_both, timeout=180,
+                        what="step 10 and n0's status reporting the copies of ranks 0 and 1")
         cluster.kill_node("n0")
         cluster.kill_node("n1")
         final = wait_for(cluster, lambda st: st.status and st.status.state in

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lazarus.trainer.data import SequenceLoader, TokenDataset, write_corpus
+from lazarus.trainer.corpus import write_corpus
+from lazarus.trainer.data import SequenceLoader, TokenDataset
 
 SEQ = 8
 BATCH = 8

@@ -15,8 +15,9 @@ import torch
 
 from lazarus.core.errors import UserError
 from lazarus.trainer import data
-from lazarus.trainer.data import (SequenceLoader, TokenDataset, build_corpus, ensure_corpus,
-                                  verify_corpus, write_corpus)
+from lazarus.trainer.corpus import (EOD_TOKEN, build_corpus, ensure_corpus, verify_corpus,
+                                    write_corpus)
+from lazarus.trainer.data import SequenceLoader, TokenDataset
 
 SEQ = 8
 
@@ -195,7 +196,7 @@ def test_builtin_corpus_is_python_source_as_bytes_with_checksums(tmp_path: Path)
     assert [s["tokens"] for s in manifest["shards"]] == [40_000, 40_000, 20_000]
     assert verify_corpus(tmp_path)["vocab_size"] == 256
     tokens = np.fromfile(tmp_path / "shard-00000.bin", dtype="<u2")
-    assert tokens.max() < 256 and (tokens == data.EOD_TOKEN).any()
+    assert tokens.max() < 256 and (tokens == EOD_TOKEN).any()
     text = tokens.astype(np.uint8).tobytes().split(b"\0")[1].decode()
     compile(text, "<stdlib file>", "exec")  # a whole document is a whole Python file
     raw = bytearray((tmp_path / "shard-00002.bin").read_bytes())

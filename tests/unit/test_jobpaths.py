@@ -35,7 +35,7 @@ def test_a_corpus_dir_outside_the_roots_is_refused_only_when_it_would_be_built(t
 
     from lazarus.core.errors import JobRefused
     from lazarus.core.trainconfig import TrainConfig
-    from lazarus.trainer.data import MANIFEST
+    from lazarus.trainer.corpus import MANIFEST
     from lazarus.trainer.train import train
 
     root, elsewhere = tmp_path / "jobs", tmp_path / "corpus"
