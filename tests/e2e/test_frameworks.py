@@ -52,7 +52,8 @@ def _up(tmp_path: Path, fault: str, saved: str, *command: str) -> tuple[dict, li
         proc = subprocess.Popen(
             [sys.executable, "-m", "lazarus.cli", "up", "--workdir", str(workdir),
              "--nodes", "2", "--min-nodes", "2", "--summary", str(summary),
-             "--rdzv-timeout", RDZV_TIMEOUT_S, "--quiet", "--timeout", "500", "--", *command],
+             "--rdzv-timeout", RDZV_TIMEOUT_S, "--chaos", "none", "--quiet", "--timeout", "500",
+             "--", *command],
             stdout=out, stderr=err, text=True)
         try:
             deadline = time.monotonic() + 400
