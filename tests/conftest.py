@@ -6,6 +6,7 @@ expected."""
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,7 @@ def _tier(scope: str) -> int:
 def pytest_configure(config):
     check_skips_in_ci(config, EXPECTED_SKIPS)
     config.pluginmanager.register(SkipLine(), "lazarus-skip-line")
+    config.pluginmanager.register(CpuTable(), "lazarus-cpu-table")
 
 
 class SkipLine:
@@ -145,6 +147,54 @@ class SkipLine:
                 f"skipped {total}: " + "; ".join(f"{n} x {reason}" for reason, n in
                                                  sorted(self.reasons.items(),
                                                         key=lambda kv: -kv[1])))
+
+
+def _cpu_s() -> float:
+    """CPU-seconds of this process and of every process it started and reaped (a cluster's
+    etcd, daemons, agents, and through them their ranks)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuTable:
+    """The CPU each test module cost, the costliest listed at the end of the run. On CI's two
+    busy cores the suite's time is its CPU, which --durations misreads: a test that waits
+    out a lease holds its worker, not a core. A process left unreaped (an orphan of a
+    SIGKILLed agent) is not counted."""
+
+    TOP = 20
+
+    def __init__(self):
+        self._began: float | None = None
+        self.by_module: dict[str, float] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item) -> None:
+        self._began = _cpu_s()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if call.when == "teardown" and self._began is not None:
+            # on the report, so that an xdist worker's figure reaches the controller
+            outcome.get_result().user_properties.append(("cpu_s", _cpu_s() - self._began))
+            self._began = None
+
+    def pytest_runtest_logreport(self, report) -> None:
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                module = report.nodeid.split("::", 1)[0]
+                self.by_module[module] = self.by_module.get(module, 0.0) + value
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.by_module:
+            return
+        total = sum(self.by_module.values())
+        tr = terminalreporter
+        tr.write_line(f"CPU of the tests, {total:.0f} CPU-s in all; the costliest modules:")
+        for module, cpu in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:self.TOP]:
+            tr.write_line(f"  {cpu:7.1f} CPU-s  {module}")
 
 
 def check_skips_in_ci(config: pytest.Config, expected: dict[str, str]) -> None:
