@@ -39,8 +39,12 @@ timed in seconds of the run's running instead of a step -- kill-worker@20s -- fo
 that reports no steps: a clock that runs only while every member's ranks have joined the
 current round and issued its setup's collectives (RunClock), so that a slow machine's imports,
 a framework's setup and a recovery's restart do not count, and a fault meets a script that is
-really running; the faults the trainer injects itself (hang, loss-spike, diverge,
-slow-step, slow-checkpoint) take a step only. `lazarus up` injects an item once the round
+really running. A program run through a wrapper (`-- bash train.sh`) is watched from beside it
+(lazarus.trainer.progwatch), which sees its joining but not its collectives: its clock starts
+at joining, and its framework's setup after that counts (Accelerate's prepare() took up to 9 s
+on a loaded machine: tests/e2e/test_frameworks.py strikes by hand once a checkpoint is down).
+The faults the trainer injects itself (hang, loss-spike, diverge, slow-step, slow-checkpoint)
+take a step only. `lazarus up` injects an item once the round
 that answers the fault before it runs (or 60 s after it), and while its target cannot be hit
 (a node that runs no ranks yet, no leading daemon yet) the item waits for it, for
 TARGET_WAIT_S at most; one that cannot strike at all (a cordoned node's ranks, a node that is
