@@ -231,6 +231,9 @@ def _carried_into(agent: Agent, launch: int) -> int | None:
     """The run's round as etcd has it, if its record carries this node's replica on from
     `launch`, the round this node's ranks were launched in; else None (a whole-world round
     carries nobody, so its stale workers stay fenced out)."""
+    _, known = agent.assignments.current
+    if known is None or known.replicas <= 1:
+        return None  # not a replica job: a refused message costs etcd no reads
     with agent._lock:
         g = agent.workers.group
         if g is None or g.rank_round != launch:

@@ -27,8 +27,9 @@ class RecordsEtcd(FakeEtcd):
         if self.away:
             raise E.EtcdUnavailable("away")
         value = str(self.current).encode() if key == Keys("/t/").round else self.records.get(key)
-        return None if value is None else E.KV(key=key, value=value, create_revision=1, mod_revision=1,
-                                              version=1, lease=0)
+        if value is None:
+            return None
+        return E.KV(key=key, value=value, create_revision=1, mod_revision=1, version=1, lease=0)
 
 
 RECORD = RoundRecord(round=5, job_id="J", members=["a", "b", "c", "d"], nproc_per_node=2,
@@ -66,6 +67,8 @@ def test_a_commit_in_the_gap_before_the_agent_saw_another_replicas_round_counts(
     etcd = RecordsEtcd(dataclasses.replace(RECORD, round=3, replica_rounds=[2, 3]),
                        dataclasses.replace(RECORD, round=4, replica_rounds=[2, 4]))
     agent = agent_with(etcd, tmp_path)
+    # what the agent's last pass read: the round its group was carried into
+    agent.assignments.current = (None, dataclasses.replace(RECORD, round=3, replica_rounds=[2, 3]))
     agent.workers.group = Group(round=3, procs={0: Running(100), 1: Running(101)},
                                 ranks={0: 0, 1: 1}, rank_round=2)
     on_message(agent, {"type": "committed", "rank": 0, "round": 2, "step": 75,
@@ -78,6 +81,7 @@ def test_a_stale_group_is_refused_whatever_etcd_carries(tmp_path):
     # the other replica's launch round, or a whole-world round: neither carries these ranks
     etcd = RecordsEtcd(dataclasses.replace(RECORD, replica_rounds=[4, 5]))
     agent = agent_with(etcd, tmp_path)
+    agent.assignments.current = (None, RECORD)
     agent.workers.group = Group(round=2, procs={0: Running(100)}, ranks={0: 0})
     assert on_message(agent, {"type": "may_commit", "round": 2})["ok"] is False
     etcd.records = {Keys("/t/").round_key(5): dataclasses.replace(
@@ -86,4 +90,14 @@ def test_a_stale_group_is_refused_whatever_etcd_carries(tmp_path):
                        "path": "/c/step-00000040"})
     assert claims(etcd) == []
     etcd.away = True
+    assert on_message(agent, {"type": "may_commit", "round": 2})["ok"] is False
+
+
+def test_a_whole_world_jobs_refused_message_reads_nothing_more(tmp_path):
+    """A rank may send may_commit as often as it likes: outside replica jobs a refusal costs
+    the one compare, as before."""
+    etcd = RecordsEtcd(dataclasses.replace(RECORD, replicas=1, replica_rounds=[]))
+    etcd.get = None  # any read fails the test
+    agent = agent_with(etcd, tmp_path)
+    agent.assignments.current = (None, dataclasses.replace(RECORD, replicas=1, replica_rounds=[]))
     assert on_message(agent, {"type": "may_commit", "round": 2})["ok"] is False
