@@ -286,6 +286,8 @@ class RankRound:
         self.held = self.process.held = held
         dp_rank, dp_size = self._data_place(mesh)
         # Collective: every rank takes the smallest budget, so all choose the same micro-batch.
+        if kind == "cuda":
+            self.start.entering()  # activation_budget all-reduces on CUDA only
         plan = plan_batches(data.global_batch, dp_size, data.micro_batch,
                             memory=activation_budget(self.model, par, seq_len=data.seq_len))
         if plan.warning and rank == 0:
@@ -363,6 +365,7 @@ class RankRound:
         ck, rank, session = self.cfg.checkpoint, self.rank, self.session
         if ck.dir is not None:
             # Rank 0 claims the directory; every rank learns the verdict and stops together.
+            self.start.entering()
             verdict = exchange.broadcast(
                 claim(Path(ck.dir), self.job_id, adopt=ck.resume is not None)
                 if rank == 0 else None, src=0)
@@ -570,11 +573,19 @@ class StartTimes:
         self._last = began
         self._began = began
         self.seconds: dict[str, float] = {}
+        # Wall-clock times this rank entered a collective of the whole world during its start:
+        # there a survivor waits on a rank still starting (the scale bench takes that wait out
+        # of the survivors' part: docs/scale.md).
+        self.entered: list[float] = []
         if handed is not None:
             self.seconds["handover"], self._last = max(0.0, handed - began), max(began, handed)
         # init_process_group ran before train(): the wait for the round's peers.
         self.mark("rendezvous")
         self.done = False
+
+    def entering(self) -> None:
+        """This rank now enters a collective every rank of the round takes part in."""
+        self.entered.append(time.time())
 
     def mark(self, phase: str) -> None:
         assert phase in self.PHASES, phase
@@ -596,6 +607,7 @@ class StartTimes:
                 "began_at": round(done_at - (self._last - self._began), 3),
                 "done_at": round(done_at, 3),
                 "total_s": round(self._last - self._began, 6),
+                "entered_at": [round(t, 3) for t in self.entered],
                 **{f"{p}_s": round(self.seconds.get(p, 0.0), 6) for p in self.PHASES}}
 
     @staticmethod
@@ -607,7 +619,10 @@ class StartTimes:
                 f"{' in place' if row.get('in_place') else ''}"
                 f"{', model kept' if row.get('kept') else ''}"
                 f"{' rehearsed' if 'rehearsal' in row.get('warm', ()) else ''}: first step "
-                f"done {row['total_s']:.2f} s after the assignment ({parts})")
+                f"done {row['total_s']:.2f} s after the assignment ({parts})"
+                + (f"; world collectives entered at "
+                   f"{', '.join(f'{t:.3f}' for t in row['entered_at'])}"
+                   if row.get("entered_at") else ""))
 
 
 def lr_scale_span(opt: OptimizerConfig, start_step: int, extra: dict) -> tuple[int, int] | None:

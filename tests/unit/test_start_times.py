@@ -29,6 +29,19 @@ def test_the_handover_is_a_phase_of_its_own_and_the_total_counts_it():
     line = StartTimes.line(row)
     assert line.startswith("round 3 from memory at step 19: first step done 2.")
     assert "(handover 1.50 s, rendezvous 0.5" in line
+    assert "entered" not in line  # no collective of the whole world marked
+
+
+def test_the_world_collectives_a_start_entered_are_dated():
+    """Where a survivor waits on a rank still starting (the scale bench reads them)."""
+    start = StartTimes(began=time.perf_counter())
+    start.entering()
+    for phase in StartTimes.PHASES[2:]:
+        start.mark(phase)
+    row = start.row(round_=2, step=8, source="kept", in_place=True)
+    (at,) = row["entered_at"]
+    assert row["began_at"] - 0.01 <= at <= row["done_at"] + 0.01
+    assert StartTimes.line(row).endswith(f"; world collectives entered at {at:.3f}")
 
 
 def test_without_a_handover_time_the_clock_starts_at_the_rank():
