@@ -206,10 +206,7 @@ def _carried(node: str, rec: RoundRecord, local: Local) -> bool:
     # Ranks that finished their steps are carried too: relabelled, they say so in the new
     # round, and the run ends on them (lazarus.daemon.replicaround.finished) instead of a
     # second start of a replica with nobody to heal from.
-    if rec.replicas <= 1 or node not in rec.members or not (local.alive or local.succeeded):
-        return False
-    r = rec.replica_of(node)
-    return rec.carried(r) and local.launched == rec.replica_rounds[r]
+    return (local.alive or local.succeeded) and rec.carries(node, local.launched)
 
 
 def _victim(node: str, status: RunStatus | None, round_: int) -> bool:

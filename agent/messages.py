@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 from lazarus.agent import msglimits
 from lazarus.agent.adopt import AdoptedRank
+from lazarus.agent.assignment import readable
 from lazarus.agent.channel import descends_from
 from lazarus.core import etcd as E
 from lazarus.core.contract import ABSENT, CORRUPT, RESTORE_KINDS, UNREADABLE, Progress
-from lazarus.core.records import CheckpointRecord, EventRecord, RecordError, RoundRecord
+from lazarus.core.records import CheckpointRecord, EventRecord, RoundRecord
 
 if TYPE_CHECKING:
     from lazarus.agent.service import Agent
@@ -244,17 +245,8 @@ def _carried_into(agent: Agent, launch: int) -> int | None:
     except ValueError:
         return None
     kv = agent.etcd.get(agent.keys.round_key(current)) if current is not None else None
-    if kv is None:
-        return None
-    try:
-        rec = RoundRecord.from_json(kv.value, kv.key)
-    except RecordError:
-        return None
-    node = agent.cfg.node
-    if rec.replicas <= 1 or node not in rec.members:
-        return None
-    r = rec.replica_of(node)
-    return rec.round if rec.carried(r) and rec.replica_rounds[r] == launch else None
+    rec = readable({}, RoundRecord, kv) if kv is not None else None
+    return rec.round if rec is not None and rec.carries(agent.cfg.node, launch) else None
 
 
 def _committed(agent: Agent, msg: dict) -> None:

@@ -422,6 +422,14 @@ class RoundRecord(_Record):
         """Replica `replica`'s ranks go on from an earlier round, untouched."""
         return self.replicas > 1 and self.replica_rounds[replica] < self.round
 
+    def carries(self, node: str, launched: int | None) -> bool:
+        """Whether this round carries `node`'s ranks on untouched from round `launched`, the
+        one they were launched in (a replica round's other replicas: docs/replicas.md)."""
+        if self.replicas <= 1 or node not in self.members:
+            return False
+        r = self.replica_of(node)
+        return self.carried(r) and self.replica_rounds[r] == launched
+
     @property
     def checkpoint_dir(self) -> str | None:
         """Where the round's checkpoints go (its [train.checkpoint] dir), if anywhere."""

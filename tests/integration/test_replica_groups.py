@@ -217,9 +217,10 @@ def _heal_main(ident: int, replica: int, port: int, out: str) -> None:
 
 def test_a_source_does_not_wait_out_a_joiner_stopped_mid_heal(tmp_path):
     """A restarted replica is let in and stops (SIGSTOP) before it reads its state: the source's
-    send, 64 MB, fills the socket and waits (loopback buffers up to ~37 MB here). It gives up once the joiner's leader is silent
-    (wait_s, 1 s here), not at the group's timeout (ten minutes: the test would time out), and
-    marks its group broken, so its step is tried again without the joiner."""
+    send, 64 MB, fills the socket and waits (loopback buffers up to ~37 MB here). It gives up
+    once the joiner's leader is silent (wait_s, 1 s here), not at the group's timeout (ten
+    minutes: the test would time out), and marks its group broken, so its step is tried again
+    without the joiner."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = _ranks_context()
     procs = []
