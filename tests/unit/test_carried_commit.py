@@ -101,3 +101,25 @@ def test_a_whole_world_jobs_refused_message_reads_nothing_more(tmp_path):
     agent = agent_with(etcd, tmp_path)
     agent.assignments.current = (None, dataclasses.replace(RECORD, replicas=1, replica_rounds=[]))
     assert on_message(agent, {"type": "may_commit", "round": 2})["ok"] is False
+
+
+def test_garbage_in_etcds_round_keys_refuses_the_commit_and_raises_nothing(tmp_path):
+    """run/round or the round's record unreadable (a hand edit, a bad restore): the carried
+    group's commit is refused as stale, as before the recheck, and the agent goes on."""
+    for garbage_round, garbage_record in ((b"not a round", None), (None, b"{not json")):
+        etcd = RecordsEtcd(dataclasses.replace(RECORD, round=4, replica_rounds=[2, 4]))
+        if garbage_record is not None:
+            etcd.records[Keys("/t/").round_key(4)] = garbage_record
+        if garbage_round is not None:
+            plain = etcd.get
+            etcd.get = lambda key, plain=plain: (
+                E.KV(key=key, value=garbage_round, create_revision=1, mod_revision=1,
+                     version=1, lease=0) if key == Keys("/t/").round else plain(key))
+        agent = agent_with(etcd, tmp_path)
+        agent.assignments.current = (None, dataclasses.replace(RECORD, round=3,
+                                                               replica_rounds=[2, 3]))
+        agent.workers.group = Group(round=3, procs={0: Running(100)}, ranks={0: 0},
+                                    rank_round=2)
+        on_message(agent, {"type": "committed", "rank": 0, "round": 2, "step": 75,
+                           "path": "/c/step-00000075"})
+        assert claims(etcd) == []
