@@ -201,8 +201,10 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
     # The last round's model, optimizer and buffers are cycles only the collector frees
     # (0.14 s here): freed now, while the next round is decided, not after it came.
     gc.collect()
-    this_process().collected = True
+    process = this_process()
+    process.collected, process.left_at = True, time.time()
     got = session.await_resume(wait_s)
+    process.resumed_at = time.time()
     if got is None:
         print(f"rank {a.rank} round {a.round}: no next round for this process within "
               f"{wait_s:.0f} s; exiting", file=sys.stderr, flush=True)

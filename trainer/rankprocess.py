@@ -23,6 +23,10 @@ class RankProcess:
     told: int | None = None     # the round whose groups its agent said to abort
     collected: bool = False     # the last round's objects were freed while it waited
     held: Held | None = None    # the built-in trainer's model and optimizer, kept
+    # Wall-clock times of a survivor's hand-over (its start line splits it: docs/scale.md):
+    # when it had let its last round go, and when the next round's assignment reached it.
+    left_at: float = 0.0
+    resumed_at: float = 0.0
 
     def was_told(self) -> bool:
         """Whether the agent said a peer of this process's round is gone."""

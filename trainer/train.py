@@ -212,6 +212,8 @@ def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = N
     optimizer it kept are used again when they fit the round (lazarus.trainer.kept).
     `restore_step`: the step the round restores, whichever tier."""
     start = StartTimes(began=time.perf_counter() if began is None else began, handed=handed)
+    if in_place:
+        start.survived((process or this_process()))
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
@@ -577,11 +579,18 @@ class StartTimes:
         # there a survivor waits on a rank still starting (the scale bench takes that wait out
         # of the survivors' part: docs/scale.md).
         self.entered: list[float] = []
+        self.handover_at: dict[str, float] = {}
         if handed is not None:
             self.seconds["handover"], self._last = max(0.0, handed - began), max(began, handed)
         # init_process_group ran before train(): the wait for the round's peers.
         self.mark("rendezvous")
         self.done = False
+
+    def survived(self, process: RankProcess) -> None:
+        """This rank survived the last round in its process: its hand-over splits into the
+        survivor letting that round go and the agent's message (`RankProcess.left_at`,
+        `resumed_at`)."""
+        self.handover_at = {"left_at": process.left_at, "resumed_at": process.resumed_at}
 
     def entering(self) -> None:
         """This rank now enters a collective every rank of the round takes part in."""
@@ -608,6 +617,7 @@ class StartTimes:
                 "done_at": round(done_at, 3),
                 "total_s": round(self._last - self._began, 6),
                 "entered_at": [round(t, 3) for t in self.entered],
+                **{k: round(t, 3) for k, t in self.handover_at.items() if t > 0},
                 **{f"{p}_s": round(self.seconds.get(p, 0.0), 6) for p in self.PHASES}}
 
     @staticmethod
@@ -622,7 +632,10 @@ class StartTimes:
                 f"done {row['total_s']:.2f} s after the assignment ({parts})"
                 + (f"; world collectives entered at "
                    f"{', '.join(f'{t:.3f}' for t in row['entered_at'])}"
-                   if row.get("entered_at") else ""))
+                   if row.get("entered_at") else "")
+                + (f"; handed over: issued at {row['began_at']:.3f}, the last round let go "
+                   f"at {row['left_at']:.3f}, the assignment came at {row['resumed_at']:.3f}"
+                   if "left_at" in row and "resumed_at" in row else ""))
 
 
 def lr_scale_span(opt: OptimizerConfig, start_step: int, extra: dict) -> tuple[int, int] | None:

@@ -61,7 +61,11 @@ START = re.compile(r"round (\d+) from (.+?) at step (\d+)( in place)?.*?: first 
                    r"s, build ([\d.]+) s, restore ([\d.]+) s, setup ([\d.]+) s, first step "
                    r"([\d.]+) s\)")
 # the wall-clock times the rank entered a collective of the whole world (StartTimes.entering)
-ENTERED = re.compile(r"; world collectives entered at ([\d., ]+)$")
+ENTERED = re.compile(r"; world collectives entered at ([\d., ]+)(;|$)")
+# a survivor's hand-over, split (lazarus.trainer.train.StartTimes.survived): the agent issued
+# the round, the survivor had let its last round go, the assignment reached it
+HANDED = re.compile(r"; handed over: issued at ([\d.]+), the last round let go at ([\d.]+), "
+                    r"the assignment came at ([\d.]+)")
 # lazarus.trainer.startcost: what the start cost the rank's process, to setup (a survivor's
 # part) and through the first step
 _COUNTS = r"([\d.]+) CPU-s, (\d+) TCP connections opened, (\d+) store requests"
@@ -119,6 +123,15 @@ def _starts(workdir: Path, round_: int) -> list[dict]:
                 entered = ENTERED.search(line)
                 row["entered"] = ([float(t) for t in entered[1].split(", ")]
                                   if entered else [])
+                if handed := HANDED.search(line):
+                    issued, left, came = map(float, handed.groups())
+                    row["handover_split"] = {
+                        # the survivor still letting its last round go when the round came
+                        "letting_go": max(0.0, left - issued),
+                        # ready, waiting for the agent's message to reach it
+                        "message": max(0.0, came - max(issued, left)),
+                        # from the message to its start (entering the round, freeing objects)
+                        "taking_it": max(0.0, row["handover"] - max(0.0, came - issued))}
                 rows.append(row)
             m = COST.search(line)
             if m and int(m[2]) == round_ and row is not None:  # the same process's, after
@@ -187,6 +200,10 @@ def _recovery(tmp: Path, world: int) -> dict:
         # where their wall time went: with a few hundredths of a CPU-second each, waiting
         "survivor_phases_s": {p: max((s[p] for s in survivors), default=float("nan"))
                               for p in own},
+        # the slowest survivor's hand-over, split (lazarus.trainer.train.StartTimes.survived)
+        "survivor_handover_split_s": max(
+            (s["handover_split"] for s in survivors if "handover_split" in s),
+            key=lambda h: sum(h.values()), default={}),
         "new_rank_s": max((s["total"] for s in starts if not s["in_place"]), default=float("nan")),
         "first_step_s": max((s["first_step"] for s in starts), default=float("nan")),
         "recovered_s": rec["recovered_after_s"],

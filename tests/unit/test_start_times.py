@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from lazarus.trainer.rankprocess import RankProcess
 from lazarus.trainer.train import StartTimes
 
 
@@ -42,6 +43,28 @@ def test_the_world_collectives_a_start_entered_are_dated():
     (at,) = row["entered_at"]
     assert row["began_at"] - 0.01 <= at <= row["done_at"] + 0.01
     assert StartTimes.line(row).endswith(f"; world collectives entered at {at:.3f}")
+
+
+def test_a_survivors_handover_says_when_it_let_go_and_when_the_assignment_came():
+    """The scale bench splits a survivor's hand-over into its letting the last round go, the
+    agent's message and its taking it (docs/scale.md)."""
+    now, wall = time.perf_counter(), time.time()
+    start = StartTimes(began=now - 1.0, handed=now)
+    start.survived(RankProcess(left_at=wall - 0.6, resumed_at=wall - 0.2))
+    start.entering()
+    for phase in StartTimes.PHASES[1:]:
+        start.mark(phase)
+    row = start.row(round_=4, step=20, source="kept", in_place=True)
+    assert row["left_at"] == pytest.approx(wall - 0.6, abs=0.001)
+    assert row["resumed_at"] == pytest.approx(wall - 0.2, abs=0.001)
+    line = StartTimes.line(row)
+    assert f"; world collectives entered at {row['entered_at'][0]:.3f}; handed over: issued at " \
+           f"{row['began_at']:.3f}, the last round let go at {wall - 0.6:.3f}, the assignment " \
+           f"came at {wall - 0.2:.3f}" in line
+    # a first start (no round survived) says none of it
+    fresh = StartTimes(began=now)
+    fresh.survived(RankProcess())
+    assert "handed over" not in StartTimes.line(fresh.row(round_=1, step=0, source="scratch"))
 
 
 def test_without_a_handover_time_the_clock_starts_at_the_rank():
