@@ -176,6 +176,7 @@ def survive(a: WorkerAssignment, session, step: int, reason: str, *,
     is the round's (the built-in trainer's), so on gloo they are shut down (`hang_up_tcp`); a
     script's may be its own (a metrics service), and are left."""
     wait_s = resume_wait_s() if wait_s is None else wait_s
+    this_process().noticed_at = time.time()
     # Said first: the agent must know not to kill this process when the round ends, which
     # can happen as soon as the daemon has seen the fault.
     session.survived(step, reason)

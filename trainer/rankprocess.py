@@ -24,7 +24,9 @@ class RankProcess:
     collected: bool = False     # the last round's objects were freed while it waited
     held: Held | None = None    # the built-in trainer's model and optimizer, kept
     # Wall-clock times of a survivor's hand-over (its start line splits it: docs/scale.md):
-    # when it had let its last round go, and when the next round's assignment reached it.
+    # when it saw a peer of its last round gone, when it had let that round go, and when the
+    # next round's assignment reached it.
+    noticed_at: float = 0.0
     left_at: float = 0.0
     resumed_at: float = 0.0
 

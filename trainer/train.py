@@ -588,9 +588,10 @@ class StartTimes:
 
     def survived(self, process: RankProcess) -> None:
         """This rank survived the last round in its process: its hand-over splits into the
-        survivor letting that round go and the agent's message (`RankProcess.left_at`,
-        `resumed_at`)."""
-        self.handover_at = {"left_at": process.left_at, "resumed_at": process.resumed_at}
+        survivor seeing a peer gone, letting that round go, and the agent's message
+        (`RankProcess.noticed_at`, `left_at`, `resumed_at`)."""
+        self.handover_at = {"noticed_at": process.noticed_at, "left_at": process.left_at,
+                            "resumed_at": process.resumed_at}
 
     def entering(self) -> None:
         """This rank now enters a collective every rank of the round takes part in."""
@@ -633,9 +634,10 @@ class StartTimes:
                 + (f"; world collectives entered at "
                    f"{', '.join(f'{t:.3f}' for t in row['entered_at'])}"
                    if row.get("entered_at") else "")
-                + (f"; handed over: issued at {row['began_at']:.3f}, the last round let go "
-                   f"at {row['left_at']:.3f}, the assignment came at {row['resumed_at']:.3f}"
-                   if "left_at" in row and "resumed_at" in row else ""))
+                + (f"; handed over: a peer seen gone at {row['noticed_at']:.3f}, issued at "
+                   f"{row['began_at']:.3f}, the last round let go at {row['left_at']:.3f}, the "
+                   f"assignment came at {row['resumed_at']:.3f}"
+                   if {"noticed_at", "left_at", "resumed_at"} <= row.keys() else ""))
 
 
 def lr_scale_span(opt: OptimizerConfig, start_step: int, extra: dict) -> tuple[int, int] | None:

@@ -121,6 +121,7 @@ def serve(control_fd: int) -> tuple[str, list[str]]:
         print(json.dumps({"event": "zygote_unfit", "pid": os.getpid(),
                           "why": "CUDA was initialised by the imports"}), flush=True)
         sys.exit(exitcodes.ZYGOTE_UNFIT)
+    from lazarus.trainer import meshes  # here: it imports torch, which import_for_fork sets up
     sock = socket.socket(fileno=control_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -163,6 +164,7 @@ def serve(control_fd: int) -> tuple[str, list[str]]:
             continue
         sys.stdout.flush()
         sys.stderr.flush()
+        meshes.freeze()
         pid = os.fork()
         if pid == 0:
             _become_child(sock, wake_r, wake_w, fds, request["session"])

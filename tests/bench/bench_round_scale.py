@@ -64,8 +64,8 @@ START = re.compile(r"round (\d+) from (.+?) at step (\d+)( in place)?.*?: first 
 ENTERED = re.compile(r"; world collectives entered at ([\d., ]+)(;|$)")
 # a survivor's hand-over, split (lazarus.trainer.train.StartTimes.survived): the agent issued
 # the round, the survivor had let its last round go, the assignment reached it
-HANDED = re.compile(r"; handed over: issued at ([\d.]+), the last round let go at ([\d.]+), "
-                    r"the assignment came at ([\d.]+)")
+HANDED = re.compile(r"; handed over: a peer seen gone at ([\d.]+), issued at ([\d.]+), the last "
+                    r"round let go at ([\d.]+), the assignment came at ([\d.]+)")
 # lazarus.trainer.startcost: what the start cost the rank's process, to setup (a survivor's
 # part) and through the first step
 _COUNTS = r"([\d.]+) CPU-s, (\d+) TCP connections opened, (\d+) store requests"
@@ -124,10 +124,12 @@ def _starts(workdir: Path, round_: int) -> list[dict]:
                 row["entered"] = ([float(t) for t in entered[1].split(", ")]
                                   if entered else [])
                 if handed := HANDED.search(line):
-                    issued, left, came = map(float, handed.groups())
+                    noticed, issued, left, came = map(float, handed.groups())
                     row["handover_split"] = {
+                        # it saw its peer gone after the round was issued
+                        "noticing": max(0.0, min(noticed, left) - issued),
                         # the survivor still letting its last round go when the round came
-                        "letting_go": max(0.0, left - issued),
+                        "letting_go": max(0.0, left - max(issued, noticed)),
                         # ready, waiting for the agent's message to reach it
                         "message": max(0.0, came - max(issued, left)),
                         # from the message to its start (entering the round, freeing objects)

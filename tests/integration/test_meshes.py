@@ -12,10 +12,12 @@ import torch.distributed as dist
 from tests.forkedranks import run_ranks
 
 
-@pytest.mark.parametrize("how", ["adopt", "drop"])
+@pytest.mark.parametrize("how", ["adopt", "drop", "frozen"])
 def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path, how):
     """adopt: the built-in trainer re-points the old meshes; drop: a script's run(main)
-    empties the caches instead (its meshes are its own)."""
+    empties the caches instead (its meshes are its own); frozen: the first round's meshes
+    are frozen out of the collector's sight as the zygote's are before a fork
+    (meshes.freeze), and a third round, back at the first rank, must still find them."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp_path / "out"
     out.mkdir()
@@ -24,12 +26,14 @@ def test_a_survivor_whose_rank_changed_trains_as_a_fresh_rank(tmp_path, how):
     got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     # each process is rank 0 in one round and rank 1 in the other: every rank's shard, loss
     # and coordinate are the same in both rounds, as in a fresh process
-    for rank in (0, 1):
-        first, second = got[f"p{rank}-r0"], got[f"p{1 - rank}-r1"]
-        assert first["rank"] == second["rank"] == rank
-        assert second["coordinates"] == [[rank]] * len(second["coordinates"])
-        assert second["shards"] == first["shards"]
-        assert second["loss"] == first["loss"]
+    assert len(got) == (6 if how == "frozen" else 4)
+    for name, later in got.items():
+        rank = later["rank"]
+        first = got[f"p{rank}-r0"]  # the fresh process that was this rank first
+        assert first["rank"] == rank
+        assert later["coordinates"] == [[rank]] * len(later["coordinates"]), name
+        assert later["shards"] == first["shards"], name
+        assert later["loss"] == first["loss"], name
 
 
 def _two_rounds(me: int, port: int, out: str, how: str) -> None:
@@ -47,11 +51,11 @@ def _two_rounds(me: int, port: int, out: str, how: str) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False)
     par = ParallelConfig(dp=2, tp=1)
-    for round_, rank in enumerate((me, 1 - me)):
+    for round_, rank in enumerate((me, 1 - me, me) if how == "frozen" else (me, 1 - me)):
         dist.init_process_group("gloo", store=dist.PrefixStore(f"round/{round_}", store),
                                 rank=rank, world_size=2)
         mesh = build_mesh("cpu", dp=2, tp=1)
-        if how == "adopt":
+        if how != "drop":
             meshes.adopt(mesh)  # as lazarus.trainer.train does
         model = build_model(get_model_config("tiny"), mesh, par, seed=3)
         optimizer = build_optimizer(model, lr=1e-3)
@@ -69,5 +73,7 @@ def _two_rounds(me: int, port: int, out: str, how: str) -> None:
         # what a survivor does between its rounds
         assert inplace.release_groups()
         meshes.collect("round")
+        if how == "frozen" and round_ == 0:
+            meshes.freeze()  # as the zygote does before it forks a rank
         if how == "drop":
             meshes.drop_caches()  # as lazarus.trainer.run does when the rank changes

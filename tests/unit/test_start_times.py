@@ -50,7 +50,8 @@ def test_a_survivors_handover_says_when_it_let_go_and_when_the_assignment_came()
     agent's message and its taking it (docs/scale.md)."""
     now, wall = time.perf_counter(), time.time()
     start = StartTimes(began=now - 1.0, handed=now)
-    start.survived(RankProcess(left_at=wall - 0.6, resumed_at=wall - 0.2))
+    start.survived(RankProcess(noticed_at=wall - 0.8, left_at=wall - 0.6,
+                               resumed_at=wall - 0.2))
     start.entering()
     for phase in StartTimes.PHASES[1:]:
         start.mark(phase)
@@ -58,8 +59,8 @@ def test_a_survivors_handover_says_when_it_let_go_and_when_the_assignment_came()
     assert row["left_at"] == pytest.approx(wall - 0.6, abs=0.001)
     assert row["resumed_at"] == pytest.approx(wall - 0.2, abs=0.001)
     line = StartTimes.line(row)
-    assert f"; world collectives entered at {row['entered_at'][0]:.3f}; handed over: issued at " \
-           f"{row['began_at']:.3f}, the last round let go at {wall - 0.6:.3f}, the assignment " \
+    assert f"; world collectives entered at {row['entered_at'][0]:.3f}; handed over: a peer seen " \
+           f"gone at {wall - 0.8:.3f}, issued at {row['began_at']:.3f}, the last round let go at {wall - 0.6:.3f}, the assignment " \
            f"came at {wall - 0.2:.3f}" in line
     # a first start (no round survived) says none of it
     fresh = StartTimes(began=now)
