@@ -30,7 +30,8 @@ from lazarus.agent.workers import Workers
 from lazarus.core import etcd as E
 from lazarus.core import rankfiles, settings
 from lazarus.core.contract import (AGENT_GRACE_ENV, PROGRESS_ENV, SCRIPT_PG_TIMEOUT_ENV,
-                                   STACKS_ENV, round_port_key, without_secrets)
+                                   SHARD_STORES, SHARD_STORES_KEY, STACKS_ENV, replicas_prefix,
+                                   round_port_key, without_secrets)
 from lazarus.core.errors import UserError
 from lazarus.core.jobuser import job_dir
 from lazarus.core.privatedir import private_dir
@@ -82,6 +83,20 @@ class Ports(Protocol):
     def close(self) -> None: ...
 
 
+def host_shard_stores(host: str, store, *, job_id: str, epoch: int, shards: int) -> list:
+    """Host the stores a replica epoch's cross-replica groups rendezvous on -- one per shard,
+    at most SHARD_STORES, each with a loop thread of its own -- and publish their ports in
+    `store` (this agent's, where the epoch's quorum lives) under the epoch's namespace."""
+    import torch.distributed as dist  # imported already by store(); kept local with it
+
+    own = [dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+           for _ in range(max(1, min(SHARD_STORES, shards)))]
+    # through a PrefixStore, as the ranks read it (it joins prefix and key with a "/")
+    dist.PrefixStore(replicas_prefix(job_id, epoch), store).set(
+        SHARD_STORES_KEY, ",".join(str(s.port) for s in own))
+    return own
+
+
 class NodePorts:
     """A real node's: the directories of `config.workdir` made private (and passable by the
     job user), one agent per node and workdir (a lock), a lease in etcd, parked workers, a
@@ -107,6 +122,8 @@ class NodePorts:
         self._node_lock = NodeLock(c.workdir / f"{c.node}.lock", c.node)
         self._left_path = record_path(c.workdir, c.node)
         self._round_stores: dict = {}       # round -> the store this node hosts for it
+        # (job, replica epoch) -> the stores this node hosts for its cross-replica groups
+        self._shard_stores: dict = {}
         self._socket = str(c.workdir / f"{c.node}.sock")
 
     def left(self) -> Left | None:
@@ -171,7 +188,16 @@ class NodePorts:
         # A carried replica's ranks (docs/replicas.md) still use the store of their round.
         oldest = min(rec.replica_rounds, default=rec.round)
         self._round_stores = {r: s for r, s in self._round_stores.items() if r >= oldest}
-        if rec.members[0] != self.config.node or rec.round in self._round_stores:
+        first = rec.members[0] == self.config.node
+        # The epoch's cross-replica groups' stores, hosted once for the epoch's rounds (its
+        # carried ranks go on using them) and let go with it.
+        epoch = (rec.job_id, rec.replica_epoch)
+        self._shard_stores = {
+            epoch: self._shard_stores.get(epoch)
+            or host_shard_stores(self.config.host, store, job_id=rec.job_id,
+                                 epoch=rec.replica_epoch, shards=rec.world_size // rec.replicas)
+        } if first and rec.replicas > 1 else {}
+        if not first or rec.round in self._round_stores:
             return
         own = dist.TCPStore(self.config.host, 0, is_master=True, wait_for_workers=False)
         self._round_stores[rec.round] = own

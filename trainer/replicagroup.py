@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lazarus.core.contract import SHARD_STORES_KEY, replicas_prefix
 from lazarus.trainer.quorum import NEWS, LeftOut, QuorumClient, peek
 from lazarus.trainer.replicapolicy import Quorum
 
@@ -41,7 +42,22 @@ LEAVE_S = 5.0
 def quorum_prefix(job_id: str, epoch: int) -> str:
     """The quorum's namespace in the store of members[0]'s agent: one per whole-world start
     of a job's replicas (the replica epoch), so a new epoch never reads an old one's keys."""
-    return f"lazarus/replicas/{job_id}/{epoch}/"
+    return replicas_prefix(job_id, epoch)
+
+
+def shard_store(quorum: dist.Store, host: str, *, shard: int, prefix: str) -> dist.Store:
+    """A connection to the store shard `shard`'s cross-replica groups rendezvous on, under
+    `prefix` (the quorum's namespace): one of the stores members[0]'s agent hosts for the
+    epoch (their ports under SHARD_STORES_KEY in `quorum`, which waits for them), so that
+    every live rank's rebuild at a replica's loss is spread over their loop threads."""
+    raw = quorum.get(SHARD_STORES_KEY).decode()
+    try:
+        ports = [int(p) for p in raw.split(",")]
+    except ValueError:
+        ports = []
+    assert ports and all(0 < p < 65536 for p in ports), f"shard stores {raw!r}"
+    return dist.PrefixStore(prefix, dist.TCPStore(host, ports[shard % len(ports)],
+                                                  is_master=False, wait_for_workers=False))
 
 
 def quorum_store(host: str, port: int, job_id: str, epoch: int,
@@ -55,13 +71,17 @@ def quorum_store(host: str, port: int, job_id: str, epoch: int,
 class ReplicaGroup:
     def __init__(self, store: Callable[[], dist.Store], *, replica: int, replicas: int,
                  min_replicas: int = 1, wait_s: float = 3.0, start_wait_s: float = 120.0,
-                 timeout_s: float = 60.0, joining: bool | None = None):
+                 timeout_s: float = 60.0, joining: bool | None = None,
+                 shard_store: Callable[[dist.Store], dist.Store] | None = None):
         """`store()`: a new connection to the quorum's store, shared by every replica's ranks
-        (two on the leader: its heartbeat thread has its own). `wait_s`: how long a replica's
+        (two on the leader: its heartbeat thread has its own). `shard_store(quorum)`: a
+        connection to the store this rank's cross-replica groups rendezvous on (default: the
+        quorum's). `wait_s`: how long a replica's
         leader may stay silent before a quorum goes on without it; `timeout_s`: a
         cross-replica collective's (and a heal's) limit. `joining`: whether this start of the
         replica heals from a live one first (None: any start after its first does)."""
         self.store = store()
+        self.groups_store = shard_store(self.store) if shard_store is not None else self.store
         self.replica, self.replicas = replica, replicas
         self.min_replicas = min_replicas
         self.wait_s, self.start_wait_s = wait_s, start_wait_s
@@ -120,7 +140,7 @@ class ReplicaGroup:
 
     def _build_group(self, q: Quorum) -> None:
         # A fresh prefix per quorum: a group's rendezvous keys are never reused by the next.
-        prefix = dist.PrefixStore(f"g/{q.key}/{self.local_rank}/", self.store)
+        prefix = dist.PrefixStore(f"g/{q.key}/{self.local_rank}/", self.groups_store)
         self.group = dist.ProcessGroupGloo(prefix, q.members.index(self.replica), len(q.members),
                                            self.timeout)
 
@@ -254,6 +274,9 @@ class ReplicaPlace:
     replicas: int
     store: Callable[[], dist.Store]   # a new connection to the quorum's store
     joining: bool
+    # a connection to this rank's cross-replica groups' store, given the quorum's (None:
+    # the quorum's own)
+    shard_store: Callable[[dist.Store], dist.Store] | None = None
     group: ReplicaGroup | None = None  # once the trainer made it
 
     def leave(self, timeout_s: float = LEAVE_S) -> bool:

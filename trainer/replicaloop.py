@@ -60,7 +60,7 @@ class ReplicaRound(RankRound):
         # Made once the model is: a joiner asks in only when it can take the state at once.
         self.rg = self.place.group = ReplicaGroup(
             self.place.store, replica=self.place.replica, replicas=self.place.replicas,
-            joining=self.place.joining, wait_s=QUORUM_WAIT_S)
+            joining=self.place.joining, wait_s=QUORUM_WAIT_S, shard_store=self.place.shard_store)
 
     def _warm_up(self) -> None:
         """A fresh process's first optimizer step takes its lazy set-up (0.27 s of a 0.01 s

@@ -192,12 +192,14 @@ def _replica_place(a: WorkerAssignment):
     on the store of the agent that hosts the round (members[0]'s, which every round of the
     replicas' epoch shares), under the epoch's namespace."""
     # here, as torch: the zygote runs this module before it imports torch (import_for_fork)
-    from lazarus.trainer.replicagroup import ReplicaPlace, quorum_store
+    from lazarus.trainer.replicagroup import ReplicaPlace, quorum_prefix, quorum_store, shard_store
 
-    replica = a.replica_place[0]
+    replica, local, _per = a.replica_place
     return ReplicaPlace(
         replica=replica, replicas=a.replicas,
         store=lambda: quorum_store(a.store_host, a.store_port, a.job_id, a.replica_epoch),
+        shard_store=lambda quorum: shard_store(quorum, a.store_host, shard=local,
+                                               prefix=quorum_prefix(a.job_id, a.replica_epoch)),
         # launched after the epoch's whole-world start: a restart of this replica, which
         # heals from a live one at its first quorum
         joining=a.round > a.replica_epoch)

@@ -163,6 +163,22 @@ class WorkerAssignment:
         return cls(**d)
 
 
+def replicas_prefix(job_id: str, epoch: int) -> str:
+    """The namespace of a job of replica groups (docs/replicas.md) in the store of members[0]'s
+    agent: one per whole-world start of its replicas (the replica epoch), so a new epoch
+    never reads an old one's keys. The quorum's keys live under it."""
+    return f"lazarus/replicas/{job_id}/{epoch}/"
+
+
+# Under replicas_prefix: the ports, comma-separated, of the stores members[0]'s agent hosts
+# for the epoch's cross-replica groups (shard s's on the (s mod K)-th): their rebuilds, every
+# live rank's at a replica's loss and again at its return, spread over K loop threads instead
+# of queueing on the one that serves the quorum and the replicas' own rendezvous
+# (docs/scale.md, "In replica mode").
+SHARD_STORES_KEY = "shard_stores"
+SHARD_STORES = 16
+
+
 def round_port_key(round_: int) -> str:
     """The key, in the store of the agent hosting a round (`store_port`), under which that
     agent publishes the port of the round's own store: a store per round, so that a rank

@@ -167,11 +167,11 @@ STORE_OPS = 5
 # A failure restarts only its replica (replica_gpus ranks); the R - 1 others go on. Where the
 # requests go, by the code: the built-in trainer's ranks make every group on the store of
 # the first member's agent (daemon/rounds.py: store_host is members[0]'s; trainer/worker.py:
-# the replica's world under lazarus/round/<round>/replica/<r>), and the quorum and every
-# shard's cross-replica group are on that same store (trainer/replicagroup.py:
-# quorum_store). So one loop thread serves the restarted replica's rendezvous (its ranks
-# only), the per-step quorum of the R leaders, and the rebuild of the cross-replica groups,
-# whose publications are every live rank's: that store sees all N ranks anyway.
+# the replica's world under lazarus/round/<round>/replica/<r>), and the quorum is on that
+# same store (trainer/replicagroup.py: quorum_store). So one loop thread serves the
+# restarted replica's rendezvous (its ranks only) and the per-step quorum of the R leaders.
+# The rebuild of the cross-replica groups, whose publications are every live rank's, goes to
+# the epoch's shard stores (SHARD_STORES below; until 2026-11-30 it was on that one store).
 
 # Copied from the code, which imports torch (tests/unit/test_scalemodel.py checks they agree):
 RETRY_GRACE_S = 0.5        # trainer/quorum.py: a retry waits this for the failed try's
@@ -199,6 +199,14 @@ LOOK_S = 1.0               # trainer/quorum.py
 # publishes its address and reads its ring neighbours' at the first collective, 3 requests,
 # no connect -- ASSUMED 3 of the measured law's 5 operations a rank.
 REBUILD_OPS = 3
+# Where a rebuild's requests go (built 2026-11-30): not to the quorum's store but to the
+# epoch's shard stores, which members[0]'s agent hosts (agent/ports.py host_shard_stores):
+# one per shard, at most SHARD_STORES (lazarus.core.contract), shard s's groups on the
+# (s mod K)-th, each store with a loop thread of its own (torch's TCPStore server). So K
+# loop threads share the live ranks' rebuild, and the restarted replica's rendezvous, the
+# quorum and the heartbeats no longer queue behind it. ASSUMED: the host runs the K threads
+# in parallel (a GPU node has dozens of cores; its ranks wait meanwhile).
+SHARD_STORES = 16
 # The heal: rank s of a live replica sends its shard of the model and optimizer to rank s of
 # the restarted one, all shards in parallel (ReplicaGroup.heal). ASSUMED at torchft's
 # figure, issue 41's text: "12 GB of state fetched from a peer in 3 s", 4 GB/s a pair; not
@@ -265,8 +273,12 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
     per_req = _per_request(store)
     quorum_s = quorum_requests(r) * per_req
 
+    shard_stores = min(SHARD_STORES, replica_gpus)
+
     def rebuild_store(n: int) -> float:
-        return store(n) * REBUILD_OPS / STORE_OPS
+        # the busiest of the shard stores: ceil(shards / K) shards' groups of n / shards ranks
+        per_store = -(-replica_gpus // shard_stores) * (n // replica_gpus)
+        return store(per_store) * REBUILD_OPS / STORE_OPS
 
     # The live replicas: the average of the step fails, every rank of each agrees on it, and
     # the step's next try asks the quorum, waiting the grace for the failed try's members.
@@ -284,14 +296,15 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
     stall = Prediction(ranks, kind, (
         seen, retry,
         Part("cross-replica groups, rendezvous", rebuild_store(left),
-             "a + b live ranks, one loop thread",
-             f"the store's law, {REBUILD_OPS} of {STORE_OPS} operations a rank (assumed)"),
+             f"a + b live ranks / K, K = {shard_stores} shard stores",
+             f"the store's law, {REBUILD_OPS} of {STORE_OPS} operations a rank (assumed); "
+             f"their loop threads in parallel (assumed)"),
         Part("cross-replica groups, communicators", _nccl(r), "c R^2, 2 s floor",
              "NCCLX arXiv 2510.20171; floor assumed; gloo today"),
     ))
-    # The one store's loop thread, first come first served: the retry's quorum and the
-    # rebuild's requests, then the restarted replica's rendezvous behind them.
-    store_free = seen.seconds + RETRY_GRACE_S + quorum_s + rebuild_store(left)
+    # The quorum's store, first come first served: the retry's quorum, then the restarted
+    # replica's rendezvous (the live ranks' rebuild is on the shard stores).
+    store_free = seen.seconds + RETRY_GRACE_S + quorum_s
 
     detect = (Part("detect", DETECT_CRASH_S, "flat", "measured here")
               if kind == "worker_crash" else
@@ -315,21 +328,21 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
     transfer = state_bytes / replica_gpus / HEAL_BYTES_PER_S
     back = Prediction(replica_gpus, kind, (
         detect, decide, start,
-        Part("rendezvous", rdv, "a + b replica ranks, behind the live ranks' requests",
+        Part("rendezvous", rdv, "a + b replica ranks, after the retry's quorum",
              "the round store's law, measured here; one loop thread with the quorum's"),
         Part("process groups", own, "c (N/R)^2, 2 s floor",
              "NCCLX arXiv 2510.20171 (265 s at 96K); floor assumed"),
         Part("wait to be let in", let_in - ready + quorum_s,
              "the live replicas' next quorum", "trainer/quorum.py join"),
         Part("cross-replica groups, again", heal_rdv + heal_groups,
-             "a + b ranks (all N) + c R^2", "as above"),
+             "a + b ranks (all N) / K + c R^2", "as above"),
         Part("heal", transfer, "state / replica ranks / bandwidth",
              "torchft's 12 GB in 3 s (issue 41), 405B x 16 B assumed"),
         Part("first step", FIRST_STEP_S, "the job's step", "measured here (tiny model)"),
     ))
     rejoin = Prediction(ranks, kind, (
         Part("cross-replica groups, again", heal_rdv + heal_groups,
-             "a + b ranks (all N) + c R^2", "as above"),
+             "a + b ranks (all N) / K + c R^2", "as above"),
         Part("heal", transfer, "the source sends before its step; the others wait in the "
              "average", "as above"),
     ))

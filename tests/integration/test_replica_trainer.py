@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lazarus.agent.ports import host_shard_stores
 from lazarus.core import exitcodes
 from lazarus.core.trainconfig import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from lazarus.trainer.data import ensure_corpus
@@ -90,6 +91,8 @@ def test_a_replica_of_the_builtin_trainer_heals_from_the_other(tmp_path):
     ensure_corpus()  # built once here rather than raced by every rank
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     quorum = dist.PrefixStore(quorum_prefix(JOB, EPOCH), store)
+    # as members[0]'s agent hosts them: a store per shard for the cross-replica groups
+    shard_stores = host_shard_stores("127.0.0.1", store, job_id=JOB, epoch=EPOCH, shards=PER)
     metrics = tmp_path / "metrics.jsonl"
     train = TrainConfig(steps=STEPS, seed=3, metrics=str(metrics),
                         parallelism=ParallelConfig(dp=PER),
@@ -163,6 +166,10 @@ def test_a_replica_of_the_builtin_trainer_heals_from_the_other(tmp_path):
     assert f"replica 1: healed from replica 0 at step {healed_at - 1}" in (
         tmp_path / "log-2-2.txt").read_text()
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # Each shard's cross-replica groups rendezvoused on a store of their own (which holds
+    # nothing else), built there at the start, the loss and the return.
+    assert len(shard_stores) == PER
+    assert all(s.num_keys() >= 3 for s in shard_stores), [s.num_keys() for s in shard_stores]
     print(_figures(rows, tmp_path, began=began, killed=killed, restarted=restarted,
                    asked=asked, healed_at=healed_at))
 

@@ -5,7 +5,7 @@ README print are what the model still says."""
 
 import pytest
 
-from lazarus.core import settings
+from lazarus.core import contract, settings
 from lazarus.trainer import quorum, replicagroup, replicaloop
 from tests.bench import scalemodel as sm
 
@@ -35,6 +35,7 @@ def test_the_model_copies_the_codes_constants():
     assert sm.LOOK_S == quorum.LOOK_S
     assert sm.QUORUM_WAIT_S == replicaloop.QUORUM_WAIT_S
     assert sm.SILENCE_CHECK_S == replicagroup.SILENCE_CHECK_S
+    assert sm.SHARD_STORES == contract.SHARD_STORES
 
 
 def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
@@ -46,9 +47,14 @@ def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
     # (trainer/quorum.py)
     assert p.quorum_s == pytest.approx((4 * 32 + 3) * per_request)
     assert part(p.stall, "the retry's quorum") == pytest.approx(0.5 + p.quorum_s)
-    # the live ranks publish and read 3 of the rendezvous law's 5 operations each
+    # the live ranks publish and read 3 of the rendezvous law's 5 operations each, spread
+    # over 16 shard stores: 512 shards, 32 a store, each a group of the 31 live replicas
     assert part(p.stall, "cross-replica groups, rendezvous") == pytest.approx(
-        STORE(16384 - 512) * 3 / 5)
+        STORE(32 * 31) * 3 / 5)
+    # the restarted replica's rendezvous queues behind the retry's quorum only
+    arrive = sm.DETECT_CRASH_S + part(p.back, "decide") + sm.REPLICA_START_S
+    assert part(p.back, "rendezvous") == pytest.approx(
+        max(arrive, 0.5 + p.quorum_s) + STORE(512) - arrive)
     # a group of 32 members, and the failed replica's world of 512: both at the floor
     assert part(p.stall, "cross-replica groups, communicators") == sm.NCCL_FLOOR_S
     assert part(p.back, "process groups") == sm.NCCL_FLOOR_S
@@ -66,16 +72,23 @@ def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
 
 
 def test_what_dominates_at_131072_depends_on_the_replicas_size():
-    # many small replicas or fewer: the live ranks' rebuild of their cross-replica groups on
-    # the one store (the quorum, linear in R, is a fraction of a second even at 1,024)
+    # the live ranks' rebuild of their cross-replica groups, spread over the shard stores,
+    # stays under a second; the live replicas wait on the communicators' floor, and the
+    # failed replica's return on its heal (the quorum, linear in R, is a fraction of a second
+    # even at 1,024 replicas)
     small = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=128)
-    assert small.stall.dominant().name == "cross-replica groups, rendezvous"
-    assert small.quorum_s < 0.5
     mid = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=512)
-    assert mid.stall.dominant().name == "cross-replica groups, rendezvous"
+    for p in (small, mid):
+        assert p.stall.dominant().name == "cross-replica groups, communicators"
+        assert part(p.stall, "cross-replica groups, rendezvous") < 1.0
+        assert p.back.dominant().name == "heal"
+    assert small.quorum_s < 0.5
+    # on one store, as built before the shard stores, the rebuild was every live rank's
+    assert part(mid.stall, "cross-replica groups, rendezvous") < STORE(131072 - 512) * 3 / 5 / 10
     # a replica big enough that its own communicators leave the floor
     big = sm.predict_replica(131072, kind="worker_crash", store=STORE, replica_gpus=16384)
     assert part(big.back, "process groups") == pytest.approx(265.0 * (16384 / 98304) ** 2)
+    assert big.back.dominant().name == "process groups"
     # whatever the size, far below every rank of the world rebuilding
     whole = sm.predict(131072, kind="worker_crash", store=STORE).total
     assert max(p.stall.total for p in (small, mid, big)) < whole / 4
