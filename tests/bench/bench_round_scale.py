@@ -27,9 +27,11 @@ crash's cost, not theirs: lazarus.trainer.train.StartTimes.entering dates each r
 entering); the wall figure with those waits is printed beside it.
 
 Nothing asserts a time. The last line is the issue's summary:
-`scale: ranks=.. survivors_x=.. store_16k_s=.. predicted_16384x8_crash_s=.. predicted_16384x8_node_s=..`
-with the predictions of the model in tests/bench/scalemodel.py; the line before it, the
-model's for replica mode (docs/replicas.md) at 16,384 x 8, BENCH_REPLICA_GPUS (512) a replica.
+`scale: ranks=.. survivors_x=.. store_16k_s=.. predicted_16384x8_crash_s=.. predicted_16384x8_node_s=..
+replica_16384x8_crash_s=.. replica_16384x8_node_s=..` with the predictions of the model in
+tests/bench/scalemodel.py: a whole-world round's, then replica mode's (docs/replicas.md) failed
+replica back, BENCH_REPLICA_GPUS (512) a replica; the line before it, the rest of replica
+mode's at 16,384 x 8.
 """
 
 from __future__ import annotations
@@ -317,4 +319,6 @@ def test_recovery_cost_against_world_size(tmp_path):
     survivors_x = biggest["survivors_own_s"] / own_base
     print(f"scale: ranks={biggest['world']} survivors_x={survivors_x:.2f} "
           f"store_16k_s={store_16k:.2f} predicted_16384x8_crash_s={crash.total:.1f} "
-          f"predicted_16384x8_node_s={node.total:.1f}")
+          f"predicted_16384x8_node_s={node.total:.1f} "
+          # replica mode at the same size (the model): the failed replica back
+          f"replica_16384x8_crash_s={rc.back.total:.1f} replica_16384x8_node_s={rn.back.total:.1f}")
