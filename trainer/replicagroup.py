@@ -76,10 +76,10 @@ class ReplicaGroup:
         """`store()`: a new connection to the quorum's store, shared by every replica's ranks
         (two on the leader: its heartbeat thread has its own). `shard_store(quorum)`: a
         connection to the store this rank's cross-replica groups rendezvous on (default: the
-        quorum's). `wait_s`: how long a replica's
-        leader may stay silent before a quorum goes on without it; `timeout_s`: a
-        cross-replica collective's (and a heal's) limit. `joining`: whether this start of the
-        replica heals from a live one first (None: any start after its first does)."""
+        quorum's). `wait_s`: how long a replica's leader may stay silent before a quorum goes
+        on without it; `timeout_s`: a cross-replica collective's (and a heal's) limit.
+        `joining`: whether this start of the replica heals from a live one first (None: any
+        start after its first does)."""
         self.store = store()
         self.groups_store = shard_store(self.store) if shard_store is not None else self.store
         self.replica, self.replicas = replica, replicas

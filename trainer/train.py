@@ -213,7 +213,7 @@ def train(cfg: TrainConfig, *, session: Session, process: RankProcess | None = N
     `restore_step`: the step the round restores, whichever tier."""
     start = StartTimes(began=time.perf_counter() if began is None else began, handed=handed)
     if in_place:
-        start.survived((process or this_process()))
+        start.survived(process or this_process())
     # A corpus is only read where it exists; a data.dir without one is built, so written.
     corpus = cfg.data.dir if cfg.data.dir and not is_corpus(Path(cfg.data.dir)) else None
     if why := jobpaths.outside({"checkpoint.dir": cfg.checkpoint.dir, "metrics": cfg.metrics,
