@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lazarus.agent.ports import host_shard_stores
 from lazarus.core import exitcodes
 from lazarus.core.trainconfig import (CheckpointConfig, DataConfig, OptimizerConfig,
                                       ParallelConfig, TrainConfig)
@@ -102,8 +103,13 @@ def test_one_replica_saves_and_a_whole_world_restart_resumes_every_replica(tmp_p
                            data=DataConfig(seq_len=32, global_batch=8),
                            checkpoint=CheckpointConfig(dir=str(root), every=EVERY)).to_dict()
 
+    shard_stores = {}
+
     def launch(round_: int, restore: str | None = None, restore_step: int = 0) -> dict:
         env = {"OMP_NUM_THREADS": "1", "LAZARUS_TEST_ROUND": str(round_)}
+        # as members[0]'s agent hosts them for the epoch (each round here is an epoch)
+        shard_stores[round_] = host_shard_stores("127.0.0.1", store, job_id=JOB, epoch=round_,
+                                                 shards=PER)
         procs = {}
         for rank in range(REPLICAS * PER):
             procs[rank] = ctx.Process(target=_entry, args=(
