@@ -14,6 +14,10 @@ Clearing those caches would be correct, and would cost the next first step 0.5-0
 propagation again (the point of keeping the process). Instead every old mesh equal to one
 of the new world's takes the new one's state, so each cached entry means what a fresh
 process would have computed.
+
+Old meshes are found by walking the collector's objects; the zygote freezes its objects
+before it forks (`freeze`), which hides them from that walk, so the meshes among them are
+remembered here.
 """
 
 from __future__ import annotations
