@@ -113,7 +113,11 @@ def test_a_node_blind_to_storage_is_cordoned_and_a_corrupt_shard_is_named(tmp_pa
         assert st.members == ["n0", "n2"] and st.restore_step == kept
         assert _record(cluster, kept).good                      # not condemned
 
-        # 2. A byte flipped in a shard of the newest checkpoint, n2's (rank 1).
+        # 2. A byte flipped in a shard of the newest checkpoint, n2's (rank 1). Paused once
+        # this round has a good save two past `kept`, so that one lies between them (CI once
+        # paused at step 18 with only step 12's good yet: a save is good a span after it).
+        wait_for(cluster, lambda st: any(c.good and c.step >= kept + 8 for c in st.checkpoints),
+                 timeout=180, what=f"a good checkpoint of step {kept + 8} or later")
         bad = _pause_after(cluster, metrics, kept + 10)
         assert bad >= kept + 8             # so that this round committed one before it
         shard = ckdir / f"step-{bad:08d}" / "__1_0.distcp"

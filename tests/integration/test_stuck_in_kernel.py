@@ -260,7 +260,11 @@ def test_the_daemon_cordons_and_replaces_a_node_whose_rank_sigkill_cannot_end(st
                 if st.status is None:
                     return None
                 for node, ns in st.node_status.items():
-                    if ns.round == 1 and ns.pids and frozen.sample(ns.pids[0]).state == "D":
+                    # in D opening the mount's file: a page-in from disk (a forked worker
+                    # touching its libraries) is a D too, and a SIGKILL ends that one
+                    if ns.round == 1 and ns.pids and (
+                            (s := frozen.sample(ns.pids[0])).state == "D"
+                            and f"opening {data}" in s.where):
                         others = [n for n in st.status.members if n != node]
                         peer = st.node_status.get(others[0]) if others else None
                         if peer is not None and peer.round == 1 and peer.pids:
