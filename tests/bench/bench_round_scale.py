@@ -24,7 +24,10 @@ Two parts, each on one clock from the fault's injection:
 The survivors' part is counted as issue 40 counts it: from the assignment to their setup's
 end, less what they waited at the world's collectives on the new rank's own start (the
 crash's cost, not theirs: lazarus.trainer.train.StartTimes.entering dates each rank's
-entering); the wall figure with those waits is printed beside it.
+entering); the wall figure with those waits is printed beside it. The sizes are compared at
+the same recovery: runs whose survivors kept their state where both sizes have one (a kill
+that lands before the victim's newest snapshot is whole sends every survivor a step back, to
+load its own snapshot of the step before: more work, and likelier the busier the cores).
 
 Nothing asserts a time. The last line is the issue's summary:
 `scale: ranks=.. survivors_x=.. store_16k_s=.. predicted_16384x8_crash_s=.. predicted_16384x8_node_s=..
@@ -121,7 +124,8 @@ def _starts(workdir: Path, round_: int) -> list[dict]:
             m = START.search(line)
             if m and int(m[1]) == round_:
                 row = {"rank": int(log.stem.split("-")[1]), "in_place": bool(m[4]),
-                       "total": float(m[5]),
+                       # "its own state" (kept in place) or where a rolled-back step came from
+                       "source": m[2], "total": float(m[5]),
                        **dict(zip(("handover", "rendezvous", "build", "restore", "setup",
                                    "first_step"), map(float, m.groups()[5:])))}
                 entered = ENTERED.search(line)
@@ -220,21 +224,32 @@ def _recovery(tmp: Path, world: int) -> dict:
         "first_step_s": max((s["first_step"] for s in starts), default=float("nan")),
         "recovered_s": rec["recovered_after_s"],
         "in_place": len(survivors), "ranks_started": len(starts),
+        # Whether the survivors went on in their own state, or went back a step: the crash
+        # struck before the victim's newest snapshot was whole, and each survivor loaded its
+        # own of the step before (lazarus.daemon.tier0). Which one a run meets depends on
+        # where in the snapshot's write the kill lands, which the load here moves.
+        "survivors_kept": bool(survivors) and all(s["source"] == "its own state"
+                                                   for s in survivors),
         # per survivor, what does not depend on this machine's speed or load
         **{f"survivor_{k}": _mean([s[k] for s in survivors if k in s])
            for k in ("cpu_s", "connections", "store_requests", "cpu_s_1st", "connections_1st",
                      "store_requests_1st")},
         "survivor_cpu_s_max": max((s["cpu_s"] for s in survivors if "cpu_s" in s),
                                   default=float("nan")),
+        # The least wall the survivors' own part can take here: their CPU to setup, together,
+        # on this machine's cores (each survivor of a real cluster has cores of its own).
+        "survivors_cpu_floor_s": sum(s.get("cpu_s", 0.0) for s in survivors)
+        / (os.cpu_count() or 1),
         "load": os.getloadavg(),
         "connections": sampler.most[0], "ranks_connected": sampler.most[1],
     }
 
 
-def _store(n: int, netns: bool) -> dict:
-    """N simulated ranks' rendezvous on one store (tests/bench/storeload.py)."""
+def _store(n: int, netns: bool, *, ids: bool = False) -> dict:
+    """N simulated ranks' rendezvous on one store (tests/bench/storeload.py); with `ids`,
+    their reads of one scalable NCCL communicator's unique ids instead."""
     driver = Path(__file__).with_name("storeload_driver.py")
-    cmd = [sys.executable, str(driver), str(n), str(STORE_PROCS)]
+    cmd = [sys.executable, str(driver), str(n), str(STORE_PROCS), *(["ids"] if ids else [])]
     if netns:
         cmd = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
@@ -269,7 +284,8 @@ def test_recovery_cost_against_world_size(tmp_path):
               f"step: {row['survivor_cpu_s_1st']:.3f} CPU-s, "
               f"{row['survivor_connections_1st']:.1f} connections, "
               f"{row['survivor_store_requests_1st']:.1f} store requests; load average "
-              f"{row['load'][0]:.2f} on {os.cpu_count()} cores", flush=True)
+              f"{row['load'][0]:.2f} on {os.cpu_count()} cores; the survivors' CPU on "
+              f"them {row['survivors_cpu_floor_s']:.3f} s", flush=True)
     netns = _may_unshare()
     stores = []
     for n in STORE_RANKS:
@@ -278,27 +294,46 @@ def test_recovery_cost_against_world_size(tmp_path):
         print(f"store: {n} ranks' rendezvous in {s['wall_s']:.2f} s "
               f"({s['wall_s'] / n * 1e3:.3f} ms a rank; the store's loop thread busy "
               f"{s['server_cpu_s']:.2f} s){'' if netns else ' WITH DNS in the path'}", flush=True)
+    id_loads = []
+    for n in STORE_RANKS:
+        s = _store(n, netns, ids=True)
+        id_loads.append(s)
+        print(f"store: {n} ranks read one NCCL communicator's {math.ceil(n / 128)} unique ids "
+              f"({s['bytes_read'] / 1e6:.1f} MB) in {s['wall_s']:.2f} s (its loop thread busy "
+              f"{s['server_cpu_s']:.2f} s){'' if netns else ' WITH DNS in the path'}", flush=True)
     # A world listed more than once (BENCH_WORLDS=2,8,2,8,2,8) is taken at its median run:
     # a survivor's part is hundredths of a second, which one busy moment of 2 cores doubles.
     smallest = _median_run([r for r in rows if r["world"] == min(WORLDS)])
     biggest = _median_run([r for r in rows if r["world"] == max(WORLDS)])
+    # The same recovery at both sizes: survivors that kept their state, where both sizes have
+    # such a run (a run that went back a step adds every survivor's load of its snapshot).
+    kept = {w: [r for r in rows if r["world"] == w and r["survivors_kept"]]
+            for w in (min(WORLDS), max(WORLDS))}
+    alike = all(kept.values())
+    if alike:
+        smallest, biggest = _median_run(kept[min(WORLDS)]), _median_run(kept[max(WORLDS)])
     base, own_base = smallest["survivors_s"], smallest["survivors_own_s"]
     # The store's own cost is its loop thread's: the wall here is bound by the 16,384
     # simulated clients sharing this machine's cores with it.
     fit = scalemodel.fit_store([(s["ranks"], s["server_cpu_s"]) for s in stores])
+    ids = scalemodel.fit_ids([(s["ranks"], s["bytes_read"], s["server_cpu_s"]) for s in id_loads])
     store_16k = fit(16384)
-    crash = scalemodel.predict(16384 * 8, kind="worker_crash", store=fit)
-    node = scalemodel.predict(16384 * 8, kind="node_lost", store=fit)
-    print(json.dumps({"rows": rows, "stores": stores}, indent=1))
-    print(scalemodel.table(fit))
+    crash = scalemodel.predict(16384 * 8, kind="worker_crash", store=fit, ids=ids)
+    node = scalemodel.predict(16384 * 8, kind="node_lost", store=fit, ids=ids)
+    print(json.dumps({"rows": rows, "stores": stores, "ids": id_loads}, indent=1))
+    print(scalemodel.table(fit, ids))
     # replica mode (docs/replicas.md): only the failed replica restarts
-    print(scalemodel.replica_table(fit, REPLICA_GPUS))
-    print(scalemodel.replica_sizes_table(fit))
+    print(scalemodel.replica_table(fit, REPLICA_GPUS, ids))
+    print(scalemodel.replica_sizes_table(fit, ids=ids))
     print("survivors in place: " + ", ".join(f"{r['in_place']} of {r['world']} at {r['world']}"
                                              for r in rows))
     first = smallest
     print(f"survivors' own part, each run: " + ", ".join(
-        f"{r['survivors_own_s']:.3f} s at {r['world']}" for r in rows))
+        f"{r['survivors_own_s']:.3f} s at {r['world']}"
+        f"{'' if r['survivors_kept'] else ' (back a step)'}" for r in rows))
+    print("compared: " + ("runs whose survivors kept their state, at both sizes" if alike else
+                          "every run (a size had no run whose survivors kept their state): a "
+                          "run that went back a step is not the same recovery"))
     print(f"per survivor at {biggest['world']} ranks against {first['world']} (median runs), "
           f"to setup: "
           + ", ".join(f"{k} x{biggest['survivor_' + k] / first['survivor_' + k]:.2f}"
@@ -308,9 +343,11 @@ def test_recovery_cost_against_world_size(tmp_path):
           f"against {base:.2f} s), their own part (less the waits on the new rank) "
           f"x{biggest['survivors_own_s'] / own_base:.2f} ({biggest['survivors_own_s']:.3f} s "
           f"against {own_base:.3f} s)"
-          f" with load average {biggest['load'][0]:.1f} on {os.cpu_count()} cores")
+          f" with load average {biggest['load'][0]:.1f} on {os.cpu_count()} cores, where "
+          f"the survivors' CPU alone takes {biggest['survivors_cpu_floor_s']:.3f} s against "
+          f"{first['survivors_cpu_floor_s']:.3f} s")
     rc, rn = (scalemodel.predict_replica(16384 * 8, kind=k, store=fit,
-                                         replica_gpus=REPLICA_GPUS)
+                                         replica_gpus=REPLICA_GPUS, ids=ids)
               for k in ("worker_crash", "node_lost"))
     print(f"replica mode, {REPLICA_GPUS} GPUs a replica, at 16384x8: crash: live replicas "
           f"again {rc.stall.total:.1f} s, failed one back {rc.back.total:.1f} s; node lost: "

@@ -57,6 +57,40 @@ NCCL_FLOOR_S = 2.0
 GROUPS = 1
 
 
+# torch's ProcessGroupNCCL makes a communicator of more than TORCH_NCCL_RANKS_PER_ROOT (128)
+# ranks with ncclCommInitRankScalable (NCCL 2.23+): every 128th rank puts a 128-byte unique id
+# on the group's store, and every rank reads all ceil(N / 128) of them in one multi-get
+# (torch 2.13: ProcessGroupNCCL.hpp TORCH_NCCL_RANKS_PER_ROOT, allgatherUniqueNCCLIDs) -- N
+# ceil(N / 128) x 128 bytes out of the round store's one loop thread, a communicator: 17 GB at
+# 131,072 ranks. Its loop thread under N simulated ranks doing just that, measured here
+# (2026-11-30, tests/bench/storeload.py `ids`, no DNS in the path): (ranks, bytes it sent,
+# busy seconds, the connects' included). The bench fits its own.
+RANKS_PER_ROOT = 128
+NCCL_ID_BYTES = 128
+IDS_MEASURED = ((1024, 1 << 20, 0.06), (4096, 1 << 24, 0.33), (16384, 1 << 28, 1.92))
+
+
+def id_bytes(ranks: int) -> int:
+    """What the store sends for one communicator of `ranks` made by torch's scalable init."""
+    return ranks * -(-ranks // RANKS_PER_ROOT) * NCCL_ID_BYTES if ranks > RANKS_PER_ROOT else 0
+
+
+def fit_ids(points: list[tuple[int, int, float]]) -> Callable[[int], float]:
+    """Least squares busy = a N + b bytes through (ranks, bytes, busy) measured; returns the
+    bytes' part at N ranks (a rank's connect is the rendezvous's, counted there)."""
+    nn = sum(n * n for n, _, _ in points)
+    nb = sum(n * b for n, b, _ in points)
+    bb = sum(b * b for _, b, _ in points)
+    ny = sum(n * y for n, _, y in points)
+    by = sum(b * y for _, b, y in points)
+    det = nn * bb - nb * nb
+    per_byte = (nn * by - nb * ny) / det if det else by / max(1, bb)
+    return lambda ranks: max(0.0, per_byte) * id_bytes(ranks)
+
+
+IDS = fit_ids(list(IDS_MEASURED))
+
+
 @dataclass(frozen=True)
 class Part:
     name: str
@@ -103,8 +137,10 @@ def _nccl(ranks: int) -> float:
     return max(NCCL_FLOOR_S, t * (ranks / n) ** 2)
 
 
-def predict(ranks: int, *, kind: str, store: Callable[[int], float]) -> Prediction:
-    """A `kind` ("worker_crash" or "node_lost" with a warm spare) at `ranks`."""
+def predict(ranks: int, *, kind: str, store: Callable[[int], float],
+            ids: Callable[[int], float] = IDS) -> Prediction:
+    """A `kind` ("worker_crash" or "node_lost" with a warm spare) at `ranks`; `ids`: the
+    store's seconds for one communicator's unique ids at N ranks (`fit_ids`)."""
     nodes = max(1, ranks // RANKS_PER_NODE)
     detect = (Part("detect", DETECT_CRASH_S, "flat", "measured here")
               if kind == "worker_crash" else
@@ -116,6 +152,9 @@ def predict(ranks: int, *, kind: str, store: Callable[[int], float]) -> Predicti
         Part("hand over", HANDOVER_S, "flat (one message a rank)", "measured here"),
         Part("rendezvous", store(ranks), "a + b ranks, one loop thread",
              "the round store's loop thread under N simulated ranks, measured here, no DNS"),
+        Part("communicator ids", GROUPS * ids(ranks), "N ceil(N/128) x 128 B, one loop thread",
+             "torch's scalable NCCL init (TORCH_NCCL_RANKS_PER_ROOT); the store's bytes "
+             "measured here"),
         Part("process groups", GROUPS * _nccl(ranks), "c ranks^2, 2 s floor",
              "NCCLX arXiv 2510.20171 (265 s at 96K); floor assumed"),
         Part("restore", RESTORE_IN_PLACE_S, "flat (kept objects)", "measured here"),
@@ -135,15 +174,15 @@ def ettr(recovery_s: float, mtbf_s: float) -> float:
 MTBF_S = {1024: 16 * 1.8 * 3600, 16384: 1.8 * 3600, 131072: 14 * 60}
 
 
-def table(store: Callable[[int], float]) -> str:
+def table(store: Callable[[int], float], ids: Callable[[int], float] = IDS) -> str:
     rows = ["| part | 1,024 GPUs | 16,384 | 131,072 | law | source |", "|---|---|---|---|---|---|"]
-    preds = {n: predict(n, kind="worker_crash", store=store) for n in MTBF_S}
+    preds = {n: predict(n, kind="worker_crash", store=store, ids=ids) for n in MTBF_S}
     for i, part in enumerate(preds[1024].parts):
         cells = " | ".join(f"{preds[n].parts[i].seconds:.2f} s" for n in MTBF_S)
         rows.append(f"| {part.name} | {cells} | {part.law} | {part.source} |")
     rows.append("| **worker crash, total** | " + " | ".join(
         f"**{preds[n].total:.1f} s**" for n in MTBF_S) + " | | |")
-    nodes = {n: predict(n, kind="node_lost", store=store) for n in MTBF_S}
+    nodes = {n: predict(n, kind="node_lost", store=store, ids=ids) for n in MTBF_S}
     rows.append("| **node lost (warm spare), total** | " + " | ".join(
         f"**{nodes[n].total:.1f} s**" for n in MTBF_S) + " | | |")
     rows.append("| dominant part | " + " | ".join(preds[n].dominant().name for n in MTBF_S)
@@ -257,7 +296,8 @@ def quorum_requests(replicas: int) -> int:
 
 def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
                     replica_gpus: int, state_bytes: float = STATE_BYTES,
-                    silent_seen_s: float = REPLICA_SILENT_S) -> ReplicaPrediction:
+                    silent_seen_s: float = REPLICA_SILENT_S,
+                    ids: Callable[[int], float] = IDS) -> ReplicaPrediction:
     """A `kind` ("worker_crash", or "node_lost": the node stops answering, its replica
     restarts on a warm spare) at `ranks`, in replicas of `replica_gpus`. `silent_seen_s`: when
     the live replicas' collective with a silent node fails -- by the code, once its leader's
@@ -276,9 +316,11 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
     shard_stores = min(SHARD_STORES, replica_gpus)
 
     def rebuild_store(n: int) -> float:
-        # the busiest of the shard stores: ceil(shards / K) shards' groups of n / shards ranks
-        per_store = -(-replica_gpus // shard_stores) * (n // replica_gpus)
-        return store(per_store) * REBUILD_OPS / STORE_OPS
+        # the busiest of the shard stores: ceil(shards / K) shards' groups of n / shards ranks,
+        # each group's communicator ids too where it has more than 128 members
+        groups = -(-replica_gpus // shard_stores)
+        return (store(groups * (n // replica_gpus)) * REBUILD_OPS / STORE_OPS
+                + groups * ids(n // replica_gpus))
 
     # The live replicas: the average of the step fails, every rank of each agrees on it, and
     # the step's next try asks the quorum, waiting the grace for the failed try's members.
@@ -315,7 +357,7 @@ def predict_replica(ranks: int, *, kind: str, store: Callable[[int], float],
     start = Part("start", REPLICA_START_S, "flat (the replica's ranks start anew)",
                  "measured here (a restarted rank, tiny model)")
     arrive = detect.seconds + decide.seconds + start.seconds
-    rdv = max(arrive, store_free) + store(replica_gpus) - arrive
+    rdv = max(arrive, store_free) + store(replica_gpus) + ids(replica_gpus) - arrive
     own = _nccl(replica_gpus)
     ready = arrive + rdv + own
     # Let in at the live replicas' next quorum: they are back at their steps at stall.total,
@@ -358,14 +400,17 @@ def _cells(preds: dict, cell: Callable[[ReplicaPrediction], str]) -> str:
     return " | ".join("-" if preds[n] is None else cell(preds[n]) for n in MTBF_S)
 
 
-def replica_table(store: Callable[[int], float], replica_gpus: int) -> str:
+def replica_table(store: Callable[[int], float], replica_gpus: int,
+                  ids: Callable[[int], float] = IDS) -> str:
     """The table of docs/scale.md, "In replica mode", at 1,024 / 16,384 / 131,072 GPUs."""
     def at(kind: str) -> dict:
-        return {n: (predict_replica(n, kind=kind, store=store, replica_gpus=replica_gpus)
+        return {n: (predict_replica(n, kind=kind, store=store, replica_gpus=replica_gpus,
+                                    ids=ids)
                     if n // replica_gpus >= 2 and n % replica_gpus == 0 else None)
                 for n in MTBF_S}
 
     crash, node = at("worker_crash"), at("node_lost")
+    whole = {n: predict(n, kind="worker_crash", store=store, ids=ids) for n in MTBF_S}
     some = next(p for p in crash.values() if p is not None)
     rows = [f"| part ({replica_gpus} GPUs a replica) | 1,024 GPUs | 16,384 | 131,072 | law | "
             "source |", "|---|---|---|---|---|---|",
@@ -401,13 +446,13 @@ def replica_table(store: Callable[[int], float], replica_gpus: int) -> str:
                 + " | ".join("-" if crash[n] is None else
                              f"{100 * replica_ettr(crash[n], MTBF_S[n]):.1f}%" for n in MTBF_S)
                 + " | | whole world: " + ", ".join(
-                    f"{100 * ettr(predict(n, kind='worker_crash', store=store).total, m):.1f}%"
-                    for n, m in MTBF_S.items()) + " |")
+                    f"{100 * ettr(whole[n].total, m):.1f}%" for n, m in MTBF_S.items()) + " |")
     return "\n".join(rows)
 
 
 def replica_sizes_table(store: Callable[[int], float], ranks: int = 131072,
-                        sizes: tuple[int, ...] = (128, 512, 2048, 8192)) -> str:
+                        sizes: tuple[int, ...] = (128, 512, 2048, 8192),
+                        ids: Callable[[int], float] = IDS) -> str:
     """What the replica's size trades at `ranks` GPUs (a worker crash): fewer, bigger
     replicas cost a quorum of fewer leaders and a smaller heal a rank, but a bigger world of
     communicators to rebuild for the failed one."""
@@ -415,7 +460,7 @@ def replica_sizes_table(store: Callable[[int], float], ranks: int = 131072,
             "replicas train again | failed replica back | of it, heal | GPU time lost | ETTR |",
             "|---|---|---|---|---|---|---|---|"]
     for g in sizes:
-        p = predict_replica(ranks, kind="worker_crash", store=store, replica_gpus=g)
+        p = predict_replica(ranks, kind="worker_crash", store=store, replica_gpus=g, ids=ids)
         heal = next(x for x in p.back.parts if x.name == "heal")
         rows.append(f"| {g:,} | {p.replicas:,} | {p.quorum_s:.2f} s | {p.stall.total:.1f} s | "
                     f"{p.back.total:.1f} s | {heal.seconds:.1f} s | {p.lost_s:.1f} s | "

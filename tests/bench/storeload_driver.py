@@ -1,7 +1,8 @@
-"""`python storeload_driver.py N PROCS`: one TCPStore here, N simulated ranks' rendezvous
-against it from PROCS processes (tests/bench/storeload.py), all started together once each
-has imported torch. Prints one JSON line: N, the wall time from the go to the last rank's
-last read, and the CPU time this process's threads spent meanwhile (the store's loop thread
+"""`python storeload_driver.py N PROCS [ids]`: one TCPStore here, N simulated ranks' rendezvous
+(with `ids`: their reads of a scalable NCCL communicator's unique ids) against it from PROCS
+processes (tests/bench/storeload.py), all started together once each has imported torch.
+Prints one JSON line: N, the wall time from the go to the last rank's last read, the bytes
+they read, and the CPU time this process's threads spent meanwhile (the store's loop thread
 is nearly all of it)."""
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ def _cpu_s() -> float:
     return total / ticks
 
 
-def main(n: int, procs: int) -> None:
+def main(n: int, procs: int, mode: list[str]) -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     per = -(-n // procs)
     spans = [(first, min(per, n - first)) for first in range(0, n, per)]
     clients = [subprocess.Popen([sys.executable, "-m", "tests.bench.storeload", "127.0.0.1",
-                                 str(server.port), str(first), str(count), str(n)],
+                                 str(server.port), str(first), str(count), str(n), *mode],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
                for first, count in spans]
@@ -50,8 +51,9 @@ def main(n: int, procs: int) -> None:
     errors = [e for o in outs for e in o["errors"]]
     print(json.dumps({"ranks": n, "procs": len(clients), "wall_s": round(wall, 3),
                       "server_cpu_s": round(cpu, 3), "connects": sum(o["connects"] for o in outs),
-                      "ops": sum(o["ops"] for o in outs), "errors": errors[:3]}))
+                      "ops": sum(o["ops"] for o in outs),
+                      "bytes_read": sum(o["bytes_read"] for o in outs), "errors": errors[:3]}))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

@@ -18,14 +18,51 @@ def part(pred: sm.Prediction, name: str) -> float:
 
 
 def test_whole_world_predictions_are_the_ones_docs_print():
-    # docs/scale.md's table and README's "model" row: 2.9 / 11.7 / 501 s, a node lost 5 s more
-    for ranks, crash in ((1024, 2.9), (16384, 11.7), (131072, 501.1)):
+    # docs/scale.md's table and README's "model" row: 2.9 / 12.5 / 554 s, a node lost 5 s more
+    for ranks, crash in ((1024, 2.9), (16384, 12.5), (131072, 553.6)):
         assert sm.predict(ranks, kind="worker_crash", store=STORE).total == pytest.approx(
             crash, abs=0.05)
         assert sm.predict(ranks, kind="node_lost", store=STORE).total == pytest.approx(
             crash + sm.LEASE_TTL_S, abs=0.05)
     assert sm.predict(131072, kind="worker_crash", store=STORE).dominant().name == (
         "process groups")
+
+
+def test_a_communicators_unique_ids_are_n_squared_bytes_from_the_store():
+    # torch's scalable NCCL init: up to 128 ranks one id (broadcast, not counted), past it
+    # every rank reads ceil(N / 128) ids of 128 bytes
+    assert sm.id_bytes(128) == 0
+    assert sm.id_bytes(129) == 129 * 2 * 128
+    assert sm.id_bytes(131072) == 131072 * 1024 * 128  # 17 GB a communicator
+    # the fit takes the connects out: synthetic points of 1 ms a connect, 1 ns a byte
+    ids = sm.fit_ids([(n, sm.id_bytes(n), 1e-3 * n + 1e-9 * sm.id_bytes(n))
+                      for n in (1024, 4096, 16384)])
+    assert ids(131072) == pytest.approx(1e-9 * sm.id_bytes(131072))
+    assert part(sm.predict(131072, kind="worker_crash", store=STORE), "communicator ids") == (
+        pytest.approx(sm.IDS(131072)))
+    # measured here, the store sends ids at some hundreds of MB/s: tens of seconds at 131,072
+    assert 10 < sm.IDS(131072) < 200
+
+
+def test_the_ids_load_reads_what_the_formula_counts():
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.bench import storeload
+
+    # the load's steps on an in-process store (the bench's go over TCP): each root publishes
+    # its id, every rank waits for all of them
+    store, world, read = dist.HashStore(), 257, []  # three roots: ranks 0, 128 and 256
+    store.set_timeout(timedelta(seconds=60))
+    threads = [threading.Thread(target=lambda r=r: read.append(
+        storeload.nccl_ids(store, r, world))) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(read) == sm.id_bytes(world) and set(read) == {3 * 128}
 
 
 def test_the_model_copies_the_codes_constants():
@@ -54,7 +91,7 @@ def test_a_crash_in_replicas_of_512_at_16384_is_its_laws():
     # the restarted replica's rendezvous queues behind the retry's quorum only
     arrive = sm.DETECT_CRASH_S + part(p.back, "decide") + sm.REPLICA_START_S
     assert part(p.back, "rendezvous") == pytest.approx(
-        max(arrive, 0.5 + p.quorum_s) + STORE(512) - arrive)
+        max(arrive, 0.5 + p.quorum_s) + STORE(512) + sm.IDS(512) - arrive)
     # a group of 32 members, and the failed replica's world of 512: both at the floor
     assert part(p.stall, "cross-replica groups, communicators") == sm.NCCL_FLOOR_S
     assert part(p.back, "process groups") == sm.NCCL_FLOOR_S
