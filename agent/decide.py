@@ -211,13 +211,19 @@ def _carried(node: str, rec: RoundRecord, local: Local) -> bool:
 
 def _victim(node: str, status: RunStatus | None, round_: int) -> bool:
     """Whether `round_` ended on a fault that ends processes (RELEASING) on other nodes than
-    this one: this node's ranks are its victims, not its culprits."""
+    this one: this node's ranks are its victims, not its culprits. A worker crash's own node
+    too: the rank that failed is gone, and the node's other ranks wait on it as any peer
+    does (on NCCL, over NVLink, they never notice by themselves: killed, every one of them
+    would start anew). Whether the node stays in the run is the daemon's to say; the next
+    round's record that leaves it out lets them go. Not a replica's crash: its ranks never
+    survive in place (the replica restarts whole and heals, docs/replicas.md)."""
     incident = status.incident if status is not None else None
     if not isinstance(incident, dict) or incident.get("kind") not in RELEASING \
             or incident.get("round") != round_:
         return False
     culprits = str(incident.get("culprit", "")).split(",")
-    return node not in culprits
+    return node not in culprits or (incident.get("kind") == "worker_crash"
+                                    and not incident.get("replicas"))
 
 
 def status_due(now: float, state: tuple, step: int, *, published_state: tuple | None,

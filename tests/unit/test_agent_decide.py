@@ -113,6 +113,14 @@ CONVERGE = {
         hung("a"), R2, VICTIMS, [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a crash on another node, its peers here not aware yet: held": (
         hung("b", kind="worker_crash"), R2, VICTIMS, [ReleaseVictims(2), Refill()]),
+    "a crash of a rank of this node, its other ranks not aware yet: held as well": (
+        hung("a", kind="worker_crash"), R2, VICTIMS, [ReleaseVictims(2), Refill()]),
+    "a crash of a rank of this node, its others never released: killed": (
+        hung("a", kind="worker_crash"), R2, Local(2, alive=True, waiting=True, over_s=RELEASE_S),
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
+    "a failed GPU on this node: its ranks killed at once": (
+        hung("a", kind="gpu_failed"), R2, VICTIMS,
+        [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
     "a node lost: its peers noticed long before, the rest are killed at once": (
         hung("b", kind="node_lost"), R2, VICTIMS,
         [StopRound(2, "run is RECOVERING"), SeeRound(R2), Refill()]),
