@@ -26,6 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tests.bench.scalemodel import NCCL_ID_BYTES, RANKS_PER_ROOT
+
 # What one rank sends the store, in order (the ops a rank's rendezvous makes here; gloo's own
 # full-mesh exchange of each process group comes on top and is counted apart).
 OPS_PER_RANK = 5  # set, add, wait, get, get
@@ -42,15 +44,6 @@ def rank_rendezvous(host: str, port: int, rank: int, world: int, timeout_s: floa
     store.get(f"addr/{(rank - 1) % world}")
 
 
-# torch's default TORCH_NCCL_RANKS_PER_ROOT and the size of an ncclUniqueId
-RANKS_PER_ROOT = 128
-NCCL_ID_BYTES = 128
-
-
-def roots(world: int) -> int:
-    return -(-world // RANKS_PER_ROOT)
-
-
 def rank_nccl_ids(host: str, port: int, rank: int, world: int, timeout_s: float) -> int:
     """One rank's part of a scalable communicator init, on a connection of its own."""
     return nccl_ids(dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
@@ -60,7 +53,7 @@ def rank_nccl_ids(host: str, port: int, rank: int, world: int, timeout_s: float)
 def nccl_ids(store: dist.Store, rank: int, world: int) -> int:
     """What rank `rank` of `world` asks of the store to make one communicator with torch's
     scalable NCCL init (a root publishes its id first); returns the bytes it read."""
-    keys = [f"UniqueNCCLID:{r}" for r in range(roots(world))]
+    keys = [f"UniqueNCCLID:{r}" for r in range(-(-world // RANKS_PER_ROOT))]
     if rank % RANKS_PER_ROOT == 0:
         store.set(keys[rank // RANKS_PER_ROOT], bytes(NCCL_ID_BYTES))
     got = store.multi_get(keys)
@@ -74,7 +67,6 @@ def main(argv: list[str]) -> None:
     print("ready", flush=True)
     sys.stdin.readline()  # "go": every process has imported torch, and they start together
     started = time.perf_counter()
-
     read: list[int] = []  # bytes each rank read (list.append is atomic)
 
     def run(r: int) -> None:
