@@ -167,8 +167,10 @@ def converge(node: str, status: RunStatus | None, rec: RoundRecord | None,
     kept = local.kept
     if running is not None:
         newer = status is not None and status.round != running
+        replicas = rec is not None and rec.replicas > 1
         if (newer or (not live and local.alive)) and useful and local.waiting \
-                and local.over_s < RELEASE_S and _victim(node, status, running):
+                and local.over_s < RELEASE_S and _victim(node, status, running,
+                                                         replicas=replicas):
             # Not killed yet: these ranks lost a peer on another node, or wait in a collective
             # for a hang's culprit there, and survive once they notice -- told, so that they
             # need not notice by themselves. Nothing starts meanwhile.
@@ -209,20 +211,22 @@ def _carried(node: str, rec: RoundRecord, local: Local) -> bool:
     return (local.alive or local.succeeded) and rec.carries(node, local.launched)
 
 
-def _victim(node: str, status: RunStatus | None, round_: int) -> bool:
+def _victim(node: str, status: RunStatus | None, round_: int, *, replicas: bool = False
+            ) -> bool:
     """Whether `round_` ended on a fault that ends processes (RELEASING) on other nodes than
     this one: this node's ranks are its victims, not its culprits. A worker crash's own node
     too: the rank that failed is gone, and the node's other ranks wait on it as any peer
     does (on NCCL, over NVLink, they never notice by themselves: killed, every one of them
     would start anew). Whether the node stays in the run is the daemon's to say; the next
-    round's record that leaves it out lets them go. Not a replica's crash: its ranks never
-    survive in place (the replica restarts whole and heals, docs/replicas.md)."""
+    round's record that leaves it out lets them go. Not in a job of `replicas`: a replica's
+    ranks never survive in place (it restarts whole and heals, docs/replicas.md), and its
+    incident names the replicas only once the daemon has decided."""
     incident = status.incident if status is not None else None
     if not isinstance(incident, dict) or incident.get("kind") not in RELEASING \
             or incident.get("round") != round_:
         return False
     culprits = str(incident.get("culprit", "")).split(",")
-    return node not in culprits or (incident.get("kind") == "worker_crash"
+    return node not in culprits or (incident.get("kind") == "worker_crash" and not replicas
                                     and not incident.get("replicas"))
 
 

@@ -179,6 +179,12 @@ REPLICA_CONVERGE = {
     "carried and relabelled: left alone": (
         replica_status(RUNNING), CARRY_0, Local(5, alive=True, waiting=True, rank_round=3),
         [SeeRound(CARRY_0), Refill()]),
+    # (the incident names the replicas only once the daemon has decided the round)
+    "a crash of a rank of this node's replica, before the daemon's decision: killed at once": (
+        RunStatus(job_id="J", state=RECOVERING, round=3, members=list(FOUR), since=1.0,
+                  incident={"kind": "worker_crash", "culprit": "a", "round": 3}),
+        replica_record(3, [3, 3]), LAUNCHED3,
+        [StopRound(3, "run is RECOVERING"), SeeRound(replica_record(3, [3, 3])), Refill()]),
     "this node's replica restarted: stopped and launched": (
         replica_status(culprit="a"), BREAK_0, LAUNCHED3,
         [StopRound(3, "round 5 is current"), SeeRound(BREAK_0), Launch(BREAK_0), Refill()]),
