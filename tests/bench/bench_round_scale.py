@@ -303,15 +303,13 @@ def test_recovery_cost_against_world_size(tmp_path):
               f"{s['server_cpu_s']:.2f} s){'' if netns else ' WITH DNS in the path'}", flush=True)
     # A world listed more than once (BENCH_WORLDS=2,8,2,8,2,8) is taken at its median run:
     # a survivor's part is hundredths of a second, which one busy moment of 2 cores doubles.
-    smallest = _median_run([r for r in rows if r["world"] == min(WORLDS)])
-    biggest = _median_run([r for r in rows if r["world"] == max(WORLDS)])
     # The same recovery at both sizes: survivors that kept their state, where both sizes have
     # such a run (a run that went back a step adds every survivor's load of its snapshot).
-    kept = {w: [r for r in rows if r["world"] == w and r["survivors_kept"]]
-            for w in (min(WORLDS), max(WORLDS))}
+    sizes = (min(WORLDS), max(WORLDS))
+    kept = {w: [r for r in rows if r["world"] == w and r["survivors_kept"]] for w in sizes}
     alike = all(kept.values())
-    if alike:
-        smallest, biggest = _median_run(kept[min(WORLDS)]), _median_run(kept[max(WORLDS)])
+    smallest, biggest = (_median_run(kept[w] if alike else [r for r in rows if r["world"] == w])
+                         for w in sizes)
     base, own_base = smallest["survivors_s"], smallest["survivors_own_s"]
     # The store's own cost is its loop thread's: the wall here is bound by the 16,384
     # simulated clients sharing this machine's cores with it.

@@ -2,12 +2,16 @@
 of its laws, the replica mode's included, and the whole-world figures docs/scale.md and the
 README print are what the model still says."""
 
+import threading
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from lazarus.core import contract, settings
 from lazarus.trainer import quorum, replicagroup, replicaloop
 from tests.bench import scalemodel as sm
+from tests.bench import storeload
 
 STORE = sm.fit_store(list(sm.STORE_MEASURED))
 
@@ -45,13 +49,6 @@ def test_a_communicators_unique_ids_are_n_squared_bytes_from_the_store():
 
 
 def test_the_ids_load_reads_what_the_formula_counts():
-    import threading
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from tests.bench import storeload
-
     # the load's steps on an in-process store (the bench's go over TCP): each root publishes
     # its id, every rank waits for all of them
     store, world, read = dist.HashStore(), 257, []  # three roots: ranks 0, 128 and 256
